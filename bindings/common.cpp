@@ -1,0 +1,25 @@
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "errors.hpp"
+#include "register.hpp"
+#include "resilient/common/config.hpp"
+#include "resilient/common/logging.hpp"
+
+namespace resilient::py {
+namespace pyb = pybind11;
+
+void register_common(pyb::module_& m) {
+  m.def("parse_bytes", [](const std::string& s) { return unwrap(parse_bytes(s)); },
+        "Parses a size such as '16MiB' into bytes.");
+  m.def("set_log_level", [](const std::string& level) {
+    if (level == "debug") set_log_level(LogLevel::kDebug);
+    else if (level == "info") set_log_level(LogLevel::kInfo);
+    else if (level == "warn") set_log_level(LogLevel::kWarn);
+    else if (level == "error") set_log_level(LogLevel::kError);
+    else throw pyb::value_error("log level must be debug, info, warn or error");
+  });
+}
+
+}  // namespace resilient::py

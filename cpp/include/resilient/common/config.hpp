@@ -1,0 +1,35 @@
+#pragma once
+// Typed settings with RESILIENT_* environment overrides. Each component keeps an options struct
+// whose defaults come from these helpers; docs/SETTINGS.md lists every setting.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "resilient/common/status.hpp"
+
+namespace resilient {
+
+/// AUTO/ON/OFF for optional platform features (io_uring, O_DIRECT, CUDA, NCCL, NVML).
+/// AUTO uses the feature when present and logs the fallback once; ON makes absence an error.
+enum class Feature { kAuto, kOn, kOff };
+
+Result<Feature> parse_feature(std::string_view text);
+const char* feature_name(Feature f);
+
+/// "16MiB", "4k", "1.5GiB", "4096" -> bytes. Suffixes are binary (k = KiB).
+Result<uint64_t> parse_bytes(std::string_view text);
+
+/// The environment variable's value, or nullopt when unset or empty.
+std::optional<std::string> env_string(const char* name);
+
+// Each returns `fallback` when the variable is unset; a set but malformed value throws
+// std::invalid_argument naming the variable (a misconfigured job should not start silently).
+int64_t env_int(const char* name, int64_t fallback);
+double env_double(const char* name, double fallback);
+bool env_bool(const char* name, bool fallback);
+uint64_t env_bytes(const char* name, uint64_t fallback);
+Feature env_feature(const char* name, Feature fallback);
+
+}  // namespace resilient

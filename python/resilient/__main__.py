@@ -1,0 +1,5 @@
+import sys
+
+from resilient.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""The `resilient` console script. Each subcommand lives in its own module and exposes
+`add_parser(subparsers)`, which registers the subcommand and sets `func(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that implements it
+_SUBCOMMANDS = {
+    "bench": "resilient.bench.cli",
+    "sim": "resilient.sim_cli",
+    "chaos": "resilient.chaos",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in _SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # not built yet in this checkout
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
