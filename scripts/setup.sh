@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 apt_pkgs=(build-essential cmake ninja-build pkg-config liburing-dev libzstd-dev libxxhash-dev
-          nlohmann-json3-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev
+          nlohmann-json3-dev libgtest-dev libgmock-dev libssl-dev clang libclang-rt-14-dev
           iproute2 stress-ng)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
