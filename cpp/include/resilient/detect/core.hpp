@@ -1,0 +1,161 @@
+#pragma once
+// The failure detector's decision logic as a pure state machine: no sockets, no threads, no clock
+// reads. Callers feed it messages, unreachable-peer signals, decided generations and ticks, each
+// with `now`, and drain what it wants sent, proposed, read, and reported.
+//
+// Each rank watches the `watch_count` live ranks after it on a ring (so load does not grow with
+// world size): it pings them every heartbeat interval and feeds the acks into a phi-accrual
+// estimator. A watcher that suspects a peer tells the peer's other watchers; a peer is confirmed
+// failed when two watchers suspect it (one if it has only one), or at once on hard evidence (the
+// peer's port refuses: the process is gone). Confirmed failures become a proposal for the next
+// generation (see membership.hpp), which the driver decides by compare-and-set on the store. A
+// decided generation is pushed to `gossip_fanout` random live ranks plus the ring successors, each
+// forwarding once; pings and acks carry the generation number as a fallback.
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "resilient/common/clock.hpp"
+#include "resilient/detect/membership.hpp"
+#include "resilient/detect/phi.hpp"
+#include "resilient/detect/wire.hpp"
+
+namespace resilient::detect {
+
+/// Settings of one rank's detector. Defaults come from RESILIENT_DETECT_* (docs/SETTINGS.md).
+struct CoreOptions {
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  int watch_count = 3;
+  Duration heartbeat_interval = std::chrono::milliseconds(100);
+  double phi_threshold = 8.0;
+  PhiOptions phi;
+  /// Silence after which a peer is suspected whatever phi says (upper bound on detection).
+  Duration max_silence = std::chrono::milliseconds(2500);
+  /// How long another watcher's suspicion report counts toward confirmation.
+  Duration report_ttl = std::chrono::seconds(5);
+  int gossip_fanout = 3;
+  /// Wait before re-proposing or re-reading a generation whose store call failed.
+  Duration store_retry = std::chrono::milliseconds(500);
+  uint64_t seed = 1;
+
+  /// Defaults with RESILIENT_DETECT_* overrides applied. Throws std::invalid_argument on a
+  /// malformed variable.
+  static CoreOptions from_env(int32_t rank, int32_t world_size);
+};
+
+struct Outgoing {
+  int32_t to;
+  Message msg;
+};
+
+/// Work for the driver's store thread: propose `proposal` or resolve generation `number`.
+struct StoreRequest {
+  enum class Kind { kPropose, kRead } kind;
+  uint64_t number = 0;
+  Generation proposal;                 ///< kPropose only
+  std::vector<Verdict> hint;           ///< kRead: removals gossiped for `number`, if complete
+  bool hint_complete = false;
+  GenerationPtr base;                  ///< the generation the rank is at
+};
+
+struct Event {
+  enum class Kind { kSuspect, kUnsuspect, kConfirm, kGeneration, kEvicted, kHang };
+  Kind kind;
+  TimePoint at;
+  int32_t rank = -1;              ///< the peer (or self for kHang/kEvicted)
+  uint64_t generation = 0;
+  std::vector<Verdict> removed;   ///< kGeneration: ranks no longer live
+  std::string detail;             ///< reason or section
+};
+const char* event_kind_name(Event::Kind k);
+
+struct PeerStats {
+  int32_t rank;
+  double phi;
+  double rtt_ms;       ///< EWMA of ping round trips; <0 before the first ack
+  double mean_interval_ms;
+  bool suspected;
+};
+
+struct Counters {
+  uint64_t messages_sent = 0, messages_received = 0, pings_sent = 0, acks_received = 0;
+  uint64_t suspicions = 0, unsuspicions = 0, confirmations = 0, proposals = 0, generations = 0;
+  uint64_t store_errors = 0;
+};
+
+class DetectorCore {
+ public:
+  DetectorCore(CoreOptions opt, GenerationPtr initial, TimePoint now);
+
+  // ---- inputs ----
+  void on_message(const Message& msg, TimePoint now);
+  /// The peer's address refused a datagram (ICMP port unreachable): its process is gone.
+  void on_unreachable(int32_t peer, TimePoint now);
+  /// A generation decided by the store (proposal result or read). Older ones are ignored.
+  void on_generation(GenerationPtr g, TimePoint now);
+  /// A store request failed; it is retried after store_retry.
+  void on_store_error(const StoreRequest& req, TimePoint now);
+  /// This rank's own watchdog saw a hang: propose removing self with reason kHang.
+  void report_self(Verdict v, TimePoint now);
+  /// Sends due pings, re-evaluates suspicion, proposes confirmed failures.
+  void tick(TimePoint now);
+  /// The step counter value carried on acks (for observers).
+  void set_step(uint64_t step) { step_ = step; }
+
+  // ---- outputs (drained) ----
+  std::vector<Outgoing> take_outbox() { return std::exchange(outbox_, {}); }
+  std::vector<StoreRequest> take_store_requests() { return std::exchange(store_requests_, {}); }
+  std::vector<Event> take_events() { return std::exchange(events_, {}); }
+
+  // ---- queries ----
+  const GenerationPtr& generation() const { return gen_; }
+  const std::vector<int32_t>& watched() const { return watched_; }
+  bool evicted() const { return evicted_; }
+  std::vector<PeerStats> peer_stats(TimePoint now) const;
+  const Counters& counters() const { return counters_; }
+  TimePoint next_deadline() const { return next_ping_; }
+  const CoreOptions& options() const { return opt_; }
+
+ private:
+  struct Peer {
+    PhiEstimator est;
+    uint64_t last_seq = 0;
+    double rtt_ms = -1;
+    bool suspected = false;
+    TimePoint last_suspect_sent{};
+  };
+
+  void adopt(GenerationPtr g, TimePoint now);
+  void rewatch(TimePoint now);
+  void send(int32_t to, Message msg);
+  void confirm(int32_t peer, Reason reason, TimePoint now);
+  void maybe_propose(TimePoint now);
+  void request_read(uint64_t number, std::vector<Verdict> hint, bool complete, TimePoint now);
+  std::vector<int32_t> watchers_of(int32_t peer) const;
+
+  CoreOptions opt_;
+  GenerationPtr gen_;
+  bool evicted_ = false;
+  std::vector<int32_t> watched_;
+  std::map<int32_t, Peer> peers_;
+  std::map<int32_t, std::map<int32_t, TimePoint>> reports_;  // peer -> reporter -> when
+  std::map<int32_t, Verdict> confirmed_;                     // awaiting a generation
+  uint64_t seq_ = 0;
+  uint64_t step_ = 0;
+  TimePoint next_ping_;
+  uint64_t proposing_ = 0;  // generation number in flight (0: none)
+  TimePoint store_retry_at_{};
+  uint64_t reading_ = 0;
+  TimePoint read_retry_at_{};
+  std::mt19937_64 rng_;
+  std::vector<Outgoing> outbox_;
+  std::vector<StoreRequest> store_requests_;
+  std::vector<Event> events_;
+  Counters counters_;
+};
+
+}  // namespace resilient::detect
