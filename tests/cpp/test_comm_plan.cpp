@@ -1,0 +1,105 @@
+// Pure recovery decisions, options parsing and the in-memory store.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <thread>
+
+#include "resilient/comm/recovery_plan.hpp"
+#include "resilient/comm/store.hpp"
+
+namespace resilient::comm {
+namespace {
+
+using namespace std::chrono_literals;
+
+RecoveryPlan plan_of(NcclCapabilities caps, CommOptions o, bool alive, bool joiners) {
+  auto p = plan_recovery(caps, o, alive, joiners);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  return p.ok() ? *p : RecoveryPlan{};
+}
+
+TEST(PlanRecovery, ChoosesByCapabilities) {
+  CommOptions o;
+  EXPECT_EQ(plan_of({true, true}, o, true, false),
+            (RecoveryPlan{Teardown::kRevoke, Rebuild::kShrink}));
+  EXPECT_EQ(plan_of({true, false}, o, true, false),
+            (RecoveryPlan{Teardown::kShrinkAbort, Rebuild::kShrink}));
+  EXPECT_EQ(plan_of({false, false}, o, true, false),
+            (RecoveryPlan{Teardown::kAbort, Rebuild::kReinit}));
+  EXPECT_EQ(plan_of({true, true}, o, true, true),
+            (RecoveryPlan{Teardown::kRevoke, Rebuild::kReinit}));
+  EXPECT_EQ(plan_of({true, false}, o, true, true),
+            (RecoveryPlan{Teardown::kAbort, Rebuild::kReinit}));
+  EXPECT_EQ(plan_of({true, true}, o, false, false),
+            (RecoveryPlan{Teardown::kNone, Rebuild::kReinit}));
+}
+
+TEST(PlanRecovery, FollowsOptions) {
+  CommOptions o;
+  o.rebuild_mode = RebuildMode::kReinit;
+  EXPECT_EQ(plan_of({true, true}, o, true, false),
+            (RecoveryPlan{Teardown::kRevoke, Rebuild::kReinit}));
+  o.revoke = Feature::kOff;
+  EXPECT_EQ(plan_of({true, true}, o, true, false),
+            (RecoveryPlan{Teardown::kAbort, Rebuild::kReinit}));
+  o.revoke = Feature::kOn;
+  EXPECT_EQ(plan_recovery({true, false}, o, true, false).status().code(),
+            StatusCode::kUnavailable);
+  CommOptions s;
+  s.rebuild_mode = RebuildMode::kShrink;
+  EXPECT_EQ(plan_recovery({false, true}, s, true, false).status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(plan_recovery({true, true}, s, true, true).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plan_recovery({true, true}, s, false, false).status().code(),
+            StatusCode::kFailedPrecondition);
+}
+
+TEST(SurvivorRank, ClosesGapsLikeShrink) {
+  EXPECT_EQ(*survivor_rank(0, 4, {3}), 0);
+  EXPECT_EQ(*survivor_rank(3, 4, {1}), 2);
+  EXPECT_EQ(*survivor_rank(5, 8, {7, 0, 2}), 3);
+  EXPECT_EQ(*survivor_rank(2, 4, {}), 2);
+  EXPECT_EQ(survivor_rank(1, 4, {1}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(survivor_rank(1, 4, {4}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(survivor_rank(1, 4, {2, 2}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CommOptions, EnvironmentOverrides) {
+  ::setenv("RESILIENT_COMM_INIT_TIMEOUT_S", "2.5", 1);
+  ::setenv("RESILIENT_COMM_REBUILD", "reinit", 1);
+  ::setenv("RESILIENT_COMM_REVOKE", "off", 1);
+  ::setenv("RESILIENT_COMM_POLL_INTERVAL_US", "50", 1);
+  CommOptions o = CommOptions::from_env();
+  EXPECT_EQ(o.init_timeout, 2500ms);
+  EXPECT_EQ(o.rebuild_mode, RebuildMode::kReinit);
+  EXPECT_EQ(o.revoke, Feature::kOff);
+  EXPECT_EQ(o.poll_interval, 50us);
+  ::setenv("RESILIENT_COMM_REBUILD", "sometimes", 1);
+  EXPECT_THROW(CommOptions::from_env(), std::invalid_argument);
+  ::setenv("RESILIENT_COMM_REBUILD", "auto", 1);
+  ::setenv("RESILIENT_COMM_INIT_TIMEOUT_S", "-1", 1);
+  EXPECT_THROW(CommOptions::from_env(), std::invalid_argument);
+  for (const char* n : {"RESILIENT_COMM_INIT_TIMEOUT_S", "RESILIENT_COMM_REBUILD",
+                        "RESILIENT_COMM_REVOKE", "RESILIENT_COMM_POLL_INTERVAL_US"}) {
+    ::unsetenv(n);
+  }
+  EXPECT_EQ(CommOptions::from_env().rebuild_mode, RebuildMode::kAuto);
+}
+
+TEST(InMemoryStore, GetWaitsForSetAndTimesOut) {
+  InMemoryStore store;
+  EXPECT_EQ(store.get("k", 10ms).status().code(), StatusCode::kTimeout);
+  std::thread setter([&] {
+    std::this_thread::sleep_for(20ms);
+    EXPECT_TRUE(store.set("k", std::string("a\0b", 3)).ok());
+  });
+  auto v = store.get("k", 5s);
+  setter.join();
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, std::string("a\0b", 3));
+  EXPECT_EQ(store.size(), 1u);
+}
+
+}  // namespace
+}  // namespace resilient::comm
