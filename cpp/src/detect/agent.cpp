@@ -75,6 +75,22 @@ Agent::~Agent() {
   ::close(fd_);
 }
 
+Status Agent::set_addresses(std::vector<std::string> addresses) {
+  if (running_) return Status(StatusCode::kFailedPrecondition, "set_addresses after start");
+  if (addresses.size() != static_cast<size_t>(opt_.core.world_size)) {
+    return Status(StatusCode::kInvalidArgument, "need one address per rank");
+  }
+  std::vector<std::string> bytes;
+  for (const std::string& a : addresses) {
+    RESILIENT_ASSIGN_OR_RETURN(sockaddr_in sa, parse_addr(a));
+    bytes.push_back(addr_bytes(sa));
+  }
+  std::lock_guard lock(mu_);
+  opt_.addresses = std::move(addresses);
+  addr_bytes_ = std::move(bytes);
+  return ok_status();
+}
+
 Status Agent::start() {
   if (running_.exchange(true)) return Status(StatusCode::kFailedPrecondition, "already started");
   {

@@ -69,6 +69,9 @@ class Agent {
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
+  /// Replaces every rank's "ipv4:port" (e.g. once all ranks published their bound ports).
+  /// Errors: kFailedPrecondition after start(), kInvalidArgument on a bad list.
+  Status set_addresses(std::vector<std::string> addresses);
   /// Starts the threads. Errors: kFailedPrecondition if already started.
   Status start();
   /// Stops and joins the threads (idempotent; bounded by store_timeout for an in-flight call).
