@@ -1,0 +1,67 @@
+#pragma once
+// Batched file I/O engines: io_uring (liburing) with several large requests in flight, and a
+// pwrite/pread thread pool used only when io_uring is unavailable or refused. The choice is made
+// at run time by create() and logged once.
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "resilient/common/clock.hpp"
+#include "resilient/common/config.hpp"
+#include "resilient/common/status.hpp"
+#include "resilient/io/file.hpp"
+
+namespace resilient::io {
+
+/// I/O settings. Defaults come from the environment (see docs/SETTINGS.md).
+struct IoOptions {
+  Feature uring = Feature::kAuto;           // RESILIENT_IO_URING
+  Feature direct = Feature::kAuto;          // RESILIENT_O_DIRECT
+  uint64_t request_bytes = 16ull << 20;     // RESILIENT_IO_REQUEST_BYTES: max bytes per request
+  int queue_depth = 8;                      // RESILIENT_IO_QUEUE_DEPTH: requests in flight
+  int threads = 4;                          // RESILIENT_IO_THREADS: pwrite fallback pool size
+
+  static IoOptions from_env();
+  Status validate() const;
+};
+
+/// One transfer: `len` bytes between `buf` and the file at `offset`. On O_DIRECT files, buf,
+/// len and offset must be multiples of kDirectAlignment (kInvalidArgument otherwise).
+struct IoRequest {
+  void* buf;
+  uint64_t len;
+  uint64_t offset;
+};
+
+/// A batch I/O engine. One instance is used by one thread at a time; create one per thread.
+class IoEngine {
+ public:
+  virtual ~IoEngine() = default;
+
+  /// io_uring when allowed and working, else the thread pool (logged once). With
+  /// options.uring == kOn, an unusable io_uring is an error (kUnavailable).
+  static Result<std::unique_ptr<IoEngine>> create(const IoOptions& options);
+
+  /// "io_uring" or "threads".
+  virtual const char* name() const = 0;
+
+  /// Writes every request completely: splits into request_bytes pieces, keeps up to queue_depth
+  /// in flight, resubmits the remainder of short transfers and retries EAGAIN/EINTR. Returns when
+  /// all are done or at the first error (with path and offset); on error the file content is
+  /// unspecified. kTimeout if not done within `timeout` (in-flight requests are drained first).
+  virtual Status write(const File& file, std::span<const IoRequest> requests, Duration timeout) = 0;
+
+  /// Reads every request completely, with the same rules. Reading past end of file is kCorrupt
+  /// ("truncated"), naming the file and offset.
+  virtual Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) = 0;
+
+  /// Registers long-lived buffers (e.g. the host pool's slabs) as io_uring fixed buffers, which
+  /// saves per-request page pinning. Optional: the thread engine ignores it. Requests whose
+  /// buffer lies inside a registered range use the fixed-buffer opcodes.
+  virtual Status register_buffers(std::span<const iovec> buffers) { return ok_status(); }
+};
+
+}  // namespace resilient::io

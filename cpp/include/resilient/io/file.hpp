@@ -1,0 +1,73 @@
+#pragma once
+// Files and directories for the checkpoint engine: RAII descriptors that remember whether they
+// use O_DIRECT, and the durable-rename primitives the commit protocol is built from.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "resilient/common/config.hpp"
+#include "resilient/common/status.hpp"
+
+namespace resilient::io {
+
+/// Alignment required of buffers, offsets and lengths on O_DIRECT files.
+inline constexpr uint64_t kDirectAlignment = 4096;
+inline constexpr uint64_t align_up(uint64_t x, uint64_t a = kDirectAlignment) {
+  return (x + a - 1) / a * a;
+}
+
+/// A move-only open file. Not thread-safe for close(); I/O through an IoEngine from one thread
+/// at a time per engine (several engines may share a File).
+class File {
+ public:
+  File() = default;
+  ~File();
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  /// Creates (truncating) `path` for writing. `direct`: kOn requires O_DIRECT (error if the file
+  /// system refuses it), kAuto tries O_DIRECT and falls back to buffered I/O (logged once per
+  /// file system), kOff never uses it.
+  static Result<File> create(const std::string& path, Feature direct);
+  /// Opens `path` read-only with the same O_DIRECT policy.
+  static Result<File> open_read(const std::string& path, Feature direct);
+
+  int fd() const { return fd_; }
+  bool direct() const { return direct_; }
+  bool is_open() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+
+  Result<uint64_t> size() const;
+  /// fsync (data and metadata).
+  Status sync() const;
+  Status truncate(uint64_t length) const;
+  /// Closes; reports the close error (which can carry a deferred write error).
+  Status close();
+
+ private:
+  File(int fd, bool direct, std::string path) : fd_(fd), direct_(direct), path_(std::move(path)) {}
+  int fd_ = -1;
+  bool direct_ = false;
+  std::string path_;
+};
+
+/// mkdir -p. Ok if it already exists as a directory.
+Status make_dirs(const std::string& path);
+/// fsync a directory, making renames and creations in it durable.
+Status sync_dir(const std::string& path);
+/// rename(2) through the hook. Atomic within one file system.
+Status rename_path(const std::string& from, const std::string& to);
+/// Removes a file or a directory tree. Ok if it does not exist.
+Status remove_tree(const std::string& path);
+/// Writes `bytes` to `path` durably and atomically: temp file in the same directory, fsync,
+/// rename over `path`, fsync the directory. A crash leaves the old or the new content.
+Status write_file_atomic(const std::string& path, const std::string& bytes);
+/// Reads a whole (small) file; `max_bytes` guards against absurd sizes (kCorrupt if larger).
+Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes);
+/// Names in a directory (no "." or ".."), unsorted. kNotFound if it does not exist.
+Result<std::vector<std::string>> list_dir(const std::string& path);
+
+}  // namespace resilient::io

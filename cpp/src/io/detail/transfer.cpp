@@ -1,0 +1,79 @@
+#include "io/detail/transfer.hpp"
+
+#include <cerrno>
+
+namespace resilient::io::detail {
+namespace {
+
+// A write that keeps returning 0 bytes would otherwise spin forever.
+constexpr int kMaxZeroProgress = 16;
+
+bool aligned(uint64_t x) { return x % kDirectAlignment == 0; }
+
+}  // namespace
+
+Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRequest> requests,
+                                          uint64_t request_bytes) {
+  std::vector<Piece> pieces;
+  for (const IoRequest& r : requests) {
+    if (r.len == 0) continue;
+    if (r.buf == nullptr) {
+      return Status(StatusCode::kInvalidArgument, "I/O request with a null buffer")
+          .with_path(file.path())
+          .with_offset(r.offset);
+    }
+    if (file.direct() &&
+        (!aligned(reinterpret_cast<uintptr_t>(r.buf)) || !aligned(r.len) || !aligned(r.offset))) {
+      return Status(StatusCode::kInvalidArgument,
+                    "O_DIRECT request not aligned to 4096 bytes (buffer, length and offset must "
+                    "be; len=" + std::to_string(r.len) + ")")
+          .with_path(file.path())
+          .with_offset(r.offset);
+    }
+    auto* base = static_cast<std::byte*>(r.buf);
+    for (uint64_t off = 0; off < r.len; off += request_bytes) {
+      uint64_t n = std::min(request_bytes, r.len - off);
+      pieces.push_back(Piece{base + off, n, r.offset + off});
+    }
+  }
+  return pieces;
+}
+
+Status transfer_error(Direction dir, const File& file, int err, uint64_t offset) {
+  return Status::from_errno(err, direction_name(dir), file.path()).with_offset(offset);
+}
+
+Next apply_result(Direction dir, const File& file, Piece& piece, int64_t res, Status& error) {
+  const uint64_t at = piece.offset + piece.done;
+  if (res == -EAGAIN || res == -EINTR) return Next::kResubmit;
+  if (res < 0) {
+    error = transfer_error(dir, file, static_cast<int>(-res), at);
+    return Next::kFail;
+  }
+  const uint64_t remaining = piece.len - piece.done;
+  const uint64_t got = std::min<uint64_t>(static_cast<uint64_t>(res), remaining);
+  if (dir == Direction::kRead) {
+    // A read of 0 bytes is end of file. On a direct file a short read that leaves the position
+    // unaligned is also end of file (the remainder could not even be requested).
+    if (got == 0 || (got < remaining && file.direct() && !aligned(at + got))) {
+      error = Status(StatusCode::kCorrupt, "truncated: end of file at " +
+                                               std::to_string(at + got) + " while reading " +
+                                               std::to_string(piece.len - piece.done) +
+                                               " bytes at " + std::to_string(at))
+                  .with_path(file.path())
+                  .with_offset(at + got);
+      return Next::kFail;
+    }
+  } else if (got == 0) {
+    if (++piece.zero_progress >= kMaxZeroProgress) {
+      error = transfer_error(dir, file, EIO, at).prepend("no progress");
+      return Next::kFail;
+    }
+    return Next::kResubmit;
+  }
+  piece.zero_progress = 0;
+  piece.done += got;
+  return piece.done == piece.len ? Next::kDone : Next::kResubmit;
+}
+
+}  // namespace resilient::io::detail

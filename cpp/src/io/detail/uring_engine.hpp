@@ -1,0 +1,44 @@
+#pragma once
+// The io_uring engine (liburing): keeps up to queue_depth requests of at most request_bytes in
+// flight, resubmits the remainder of short transfers, retries -EAGAIN/-EINTR, and uses the
+// fixed-buffer opcodes for requests inside registered buffers. Before each submission it asks
+// file_hook(kWrite/kRead, fd) so tests can inject errors and short transfers.
+
+#include <liburing.h>
+
+#include <vector>
+
+#include "io/detail/transfer.hpp"
+#include "resilient/io/engine.hpp"
+
+namespace resilient::io::detail {
+
+class UringEngine final : public IoEngine {
+ public:
+  /// Sets up a ring of options.queue_depth entries; the error is the negated io_uring_queue_init
+  /// result as a Status (errno set).
+  static Result<std::unique_ptr<UringEngine>> create(const IoOptions& options);
+  ~UringEngine() override;
+
+  const char* name() const override { return "io_uring"; }
+  Status write(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
+  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
+  Status register_buffers(std::span<const iovec> buffers) override;
+
+  /// Number of submissions that used a fixed buffer (for tests).
+  uint64_t fixed_submissions() const { return fixed_submissions_; }
+
+ private:
+  explicit UringEngine(const IoOptions& options) : options_(options) {}
+  Status run(Direction dir, const File& file, std::span<const IoRequest> requests,
+             Duration timeout);
+  /// Index of the registered buffer that contains [p, p + n), or -1.
+  int fixed_index(const std::byte* p, uint64_t n) const;
+
+  IoOptions options_;
+  io_uring ring_{};
+  std::vector<iovec> registered_;
+  uint64_t fixed_submissions_ = 0;
+};
+
+}  // namespace resilient::io::detail

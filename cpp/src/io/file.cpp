@@ -1,0 +1,256 @@
+#include "resilient/io/file.hpp"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <sstream>
+
+#include "resilient/common/logging.hpp"
+#include "resilient/io/file_hooks.hpp"
+
+namespace resilient::io {
+namespace {
+
+std::string parent_dir(const std::string& path) {
+  auto pos = path.find_last_of('/');
+  if (pos == std::string::npos) return ".";
+  if (pos == 0) return "/";
+  return path.substr(0, pos);
+}
+
+std::string base_name(const std::string& path) {
+  auto pos = path.find_last_of('/');
+  return pos == std::string::npos ? path : path.substr(pos + 1);
+}
+
+// Opens with the O_DIRECT policy. On kAuto an EINVAL from the O_DIRECT open (the file system
+// refuses direct I/O: tmpfs on older kernels, some network file systems) retries buffered and
+// logs once per file system.
+Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags, Feature direct,
+                                              const char* what) {
+  if (direct != Feature::kOff) {
+    int fd = sys::open(path.c_str(), flags | O_DIRECT);
+    if (fd >= 0) return std::make_pair(fd, true);
+    int err = errno;
+    if (err != EINVAL) return Status::from_errno(err, what, path);
+    if (direct == Feature::kOn) {
+      return Status(StatusCode::kUnavailable,
+                    "O_DIRECT refused by the file system and RESILIENT_O_DIRECT=on (" + path + ")")
+          .with_errno(EINVAL)
+          .with_path(path);
+    }
+    struct statfs fs {};
+    std::string dir = parent_dir(path);
+    long type = ::statfs(dir.c_str(), &fs) == 0 ? static_cast<long>(fs.f_type) : 0;
+    std::ostringstream key, msg;
+    key << "io.odirect_refused." << std::hex << type;
+    msg << "O_DIRECT refused by the file system (type 0x" << std::hex << type << ", at " << dir
+        << "); using buffered I/O with fsync";
+    log_once(key.str(), LogLevel::kInfo, msg.str());
+  }
+  int fd = sys::open(path.c_str(), flags);
+  if (fd < 0) return Status::from_errno(errno, what, path);
+  return std::make_pair(fd, false);
+}
+
+Status remove_tree_at(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return ok_status();
+    return Status::from_errno(errno, "stat", path);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    if (sys::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return Status::from_errno(errno, "unlink", path);
+    }
+    return ok_status();
+  }
+  RESILIENT_ASSIGN_OR_RETURN(auto names, list_dir(path));
+  for (const std::string& name : names) {
+    RESILIENT_RETURN_IF_ERROR(remove_tree_at(path + "/" + name));
+  }
+  if (sys::rmdir(path.c_str()) != 0 && errno != ENOENT) {
+    return Status::from_errno(errno, "rmdir", path);
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+File::~File() {
+  if (fd_ >= 0) sys::close(fd_);
+}
+
+File::File(File&& other) noexcept
+    : fd_(other.fd_), direct_(other.direct_), path_(std::move(other.path_)) {
+  other.fd_ = -1;
+}
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) sys::close(fd_);
+    fd_ = other.fd_;
+    direct_ = other.direct_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+Result<File> File::create(const std::string& path, Feature direct) {
+  RESILIENT_ASSIGN_OR_RETURN(auto opened,
+                             open_with_policy(path, O_WRONLY | O_CREAT | O_TRUNC, direct, "create"));
+  return File(opened.first, opened.second, path);
+}
+
+Result<File> File::open_read(const std::string& path, Feature direct) {
+  RESILIENT_ASSIGN_OR_RETURN(auto opened, open_with_policy(path, O_RDONLY, direct, "open"));
+  return File(opened.first, opened.second, path);
+}
+
+Result<uint64_t> File::size() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return Status::from_errno(errno, "fstat", path_);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+Status File::sync() const {
+  if (sys::fsync(fd_) != 0) return Status::from_errno(errno, "fsync", path_);
+  return ok_status();
+}
+
+Status File::truncate(uint64_t length) const {
+  if (sys::ftruncate(fd_, static_cast<off_t>(length)) != 0) {
+    return Status::from_errno(errno, "ftruncate", path_).with_offset(length);
+  }
+  return ok_status();
+}
+
+Status File::close() {
+  if (fd_ < 0) return ok_status();
+  int fd = fd_;
+  fd_ = -1;
+  if (sys::close(fd) != 0) return Status::from_errno(errno, "close", path_);
+  return ok_status();
+}
+
+Status make_dirs(const std::string& path) {
+  if (path.empty()) return Status(StatusCode::kInvalidArgument, "make_dirs: empty path");
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    std::string prefix = path.substr(0, pos);
+    if (prefix.empty() || prefix == "/") continue;
+    if (sys::mkdir(prefix.c_str(), 0755) == 0) continue;
+    int err = errno;
+    struct stat st {};
+    if (err == EEXIST && ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
+    if (err == EEXIST) err = ENOTDIR;
+    return Status::from_errno(err, "mkdir", prefix);
+  }
+  return ok_status();
+}
+
+Status sync_dir(const std::string& path) {
+  int fd = sys::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Status::from_errno(errno, "open directory", path);
+  Status st = ok_status();
+  if (sys::fsync(fd) != 0) st = Status::from_errno(errno, "fsync directory", path);
+  sys::close(fd);
+  return st;
+}
+
+Status rename_path(const std::string& from, const std::string& to) {
+  if (sys::rename(from.c_str(), to.c_str()) != 0) {
+    return Status::from_errno(errno, "rename to " + to, from);
+  }
+  return ok_status();
+}
+
+Status remove_tree(const std::string& path) { return remove_tree_at(path); }
+
+Status write_file_atomic(const std::string& path, const std::string& bytes) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string dir = parent_dir(path);
+  const std::string tmp = dir + "/." + base_name(path) + ".tmp." + std::to_string(::getpid()) +
+                          "." + std::to_string(counter.fetch_add(1));
+  int fd = sys::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (fd < 0) return Status::from_errno(errno, "create", tmp);
+  Status st = ok_status();
+  uint64_t done = 0;
+  while (st.ok() && done < bytes.size()) {
+    ssize_t n = sys::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) {
+      st = Status::from_errno(n < 0 ? errno : EIO, "write", tmp).with_offset(done);
+    } else {
+      done += static_cast<uint64_t>(n);
+    }
+  }
+  if (st.ok() && sys::fsync(fd) != 0) st = Status::from_errno(errno, "fsync", tmp);
+  if (sys::close(fd) != 0 && st.ok()) st = Status::from_errno(errno, "close", tmp);
+  if (st.ok()) st = rename_path(tmp, path);
+  if (!st.ok()) {
+    sys::unlink(tmp.c_str());
+    return st;
+  }
+  return sync_dir(dir);
+}
+
+Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
+  int fd = sys::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return Status::from_errno(errno, "open", path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    sys::close(fd);
+    return Status::from_errno(err, "fstat", path);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    sys::close(fd);
+    return Status(StatusCode::kCorrupt, "file is " + std::to_string(size) +
+                                            " bytes, more than the limit of " +
+                                            std::to_string(max_bytes))
+        .with_path(path);
+  }
+  std::string out(size, '\0');
+  uint64_t done = 0;
+  while (done < size) {
+    ssize_t n = sys::pread(fd, out.data() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) {
+      int err = errno;
+      sys::close(fd);
+      return Status::from_errno(err, "read", path).with_offset(done);
+    }
+    if (n == 0) break;  // shrank while reading
+    done += static_cast<uint64_t>(n);
+  }
+  sys::close(fd);
+  out.resize(done);
+  return out;
+}
+
+Result<std::vector<std::string>> list_dir(const std::string& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) return Status::from_errno(errno, "opendir", path);
+  std::vector<std::string> names;
+  errno = 0;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(std::move(name));
+    errno = 0;
+  }
+  int err = errno;
+  ::closedir(d);
+  if (err != 0) return Status::from_errno(err, "readdir", path);
+  return names;
+}
+
+}  // namespace resilient::io

@@ -1,0 +1,194 @@
+#include "io/detail/uring_engine.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+
+#include "resilient/common/logging.hpp"
+#include "resilient/io/file_hooks.hpp"
+
+namespace resilient::io::detail {
+namespace {
+
+__kernel_timespec to_timespec(Duration d) {
+  if (d.count() < 0) d = Duration::zero();
+  __kernel_timespec ts{};
+  ts.tv_sec = static_cast<long long>(d.count() / 1000000000);
+  ts.tv_nsec = static_cast<long long>(d.count() % 1000000000);
+  return ts;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<UringEngine>> UringEngine::create(const IoOptions& options) {
+  std::unique_ptr<UringEngine> engine(new UringEngine(options));
+  int rc = io_uring_queue_init(static_cast<unsigned>(options.queue_depth), &engine->ring_, 0);
+  if (rc < 0) {
+    engine->ring_.ring_fd = -1;
+    return Status::from_errno(-rc, "io_uring_queue_init").with_errno(-rc);
+  }
+  return engine;
+}
+
+UringEngine::~UringEngine() {
+  if (ring_.ring_fd >= 0) io_uring_queue_exit(&ring_);
+}
+
+Status UringEngine::register_buffers(std::span<const iovec> buffers) {
+  if (!registered_.empty()) {
+    io_uring_unregister_buffers(&ring_);
+    registered_.clear();
+  }
+  if (buffers.empty()) return ok_status();
+  int rc = io_uring_register_buffers(&ring_, buffers.data(), static_cast<unsigned>(buffers.size()));
+  if (rc < 0) {
+    log_once("io.uring_register_failed", LogLevel::kInfo,
+             std::string("io_uring buffer registration refused (") + std::strerror(-rc) +
+                 "); using unregistered buffers");
+    return Status::from_errno(-rc, "io_uring_register_buffers").with_errno(-rc);
+  }
+  registered_.assign(buffers.begin(), buffers.end());
+  return ok_status();
+}
+
+int UringEngine::fixed_index(const std::byte* p, uint64_t n) const {
+  for (size_t i = 0; i < registered_.size(); ++i) {
+    auto* base = static_cast<const std::byte*>(registered_[i].iov_base);
+    if (p >= base && p + n <= base + registered_[i].iov_len) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+Status UringEngine::write(const File& file, std::span<const IoRequest> requests,
+                          Duration timeout) {
+  return run(Direction::kWrite, file, requests, timeout);
+}
+
+Status UringEngine::read(const File& file, std::span<const IoRequest> requests,
+                         Duration timeout) {
+  return run(Direction::kRead, file, requests, timeout);
+}
+
+Status UringEngine::run(Direction dir, const File& file, std::span<const IoRequest> requests,
+                        Duration timeout) {
+  if (!file.is_open()) return Status(StatusCode::kInvalidArgument, "I/O on a closed file");
+  RESILIENT_ASSIGN_OR_RETURN(auto pieces, split_requests(file, requests, options_.request_bytes));
+  if (pieces.empty()) return ok_status();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const int fd = file.fd();
+  const FileOp op = dir == Direction::kWrite ? FileOp::kWrite : FileOp::kRead;
+
+  std::deque<size_t> ready;  // pieces waiting for a submission (new, or to resubmit)
+  size_t next_new = 0;
+  size_t in_flight = 0;
+  size_t completed = 0;
+  Status error;
+  bool timed_out = false;
+
+  enum class Prepared { kQueued, kRetry, kFailed, kSqFull };
+  // Queues one SQE for piece i; a hook-injected errno completes it at once instead.
+  auto prepare = [&](size_t i) -> Prepared {
+    Piece& p = pieces[i];
+    uint64_t n = p.len - p.done;
+    int hooked = file_hook(op, fd);
+    if (hooked > 0) {
+      return apply_result(dir, file, p, -hooked, error) == Next::kFail ? Prepared::kFailed
+                                                                        : Prepared::kRetry;
+    }
+    if (hooked < 0) n = std::min<uint64_t>(n, static_cast<uint64_t>(-hooked));
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) return Prepared::kSqFull;
+    std::byte* buf = p.buf + p.done;
+    const uint64_t at = p.offset + p.done;
+    const int fixed = fixed_index(buf, n);
+    const unsigned len = static_cast<unsigned>(n);
+    if (dir == Direction::kWrite) {
+      if (fixed >= 0) io_uring_prep_write_fixed(sqe, fd, buf, len, at, fixed);
+      else io_uring_prep_write(sqe, fd, buf, len, at);
+    } else {
+      if (fixed >= 0) io_uring_prep_read_fixed(sqe, fd, buf, len, at, fixed);
+      else io_uring_prep_read(sqe, fd, buf, len, at);
+    }
+    if (fixed >= 0) ++fixed_submissions_;
+    io_uring_sqe_set_data64(sqe, i);
+    ++in_flight;
+    return Prepared::kQueued;
+  };
+
+  const size_t depth = static_cast<size_t>(options_.queue_depth);
+  while (completed < pieces.size()) {
+    // Fill the queue up to the depth unless stopping.
+    while (error.ok() && !timed_out && in_flight < depth) {
+      size_t i;
+      if (!ready.empty()) {
+        i = ready.front();
+        ready.pop_front();
+      } else if (next_new < pieces.size()) {
+        i = next_new++;
+      } else {
+        break;
+      }
+      Prepared r = prepare(i);
+      if (r == Prepared::kSqFull) {
+        ready.push_front(i);
+        break;
+      }
+      if (r == Prepared::kRetry) {
+        ready.push_back(i);
+        if (std::chrono::steady_clock::now() >= deadline) timed_out = true;
+      }
+    }
+    if (in_flight == 0) break;  // finished, failed, or timed out with nothing to drain
+    int rc = io_uring_submit(&ring_);
+    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+      error = transfer_error(dir, file, -rc, pieces.front().offset).prepend("io_uring_submit");
+    }
+    // Wait for one completion; after an error or timeout, drain without a deadline.
+    io_uring_cqe* cqe = nullptr;
+    int wrc;
+    if (error.ok() && !timed_out) {
+      __kernel_timespec ts = to_timespec(deadline - std::chrono::steady_clock::now());
+      wrc = io_uring_wait_cqe_timeout(&ring_, &cqe, &ts);
+      if (wrc == -ETIME) {
+        timed_out = true;
+        continue;
+      }
+    } else {
+      wrc = io_uring_wait_cqe(&ring_, &cqe);
+    }
+    if (wrc == -EINTR || wrc == -EAGAIN) continue;
+    if (wrc < 0) {
+      // The ring itself failed: nothing more can be reaped safely.
+      if (error.ok()) error = transfer_error(dir, file, -wrc, 0).prepend("io_uring_wait_cqe");
+      return error;
+    }
+    // Reap everything that is ready.
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      size_t i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      --in_flight;
+      Status piece_error;
+      Next next = apply_result(dir, file, pieces[i], cqe->res, piece_error);
+      if (next == Next::kDone) {
+        ++completed;
+      } else if (next == Next::kResubmit) {
+        if (error.ok() && !timed_out) ready.push_back(i);
+      } else if (error.ok()) {
+        error = std::move(piece_error);
+      }
+    }
+    io_uring_cq_advance(&ring_, seen);
+  }
+  if (!error.ok()) return error;
+  if (timed_out || completed < pieces.size()) {
+    return Status(StatusCode::kTimeout, std::string(direction_name(dir)) +
+                                            " did not finish within " +
+                                            std::to_string(to_seconds(timeout)) + " s")
+        .with_path(file.path());
+  }
+  return ok_status();
+}
+
+}  // namespace resilient::io::detail

@@ -1,0 +1,310 @@
+// Both I/O engines (io_uring and the thread pool) against the same contract: round trips,
+// splitting, short transfers, EAGAIN, injected EIO/ENOSPC, truncation, alignment and timeouts.
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "io/detail/uring_engine.hpp"
+#include "io_test_util.hpp"
+#include "resilient/io/engine.hpp"
+#include "resilient/io/file_hooks.hpp"
+
+namespace resilient::io {
+namespace {
+
+using testing::pattern_buffer;
+using testing::TempDir;
+using testing::zero_buffer;
+
+constexpr Duration kLong = std::chrono::seconds(30);
+
+IoOptions small_options(Feature uring) {
+  IoOptions o;
+  o.uring = uring;
+  o.request_bytes = 64 << 10;  // many pieces per request
+  o.queue_depth = 4;
+  o.threads = 3;
+  return o;
+}
+
+class EngineTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    const bool uring = std::string(GetParam()) == "io_uring";
+    auto e = IoEngine::create(small_options(uring ? Feature::kOn : Feature::kOff));
+    if (!e.ok()) GTEST_SKIP() << "engine unavailable here: " << e.status().to_string();
+    engine_ = std::move(e).value();
+    ASSERT_STREQ(engine_->name(), GetParam());
+  }
+
+  // Writes `bytes` of pattern to a new file (direct policy `direct`) as two requests.
+  Status write_pattern(const std::string& path, uint64_t bytes, Feature direct,
+                       testing::AlignedBuffer& buf) {
+    buf = pattern_buffer(bytes, 7);
+    auto f = File::create(path, direct);
+    if (!f.ok()) return f.status();
+    const uint64_t half = bytes / 2 / 4096 * 4096;
+    IoRequest reqs[] = {{buf.get(), half, 0}, {buf.get() + half, bytes - half, half}};
+    RESILIENT_RETURN_IF_ERROR(engine_->write(*f, reqs, kLong));
+    RESILIENT_RETURN_IF_ERROR(f->sync());
+    return f->close();
+  }
+
+  void expect_file_equals(const std::string& path, const std::byte* want, uint64_t bytes,
+                          Feature direct) {
+    auto f = File::open_read(path, direct);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    ASSERT_EQ(*f->size(), bytes);
+    auto got = zero_buffer(bytes);
+    IoRequest req{got.get(), bytes, 0};
+    Status s = engine_->read(*f, {&req, 1}, kLong);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(std::memcmp(got.get(), want, bytes), 0);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<IoEngine> engine_;
+};
+
+TEST_P(EngineTest, DirectRoundTripManyPieces) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 1 << 20;  // 16 pieces of 64 KiB
+  ASSERT_TRUE(write_pattern(dir_.file("d"), bytes, Feature::kOn, buf).ok());
+  expect_file_equals(dir_.file("d"), buf.get(), bytes, Feature::kOn);
+}
+
+TEST_P(EngineTest, BufferedRoundTripUnalignedSizes) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 300001;
+  ASSERT_TRUE(write_pattern(dir_.file("b"), bytes, Feature::kOff, buf).ok());
+  expect_file_equals(dir_.file("b"), buf.get(), bytes, Feature::kOff);
+}
+
+TEST_P(EngineTest, EmptyBatchIsOk) {
+  auto f = File::create(dir_.file("e"), Feature::kAuto);
+  ASSERT_TRUE(f.ok());
+  EXPECT_TRUE(engine_->write(*f, {}, kLong).ok());
+}
+
+TEST_P(EngineTest, ShortWritesAreCompleted) {
+  std::atomic<int> writes{0};
+  ScopedFileHook hook([&](FileOp op, const std::string&) {
+    if (op != FileOp::kWrite) return 0;
+    ++writes;
+    return -12345;  // every transfer moves at most 12345 bytes
+  });
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 200000;
+  ASSERT_TRUE(write_pattern(dir_.file("s"), bytes, Feature::kOff, buf).ok());
+  EXPECT_GE(writes.load(), static_cast<int>(bytes / 12345));
+  expect_file_equals(dir_.file("s"), buf.get(), bytes, Feature::kOff);
+}
+
+TEST_P(EngineTest, ShortDirectWritesAreCompleted) {
+  std::atomic<int> writes{0};
+  ScopedFileHook hook([&](FileOp op, const std::string&) {
+    if (op != FileOp::kWrite) return 0;
+    ++writes;
+    return -8192;
+  });
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 256 << 10;
+  ASSERT_TRUE(write_pattern(dir_.file("sd"), bytes, Feature::kOn, buf).ok());
+  EXPECT_EQ(writes.load(), static_cast<int>(bytes / 8192));
+  expect_file_equals(dir_.file("sd"), buf.get(), bytes, Feature::kOn);
+}
+
+TEST_P(EngineTest, EagainAndEintrAreRetried) {
+  std::atomic<int> calls{0};
+  ScopedFileHook hook([&](FileOp op, const std::string&) {
+    if (op != FileOp::kWrite && op != FileOp::kRead) return 0;
+    int n = calls++;
+    return n < 5 ? EAGAIN : n < 8 ? EINTR : 0;
+  });
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 512 << 10;
+  ASSERT_TRUE(write_pattern(dir_.file("a"), bytes, Feature::kOn, buf).ok());
+  expect_file_equals(dir_.file("a"), buf.get(), bytes, Feature::kOn);
+  EXPECT_GT(calls.load(), 8);
+}
+
+TEST_P(EngineTest, PersistentEagainTimesOut) {
+  ScopedFileHook hook([&](FileOp op, const std::string&) { return op == FileOp::kWrite ? EAGAIN : 0; });
+  auto buf = pattern_buffer(1 << 16, 1);
+  auto f = File::create(dir_.file("t"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  IoRequest req{buf.get(), 1 << 16, 0};
+  Status s = engine_->write(*f, {&req, 1}, std::chrono::milliseconds(50));
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+  EXPECT_EQ(s.path(), dir_.file("t"));
+}
+
+
+TEST_P(EngineTest, InjectedEioOnWriteNamesFileAndOffset) {
+  std::atomic<int> writes{0};
+  ScopedFileHook hook([&](FileOp op, const std::string&) {
+    return op == FileOp::kWrite && writes++ == 3 ? EIO : 0;
+  });
+  testing::AlignedBuffer buf;
+  Status s = write_pattern(dir_.file("eio"), 1 << 20, Feature::kOn, buf);
+  EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+  EXPECT_EQ(s.sys_errno(), EIO);
+  EXPECT_EQ(s.path(), dir_.file("eio"));
+  ASSERT_TRUE(s.offset().has_value());
+  EXPECT_EQ(*s.offset() % (64 << 10), 0u);
+}
+
+TEST_P(EngineTest, InjectedEnospcIsNoSpace) {
+  ScopedFileHook hook([&](FileOp op, const std::string&) { return op == FileOp::kWrite ? ENOSPC : 0; });
+  testing::AlignedBuffer buf;
+  Status s = write_pattern(dir_.file("full"), 1 << 20, Feature::kOn, buf);
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.to_string();
+  EXPECT_EQ(s.sys_errno(), ENOSPC);
+}
+
+TEST_P(EngineTest, InjectedEioOnRead) {
+  testing::AlignedBuffer buf;
+  ASSERT_TRUE(write_pattern(dir_.file("r"), 1 << 18, Feature::kOn, buf).ok());
+  ScopedFileHook hook([&](FileOp op, const std::string&) { return op == FileOp::kRead ? EIO : 0; });
+  auto f = File::open_read(dir_.file("r"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(1 << 18);
+  IoRequest req{got.get(), 1 << 18, 0};
+  Status s = engine_->read(*f, {&req, 1}, kLong);
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_EQ(s.sys_errno(), EIO);
+}
+
+TEST_P(EngineTest, ReadingPastEndIsTruncated) {
+  testing::AlignedBuffer buf;
+  ASSERT_TRUE(write_pattern(dir_.file("short"), 8192, Feature::kOn, buf).ok());
+  auto f = File::open_read(dir_.file("short"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(1 << 16);
+  IoRequest req{got.get(), 1 << 16, 0};
+  Status s = engine_->read(*f, {&req, 1}, kLong);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_NE(s.message().find("truncated"), std::string::npos);
+  EXPECT_EQ(s.path(), dir_.file("short"));
+  EXPECT_EQ(s.offset().value_or(0), 8192u);
+}
+
+TEST_P(EngineTest, DirectReadOfUnalignedTailIsTruncated) {
+  testing::AlignedBuffer buf;
+  ASSERT_TRUE(write_pattern(dir_.file("tail"), 5000, Feature::kOff, buf).ok());
+  auto f = File::open_read(dir_.file("tail"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(8192);
+  IoRequest req{got.get(), 8192, 0};
+  Status s = engine_->read(*f, {&req, 1}, kLong);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_EQ(s.offset().value_or(0), 5000u);
+}
+
+TEST_P(EngineTest, MisalignedDirectRequestIsInvalid) {
+  auto f = File::create(dir_.file("m"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE(f->direct());
+  auto buf = pattern_buffer(3 * 4096, 1);
+  IoRequest bad_buf{buf.get() + 1, 4096, 0};
+  IoRequest bad_len{buf.get(), 4000, 0};
+  IoRequest bad_off{buf.get(), 4096, 100};
+  for (const IoRequest& r : {bad_buf, bad_len, bad_off}) {
+    Status s = engine_->write(*f, {&r, 1}, kLong);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_EQ(s.path(), dir_.file("m"));
+  }
+}
+
+TEST_P(EngineTest, TmpfsRoundTrip) {
+  TempDir shm("/dev/shm");
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 1 << 20;
+  Status s = write_pattern(shm.file("x"), bytes, Feature::kAuto, buf);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  expect_file_equals(shm.file("x"), buf.get(), bytes, Feature::kAuto);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, EngineTest, ::testing::Values("io_uring", "threads"),
+                         [](const auto& info) { return std::string(info.param) == "io_uring"
+                                                           ? std::string("uring")
+                                                           : std::string("threads"); });
+
+TEST(UringEngine, RegisteredBuffersAreUsed) {
+  auto e = IoEngine::create(small_options(Feature::kOn));
+  if (!e.ok()) GTEST_SKIP() << e.status().to_string();
+  auto* uring = dynamic_cast<detail::UringEngine*>(e->get());
+  ASSERT_NE(uring, nullptr);
+  TempDir dir;
+  const uint64_t bytes = 1 << 20;
+  auto buf = pattern_buffer(bytes, 3);
+  iovec iov{buf.get(), bytes};
+  Status reg = uring->register_buffers({&iov, 1});
+  if (!reg.ok()) GTEST_SKIP() << "kernel refused registration: " << reg.to_string();
+  auto f = File::create(dir.file("fixed"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  IoRequest req{buf.get(), bytes, 0};
+  ASSERT_TRUE(uring->write(*f, {&req, 1}, kLong).ok());
+  EXPECT_EQ(uring->fixed_submissions(), bytes / (64 << 10));
+  auto back = File::open_read(dir.file("fixed"), Feature::kOn);
+  auto got = zero_buffer(bytes);
+  IoRequest rd{got.get(), bytes, 0};
+  ASSERT_TRUE(uring->read(*back, {&rd, 1}, kLong).ok());  // unregistered: normal opcodes
+  EXPECT_EQ(uring->fixed_submissions(), bytes / (64 << 10));
+  EXPECT_EQ(std::memcmp(got.get(), buf.get(), bytes), 0);
+  EXPECT_TRUE(uring->register_buffers({}).ok());
+}
+
+TEST(IoEngineCreate, UringOffGivesThreads) {
+  auto e = IoEngine::create(small_options(Feature::kOff));
+  ASSERT_TRUE(e.ok());
+  EXPECT_STREQ((*e)->name(), "threads");
+  EXPECT_TRUE((*e)->register_buffers({}).ok());
+}
+
+TEST(IoEngineCreate, InvalidOptionsRejected) {
+  IoOptions o = small_options(Feature::kAuto);
+  o.request_bytes = 1000;
+  EXPECT_EQ(IoEngine::create(o).status().code(), StatusCode::kInvalidArgument);
+  o = small_options(Feature::kAuto);
+  o.request_bytes = 0;
+  EXPECT_FALSE(o.validate().ok());
+  o = small_options(Feature::kAuto);
+  o.queue_depth = 0;
+  EXPECT_FALSE(o.validate().ok());
+  o.queue_depth = 5000;
+  EXPECT_FALSE(o.validate().ok());
+  o = small_options(Feature::kAuto);
+  o.threads = 0;
+  EXPECT_FALSE(o.validate().ok());
+  EXPECT_TRUE(small_options(Feature::kAuto).validate().ok());
+}
+
+TEST(IoOptions, FromEnv) {
+  ::setenv("RESILIENT_IO_URING", "off", 1);
+  ::setenv("RESILIENT_O_DIRECT", "on", 1);
+  ::setenv("RESILIENT_IO_REQUEST_BYTES", "4MiB", 1);
+  ::setenv("RESILIENT_IO_QUEUE_DEPTH", "32", 1);
+  ::setenv("RESILIENT_IO_THREADS", "2", 1);
+  IoOptions o = IoOptions::from_env();
+  EXPECT_EQ(o.uring, Feature::kOff);
+  EXPECT_EQ(o.direct, Feature::kOn);
+  EXPECT_EQ(o.request_bytes, 4u << 20);
+  EXPECT_EQ(o.queue_depth, 32);
+  EXPECT_EQ(o.threads, 2);
+  ::setenv("RESILIENT_IO_QUEUE_DEPTH", "lots", 1);
+  EXPECT_THROW(IoOptions::from_env(), std::invalid_argument);
+  for (const char* v : {"RESILIENT_IO_URING", "RESILIENT_O_DIRECT", "RESILIENT_IO_REQUEST_BYTES",
+                        "RESILIENT_IO_QUEUE_DEPTH", "RESILIENT_IO_THREADS"}) {
+    ::unsetenv(v);
+  }
+  IoOptions d = IoOptions::from_env();
+  EXPECT_EQ(d.request_bytes, 16u << 20);
+  EXPECT_EQ(d.queue_depth, 8);
+}
+
+}  // namespace
+}  // namespace resilient::io
