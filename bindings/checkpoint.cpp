@@ -1,8 +1,195 @@
+// resilient._C checkpoint bindings: tensors arrive as buffer descriptors (name, dtype, shape,
+// pointer, nbytes, device, stream), so this module never links libtorch.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "errors.hpp"
 #include "register.hpp"
+#include "resilient/checkpoint/checkpointer.hpp"
+#include "resilient/checkpoint/commit.hpp"
 
 namespace resilient::py {
+namespace pyb = pybind11;
+using namespace resilient::checkpoint;
 
-// The checkpoint component's Python bindings are registered here.
-void register_checkpoint(pybind11::module_& m) {}
+namespace {
+
+Duration seconds_or_forever(std::optional<double> s) {
+  return s ? from_seconds(std::max(0.0, *s)) : std::chrono::hours(24 * 365);
+}
+
+TensorSpec to_spec(const pyb::dict& d) {
+  TensorSpec t;
+  t.name = d["name"].cast<std::string>();
+  t.dtype = d["dtype"].cast<std::string>();
+  t.shape = d["shape"].cast<std::vector<int64_t>>();
+  t.data = reinterpret_cast<const void*>(d["ptr"].cast<uintptr_t>());
+  t.nbytes = d["nbytes"].cast<uint64_t>();
+  if (d.contains("device")) t.device = d["device"].cast<int>();
+  if (d.contains("stream")) t.stream = d["stream"].cast<uintptr_t>();
+  if (d.contains("global_shape")) t.global_shape = d["global_shape"].cast<std::vector<int64_t>>();
+  if (d.contains("global_offset")) t.global_offset = d["global_offset"].cast<std::vector<int64_t>>();
+  return t;
+}
+
+pyb::dict stats_dict(const SaveStats& s) {
+  pyb::dict d;
+  d["snapshot_s"] = s.snapshot_s;
+  d["written_s"] = s.written_s;
+  d["durable_s"] = s.durable_s;
+  d["bytes"] = s.bytes;
+  d["stored_bytes"] = s.stored_bytes;
+  return d;
+}
+
+pyb::list tensor_list(const Manifest& m) {
+  pyb::list out;
+  for (const auto& t : m.tensors) {
+    pyb::dict d;
+    d["name"] = t.name;
+    d["dtype"] = t.dtype;
+    d["shape"] = t.shape;
+    d["nbytes"] = t.nbytes;
+    d["shard"] = t.shard;
+    d["rank"] = m.shards[t.shard].rank;
+    if (!t.global_shape.empty()) {
+      d["global_shape"] = t.global_shape;
+      d["global_offset"] = t.global_offset;
+    }
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_checkpoint(pyb::module_& m) {
+  pyb::class_<CheckpointOptions>(m, "CheckpointOptions")
+      .def(pyb::init([](const std::string& root) { return CheckpointOptions::from_env(root); }), pyb::arg("root"),
+           "Options with defaults and RESILIENT_* environment overrides applied.")
+      .def_readwrite("root", &CheckpointOptions::root)
+      .def_readwrite("keep", &CheckpointOptions::keep)
+      .def_readwrite("rank", &CheckpointOptions::rank)
+      .def_readwrite("world_size", &CheckpointOptions::world_size)
+      .def_readwrite("chunk_bytes", &CheckpointOptions::chunk_bytes)
+      .def_readwrite("zstd_level", &CheckpointOptions::zstd_level)
+      .def_readwrite("copy_threads", &CheckpointOptions::copy_threads)
+      .def_readwrite("restore_threads", &CheckpointOptions::restore_threads)
+      .def_property("timeout_s", [](const CheckpointOptions& o) { return to_seconds(o.timeout); },
+                    [](CheckpointOptions& o, double s) { o.timeout = from_seconds(s); })
+      .def_property("pool_bytes", [](const CheckpointOptions& o) { return o.pool.budget_bytes; },
+                    [](CheckpointOptions& o, uint64_t b) { o.pool.budget_bytes = b; })
+      .def_property("slab_bytes", [](const CheckpointOptions& o) { return o.pool.slab_bytes; },
+                    [](CheckpointOptions& o, uint64_t b) { o.pool.slab_bytes = b; })
+      .def_property("request_bytes", [](const CheckpointOptions& o) { return o.io.request_bytes; },
+                    [](CheckpointOptions& o, uint64_t b) { o.io.request_bytes = b; })
+      .def_property("queue_depth", [](const CheckpointOptions& o) { return o.io.queue_depth; },
+                    [](CheckpointOptions& o, int d) { o.io.queue_depth = d; })
+      .def_property("io_uring", [](const CheckpointOptions& o) { return std::string(feature_name(o.io.uring)); },
+                    [](CheckpointOptions& o, const std::string& v) { o.io.uring = unwrap(parse_feature(v)); })
+      .def_property("o_direct", [](const CheckpointOptions& o) { return std::string(feature_name(o.io.direct)); },
+                    [](CheckpointOptions& o, const std::string& v) { o.io.direct = unwrap(parse_feature(v)); })
+      .def_property("pin_memory", [](const CheckpointOptions& o) { return std::string(feature_name(o.pool.pin)); },
+                    [](CheckpointOptions& o, const std::string& v) { o.pool.pin = unwrap(parse_feature(v)); });
+
+  pyb::class_<SaveHandle, std::shared_ptr<SaveHandle>>(m, "SaveHandle")
+      .def_property_readonly("step", &SaveHandle::step)
+      .def("done", &SaveHandle::done)
+      .def("wait", [](const SaveHandle& h, std::optional<double> timeout_s) {
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = h.wait(seconds_or_forever(timeout_s));
+             }
+             throw_if_error(s);
+           }, pyb::arg("timeout") = pyb::none())
+      .def("stats", [](const SaveHandle& h) { return stats_dict(h.stats()); });
+
+  pyb::class_<Manifest>(m, "Manifest")
+      .def_readonly("step", &Manifest::step)
+      .def_readonly("world_size", &Manifest::world_size)
+      .def_property_readonly("values_json", [](const Manifest& mf) { return mf.values.dump(); })
+      .def_property_readonly("meta_json", [](const Manifest& mf) { return mf.meta.dump(); })
+      .def("tensors", &tensor_list)
+      .def("to_json", [](const Manifest& mf) { return to_json(mf); });
+
+  m.def("parse_manifest", [](const std::string& text, const std::string& origin) {
+    return unwrap(parse_manifest(text, origin));
+  }, pyb::arg("text"), pyb::arg("origin") = "<string>");
+
+  pyb::class_<Checkpointer>(m, "Checkpointer")
+      .def(pyb::init([](const CheckpointOptions& o) { return unwrap(Checkpointer::create(o)); }), pyb::arg("options"))
+      .def("save", [](Checkpointer& c, int64_t step, const pyb::list& tensors, const std::string& values_json,
+                      bool commit) {
+             std::vector<TensorSpec> specs;
+             specs.reserve(tensors.size());
+             for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
+             nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
+             if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
+             Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+             {
+               pyb::gil_scoped_release release;
+               h = c.save(step, specs, std::move(values), commit);
+             }
+             return unwrap(std::move(h));
+           }, pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}", pyb::arg("commit") = true)
+      .def("wait_all", [](Checkpointer& c, std::optional<double> timeout_s) {
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = c.wait_all(seconds_or_forever(timeout_s));
+             }
+             throw_if_error(s);
+           }, pyb::arg("timeout") = pyb::none())
+      .def("steps", [](const Checkpointer& c) { return unwrap(c.steps()); })
+      .def("manifest", [](const Checkpointer& c, int64_t step) {
+             Result<Manifest> r = Status(StatusCode::kInternal, "unset");
+             {
+               pyb::gil_scoped_release release;
+               r = c.manifest(step);
+             }
+             return unwrap(std::move(r));
+           })
+      .def("read", [](Checkpointer& c, const Manifest& mf, const pyb::list& targets) {
+             std::vector<ReadTarget> ts;
+             for (const auto& item : targets) {
+               auto d = item.cast<pyb::dict>();
+               ReadTarget t;
+               t.name = d["name"].cast<std::string>();
+               t.dst = reinterpret_cast<void*>(d["ptr"].cast<uintptr_t>());
+               t.nbytes = d["nbytes"].cast<uint64_t>();
+               if (d.contains("device")) t.device = d["device"].cast<int>();
+               ts.push_back(std::move(t));
+             }
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = c.read(mf, ts);
+             }
+             throw_if_error(s);
+           })
+      .def("verify", [](Checkpointer& c, const Manifest& mf) {
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = c.verify(mf);
+             }
+             throw_if_error(s);
+           })
+      .def_property_readonly("io_backend", [](const Checkpointer& c) { return std::string(c.io_backend()); })
+      .def_property_readonly("pool_allocated_bytes", [](Checkpointer& c) { return c.pool().allocated_bytes(); })
+      .def_property_readonly("pool_pinned", [](Checkpointer& c) { return c.pool().pinned(); })
+      .def("close", [](Checkpointer& c, std::optional<double> timeout_s) {
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = c.wait_all(seconds_or_forever(timeout_s));
+             }
+             throw_if_error(s);
+           }, pyb::arg("timeout") = pyb::none());
+
+  m.def("read_latest", [](const std::string& root) { return read_latest(root); });
+  m.def("committed_steps", [](const std::string& root) { return unwrap(committed_steps(root)); });
+}
 
 }  // namespace resilient::py

@@ -22,3 +22,20 @@ __all__ = [
     "VersionMismatchError",
     "__version__",
 ]
+
+# Lazily imported so that `import resilient` (detector agents, the CLI) does not import torch.
+_LAZY = {
+    "Checkpointer": "resilient.checkpoint",
+    "LoadReport": "resilient.checkpoint",
+    "SaveHandle": "resilient.checkpoint",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,127 @@
+#pragma once
+// The checkpoint engine: save() snapshots tensors into reusable host slabs and returns; a
+// background writer persists the shard, commits the step and applies retention. load-side
+// helpers find committed steps and restore tensors from them.
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "resilient/checkpoint/format.hpp"
+#include "resilient/checkpoint/restore.hpp"
+#include "resilient/checkpoint/snapshot.hpp"
+#include "resilient/common/thread_pool.hpp"
+#include "resilient/io/engine.hpp"
+#include "resilient/memory/pool.hpp"
+
+namespace resilient::checkpoint {
+
+/// Engine settings; from_env() applies RESILIENT_* overrides (docs/SETTINGS.md).
+struct CheckpointOptions {
+  std::string root;
+  int keep = 3;                       // committed steps kept; <= 0 keeps all
+  int rank = 0;
+  int world_size = 1;
+  uint64_t chunk_bytes = 16ull << 20; // RESILIENT_CHUNK_BYTES: checksum/compression unit
+  int zstd_level = 0;                 // RESILIENT_ZSTD_LEVEL: 0 = no compression
+  int copy_threads = 4;               // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
+  int restore_threads = 4;            // RESILIENT_RESTORE_THREADS
+  Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
+  io::IoOptions io;
+  memory::PoolOptions pool;
+
+  static CheckpointOptions from_env(std::string root);
+  Status validate() const;
+};
+
+/// What a save measured, in seconds since save() was called.
+struct SaveStats {
+  double snapshot_s = 0;  // until the caller's tensors were free to change
+  double written_s = 0;   // data file durable
+  double durable_s = 0;   // committed (manifest, rename, fsyncs)
+  uint64_t bytes = 0;     // tensor bytes
+  uint64_t stored_bytes = 0;
+};
+
+/// One save in flight. Thread-safe.
+class SaveHandle {
+ public:
+  explicit SaveHandle(int64_t step) : step_(step) {}
+  int64_t step() const { return step_; }
+  bool done() const;
+  /// Waits until the save is durable and committed; returns its error, or kTimeout.
+  Status wait(Duration timeout) const;
+  SaveStats stats() const;
+
+  // Writer side.
+  void finish(Status status, SaveStats stats);
+
+ private:
+  const int64_t step_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+  SaveStats stats_;
+};
+
+/// Thread-safe: save() may be called from one thread at a time; reads from any.
+class Checkpointer {
+ public:
+  static Result<std::unique_ptr<Checkpointer>> create(CheckpointOptions options);
+  /// Waits (bounded by the timeout) for pending saves, then stops the writer.
+  ~Checkpointer();
+
+  /// Snapshots `tensors` (blocking until they may change again) and queues the write. With
+  /// `commit` false (multi-rank), the shard and its shard manifest (rank-N.json) are left in the
+  /// step's temporary directory for a coordinator to commit with commit_step().
+  Result<std::shared_ptr<SaveHandle>> save(int64_t step, std::span<const TensorSpec> tensors,
+                                           nlohmann::json values, bool commit = true);
+  /// Waits for every queued save.
+  Status wait_all(Duration timeout);
+
+  Result<std::vector<int64_t>> steps() const;
+  Result<Manifest> manifest(int64_t step) const;
+  Status read(const Manifest& manifest, std::span<const ReadTarget> targets);
+  Status verify(const Manifest& manifest);
+
+  const CheckpointOptions& options() const { return options_; }
+  memory::HostPool& pool() { return *pool_; }
+  /// The io engine chosen for writes ("io_uring" or "threads").
+  const char* io_backend() const { return engine_->name(); }
+
+ private:
+  struct Job {
+    int64_t step;
+    Staging staging;
+    nlohmann::json values;
+    bool commit;
+    std::shared_ptr<SaveHandle> handle;
+    TimePoint started;
+    double snapshot_s;
+  };
+  explicit Checkpointer(CheckpointOptions options);
+  void writer_loop();
+  Status write_job(Job& job, SaveStats& stats);
+
+  CheckpointOptions options_;
+  std::unique_ptr<memory::HostPool> pool_;
+  std::unique_ptr<ThreadPool> workers_;
+  std::unique_ptr<io::IoEngine> engine_;  // used by the writer thread only
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  std::vector<std::shared_ptr<SaveHandle>> pending_;
+  bool stop_ = false;
+  std::thread writer_;
+};
+
+}  // namespace resilient::checkpoint

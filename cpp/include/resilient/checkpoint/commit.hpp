@@ -1,0 +1,41 @@
+#pragma once
+// The crash-consistent commit protocol over a checkpoint root directory (see commit.cpp for the
+// protocol in prose), plus discovery and retention of committed steps.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "resilient/checkpoint/format.hpp"
+#include "resilient/common/status.hpp"
+
+namespace resilient::checkpoint {
+
+/// root/.tmp-step-000000000042: where a step's files are written before it is committed.
+std::string tmp_dir_path(const std::string& root, int64_t step);
+/// root/step-000000000042
+std::string step_dir_path(const std::string& root, int64_t step);
+
+/// Removes a stale temporary directory of `step` (from a crashed save) and creates it empty.
+Status prepare_tmp_dir(const std::string& root, int64_t step);
+
+/// Commits `manifest` (whose shard files are already durable in the temporary directory):
+/// writes and fsyncs manifest.json, fsyncs the directory, renames it to step-N (atomically
+/// exchanging an existing step-N), fsyncs the root, then points `latest` at it. Returns after
+/// the commit is durable.
+Status commit_step(const std::string& root, const Manifest& manifest);
+
+/// Steps with a committed directory (one that holds manifest.json), ascending. Missing root -> {}.
+Result<std::vector<int64_t>> committed_steps(const std::string& root);
+/// The step named by the `latest` pointer, if the file exists and parses.
+std::optional<int64_t> read_latest(const std::string& root);
+
+/// Deletes the oldest committed steps beyond the newest `keep` (keep <= 0 keeps all), and
+/// temporary directories of steps older than the newest committed one. Returns the deleted steps.
+Result<std::vector<int64_t>> apply_retention(const std::string& root, int keep);
+
+/// Reads and validates step-N/manifest.json (kNotFound, kCorrupt, kVersionMismatch).
+Result<Manifest> read_manifest(const std::string& root, int64_t step);
+
+}  // namespace resilient::checkpoint

@@ -1,0 +1,43 @@
+#pragma once
+// Restore: reads the chunks of the requested tensors in parallel (one io engine per reader
+// thread, large coalesced O_DIRECT reads into pool slabs), verifies every chunk's checksum, and
+// decodes it straight into the caller's buffers.
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "resilient/checkpoint/format.hpp"
+#include "resilient/common/clock.hpp"
+#include "resilient/common/status.hpp"
+#include "resilient/io/engine.hpp"
+#include "resilient/memory/pool.hpp"
+
+namespace resilient::checkpoint {
+
+/// A destination for one saved tensor: `nbytes` writable bytes at `dst` (host memory).
+struct ReadTarget {
+  std::string name;
+  void* dst = nullptr;
+  uint64_t nbytes = 0;
+  int device = -1;
+};
+
+struct RestoreOptions {
+  int threads = 4;  // RESILIENT_RESTORE_THREADS
+  io::IoOptions io;
+  Duration timeout = std::chrono::seconds(600);
+};
+
+/// Reads every target from the step directory `step_dir` described by `manifest`. Errors:
+/// kNotFound (tensor not in the checkpoint, missing shard file), kInvalidArgument (size mismatch
+/// with the target), kCorrupt (checksum mismatch, truncated file, bad compressed data: names the
+/// file and offset), kIoError, kTimeout. On error the targets hold unspecified bytes.
+Status restore_tensors(const std::string& step_dir, const Manifest& manifest, std::span<const ReadTarget> targets,
+                       const RestoreOptions& options, memory::HostPool& pool);
+
+/// Reads and verifies every chunk of the step without keeping the data (full integrity check).
+Status verify_step(const std::string& step_dir, const Manifest& manifest, const RestoreOptions& options,
+                   memory::HostPool& pool);
+
+}  // namespace resilient::checkpoint

@@ -1,0 +1,205 @@
+#include "resilient/checkpoint/checkpointer.hpp"
+
+#include "resilient/checkpoint/commit.hpp"
+#include "resilient/checkpoint/persist.hpp"
+#include "resilient/common/logging.hpp"
+#include "resilient/io/file.hpp"
+
+namespace resilient::checkpoint {
+
+CheckpointOptions CheckpointOptions::from_env(std::string root) {
+  CheckpointOptions o;
+  o.root = std::move(root);
+  o.chunk_bytes = env_bytes("RESILIENT_CHUNK_BYTES", o.chunk_bytes);
+  o.zstd_level = static_cast<int>(env_int("RESILIENT_ZSTD_LEVEL", o.zstd_level));
+  o.copy_threads = static_cast<int>(env_int("RESILIENT_COPY_THREADS", o.copy_threads));
+  o.restore_threads = static_cast<int>(env_int("RESILIENT_RESTORE_THREADS", o.restore_threads));
+  o.timeout = from_seconds(env_double("RESILIENT_CKPT_TIMEOUT_S", to_seconds(o.timeout)));
+  o.io = io::IoOptions::from_env();
+  o.pool = memory::PoolOptions::from_env();
+  return o;
+}
+
+Status CheckpointOptions::validate() const {
+  auto bad = [](const std::string& m) { return Status(StatusCode::kInvalidArgument, m); };
+  if (root.empty()) return bad("checkpoint root must not be empty");
+  if (rank < 0 || world_size < 1 || rank >= world_size) return bad("rank must be in [0, world_size)");
+  if (chunk_bytes < 4096 || chunk_bytes % 4096 != 0) return bad("chunk_bytes must be a positive multiple of 4096");
+  if (zstd_level < 0 || zstd_level > 22) return bad("zstd_level must be in [0, 22]");
+  if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
+  if (restore_threads < 1 || restore_threads > 256) return bad("restore_threads must be in [1, 256]");
+  if (timeout <= Duration::zero()) return bad("timeout must be positive");
+  return io.validate();
+}
+
+bool SaveHandle::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+Status SaveHandle::wait(Duration timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+    return Status(StatusCode::kTimeout, "checkpoint of step " + std::to_string(step_) + " not durable within " +
+                                            std::to_string(to_seconds(timeout)) + " s");
+  }
+  return status_;
+}
+
+SaveStats SaveHandle::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void SaveHandle::finish(Status status, SaveStats stats) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = std::move(status);
+    stats_ = stats;
+  }
+  cv_.notify_all();
+}
+
+Checkpointer::Checkpointer(CheckpointOptions options) : options_(std::move(options)) {}
+
+Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions options) {
+  RESILIENT_RETURN_IF_ERROR(options.validate());
+  RESILIENT_RETURN_IF_ERROR(io::make_dirs(options.root));
+  std::unique_ptr<Checkpointer> c(new Checkpointer(std::move(options)));
+  // Slabs must hold whole chunks: round the slab size up to a multiple of the chunk size.
+  auto pool_opts = c->options_.pool;
+  pool_opts.slab_bytes = std::max(pool_opts.slab_bytes, c->options_.chunk_bytes);
+  pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
+  c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
+  c->workers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads));
+  RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
+  c->writer_ = std::thread([p = c.get()] { p->writer_loop(); });
+  return c;
+}
+
+Checkpointer::~Checkpointer() {
+  Status s = wait_all(options_.timeout);
+  if (!s.ok()) RESILIENT_LOG(kError, "closing checkpointer: " << s.to_string());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  writer_.join();
+}
+
+Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<const TensorSpec> tensors,
+                                                       nlohmann::json values, bool commit) {
+  if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
+  const TimePoint start = SteadyClock::instance().now();
+  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout);
+  if (!staging.ok()) return Status(staging.status()).prepend("saving step " + std::to_string(step));
+  auto handle = std::make_shared<SaveHandle>(step);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
+                         to_seconds(SteadyClock::instance().now() - start)});
+    pending_.push_back(handle);
+  }
+  cv_.notify_all();
+  return handle;
+}
+
+Status Checkpointer::wait_all(Duration timeout) {
+  std::vector<std::shared_ptr<SaveHandle>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending = pending_;
+  }
+  const TimePoint deadline = SteadyClock::instance().now() + timeout;
+  Status first;
+  for (const auto& h : pending) {
+    Status s = h->wait(std::max(deadline - SteadyClock::instance().now(), Duration::zero()));
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+void Checkpointer::writer_loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    SaveStats stats;
+    stats.snapshot_s = job.snapshot_s;
+    Status s = write_job(job, stats);
+    if (!s.ok()) {
+      s.prepend("saving step " + std::to_string(job.step));
+      RESILIENT_LOG(kError, s.to_string());
+      job.staging.slabs.clear();  // return slabs before cleaning up
+      if (job.commit) (void)io::remove_tree(tmp_dir_path(options_.root, job.step));
+    }
+    job.handle->finish(s, stats);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::erase(pending_, job.handle);
+    }
+    if (s.ok() && job.commit) {
+      auto deleted = apply_retention(options_.root, options_.keep);
+      if (!deleted.ok()) RESILIENT_LOG(kWarn, "checkpoint retention: " << deleted.status().to_string());
+    }
+  }
+}
+
+Status Checkpointer::write_job(Job& job, SaveStats& stats) {
+  const std::string tmp = tmp_dir_path(options_.root, job.step);
+  RESILIENT_RETURN_IF_ERROR(job.commit ? prepare_tmp_dir(options_.root, job.step) : io::make_dirs(tmp));
+  const std::string file = shard_file_name(options_.rank);
+  PersistOptions po;
+  po.zstd_level = options_.zstd_level;
+  po.direct = options_.io.direct;
+  po.timeout = options_.timeout;
+  RESILIENT_ASSIGN_OR_RETURN(uint64_t size, persist_shard(job.staging, tmp + "/" + file, po, *engine_, *workers_));
+  stats.written_s = to_seconds(SteadyClock::instance().now() - job.started);
+  Manifest m;
+  m.step = job.step;
+  m.world_size = options_.world_size;
+  m.shards.push_back(ShardEntry{options_.rank, file, size});
+  m.tensors = std::move(job.staging.layout.tensors);
+  for (const auto& t : m.tensors) {
+    stats.bytes += t.nbytes;
+    for (const auto& c : t.chunks) stats.stored_bytes += c.len;
+  }
+  m.values = std::move(job.values);
+  m.meta = {{"io_backend", engine_->name()}, {"zstd_level", options_.zstd_level}};
+  if (job.commit) {
+    RESILIENT_RETURN_IF_ERROR(commit_step(options_.root, m));
+  } else {
+    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(tmp + "/rank-" + std::to_string(options_.rank) + ".json", to_json(m)));
+  }
+  stats.durable_s = to_seconds(SteadyClock::instance().now() - job.started);
+  return ok_status();
+}
+
+Result<std::vector<int64_t>> Checkpointer::steps() const { return committed_steps(options_.root); }
+
+Result<Manifest> Checkpointer::manifest(int64_t step) const { return read_manifest(options_.root, step); }
+
+Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets) {
+  RestoreOptions ro;
+  ro.threads = options_.restore_threads;
+  ro.io = options_.io;
+  ro.timeout = options_.timeout;
+  return restore_tensors(step_dir_path(options_.root, m.step), m, targets, ro, *pool_);
+}
+
+Status Checkpointer::verify(const Manifest& m) {
+  RestoreOptions ro;
+  ro.threads = options_.restore_threads;
+  ro.io = options_.io;
+  ro.timeout = options_.timeout;
+  return verify_step(step_dir_path(options_.root, m.step), m, ro, *pool_);
+}
+
+}  // namespace resilient::checkpoint

@@ -1,0 +1,126 @@
+#include "resilient/checkpoint/persist.hpp"
+
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "resilient/io/file.hpp"
+
+namespace resilient::checkpoint {
+namespace {
+
+struct AlignedFree {
+  void operator()(std::byte* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<std::byte, AlignedFree>;
+
+AlignedBuffer aligned_alloc_bytes(uint64_t n) {
+  void* p = nullptr;
+  if (posix_memalign(&p, io::kDirectAlignment, std::max<uint64_t>(n, io::kDirectAlignment)) != 0) return nullptr;
+  return AlignedBuffer(static_cast<std::byte*>(p));
+}
+
+// Every chunk (tensor index, chunk index) stored in slab `s`, in logical order.
+std::vector<std::vector<std::pair<size_t, size_t>>> chunks_by_slab(const Staging& st) {
+  std::vector<std::vector<std::pair<size_t, size_t>>> by(st.slabs.size());
+  for (size_t t = 0; t < st.layout.tensors.size(); ++t) {
+    const auto& chunks = st.layout.tensors[t].chunks;
+    for (size_t c = 0; c < chunks.size(); ++c) by[chunks[c].offset / st.slab_bytes].emplace_back(t, c);
+  }
+  return by;
+}
+
+Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
+                                    ThreadPool& workers) {
+  auto by_slab = chunks_by_slab(st);
+  auto hash_slab = [&](size_t s) {
+    for (auto [t, c] : by_slab[s]) {
+      Chunk& ch = st.layout.tensors[t].chunks[c];
+      ch.xxh3 = checksum(st.slabs[s].data() + ch.offset % st.slab_bytes, ch.len);
+    }
+  };
+  // Hash slab s+1 on a worker while slab s is being written.
+  std::future<void> next;
+  if (!st.slabs.empty()) next = workers.submit([&] { hash_slab(0); });
+  for (size_t s = 0; s < st.slabs.size(); ++s) {
+    next.get();
+    if (s + 1 < st.slabs.size()) next = workers.submit([&, s] { hash_slab(s + 1); });
+    uint64_t begin = s * st.slab_bytes;
+    uint64_t used = std::min(st.slab_bytes, st.layout.bytes - begin);
+    io::IoRequest req{st.slabs[s].data(), used, begin};
+    Status w = engine.write(file, {&req, 1}, o.timeout);
+    if (!w.ok()) {
+      if (next.valid()) next.wait();
+      return w;
+    }
+    st.slabs[s].release();
+  }
+  return st.layout.bytes;
+}
+
+Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
+                                  ThreadPool& workers) {
+  auto by_slab = chunks_by_slab(st);
+  uint64_t pos = 0;
+  for (size_t s = 0; s < st.slabs.size(); ++s) {
+    const auto& list = by_slab[s];
+    std::vector<AlignedBuffer> out(list.size());
+    std::vector<uint64_t> out_len(list.size());
+    std::vector<Status> errs(list.size());
+    workers.parallel_for(list.size(), [&](size_t i) {
+      auto [t, c] = list[i];
+      Chunk& ch = st.layout.tensors[t].chunks[c];
+      const std::byte* src = st.slabs[s].data() + ch.offset % st.slab_bytes;
+      size_t bound = ZSTD_compressBound(ch.raw);
+      out[i] = aligned_alloc_bytes(io::align_up(bound));
+      if (!out[i]) {
+        errs[i] = Status(StatusCode::kResourceExhausted, "out of memory for a compression buffer");
+        return;
+      }
+      size_t n = ZSTD_compress(out[i].get(), bound, src, ch.raw, o.zstd_level);
+      if (ZSTD_isError(n) || n >= ch.raw) {  // incompressible: store raw
+        std::memcpy(out[i].get(), src, ch.raw);
+        n = ch.raw;
+        ch.codec = Codec::kNone;
+      } else {
+        ch.codec = Codec::kZstd;
+      }
+      std::memset(out[i].get() + n, 0, io::align_up(n) - n);
+      out_len[i] = n;
+      ch.len = n;
+      ch.xxh3 = checksum(out[i].get(), n);
+    });
+    for (const auto& e : errs) RESILIENT_RETURN_IF_ERROR(e);
+    std::vector<io::IoRequest> reqs;
+    for (size_t i = 0; i < list.size(); ++i) {
+      auto [t, c] = list[i];
+      Chunk& ch = st.layout.tensors[t].chunks[c];
+      ch.offset = pos;
+      reqs.push_back(io::IoRequest{out[i].get(), io::align_up(out_len[i]), pos});
+      pos += io::align_up(out_len[i]);
+    }
+    RESILIENT_RETURN_IF_ERROR(engine.write(file, reqs, o.timeout));
+    st.slabs[s].release();
+  }
+  return pos;
+}
+
+}  // namespace
+
+uint64_t checksum(const void* data, uint64_t n) { return XXH3_64bits(data, n); }
+
+Result<uint64_t> persist_shard(Staging& staging, const std::string& path, const PersistOptions& options,
+                               io::IoEngine& engine, ThreadPool& workers) {
+  RESILIENT_ASSIGN_OR_RETURN(io::File file, io::File::create(path, options.direct));
+  Result<uint64_t> size = options.zstd_level > 0 ? write_compressed(staging, file, options, engine, workers)
+                                                 : write_uncompressed(staging, file, options, engine, workers);
+  if (!size.ok()) return size.status();
+  RESILIENT_RETURN_IF_ERROR(file.sync());
+  RESILIENT_RETURN_IF_ERROR(file.close());
+  return size;
+}
+
+}  // namespace resilient::checkpoint
