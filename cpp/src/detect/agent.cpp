@@ -95,6 +95,11 @@ Status Agent::start() {
   if (running_.exchange(true)) return Status(StatusCode::kFailedPrecondition, "already started");
   {
     std::lock_guard lock(mu_);
+    // Silence and stall clocks start now, not when the agent was built (address exchange and
+    // the start barrier can take seconds).
+    TimePoint now = SteadyClock::instance().now();
+    core_ = DetectorCore(opt_.core, core_.generation(), now);
+    watchdog_ = HangWatchdog(opt_.watchdog, now);
     sync_watch_sockets();
   }
   net_thread_ = std::thread([this] { net_loop(); });
@@ -222,13 +227,12 @@ void Agent::pump(TimePoint now) {
     }
   }
   core_.tick(now);
-  std::vector<int32_t> before = core_.watched();
   for (;;) {
     auto out = core_.take_outbox();
     if (out.empty()) break;
     for (const auto& o : out) send_one(o);  // may feed on_unreachable -> more output
   }
-  if (core_.watched() != before || watch_fds_.size() != core_.watched().size()) sync_watch_sockets();
+  sync_watch_sockets();  // O(watch_count) and syscall-free when the watch set is unchanged
   auto reqs = core_.take_store_requests();
   if (!reqs.empty()) {
     for (auto& r : reqs) store_queue_.push_back(std::move(r));
