@@ -118,6 +118,10 @@ Status Checkpointer::wait_all(Duration timeout) {
     Status s = h->wait(std::max(deadline - SteadyClock::instance().now(), Duration::zero()));
     if (!s.ok() && first.ok()) first = s;
   }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_until(lock, deadline, [this] { return !busy_ && queue_.empty(); }) && first.ok()) {
+    first = Status(StatusCode::kTimeout, "checkpoint writer still busy");
+  }
   return first;
 }
 
@@ -130,6 +134,7 @@ void Checkpointer::writer_loop() {
       if (queue_.empty()) return;
       job = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
     SaveStats stats;
     stats.snapshot_s = job.snapshot_s;
@@ -149,6 +154,11 @@ void Checkpointer::writer_loop() {
       auto deleted = apply_retention(options_.root, options_.keep);
       if (!deleted.ok()) RESILIENT_LOG(kWarn, "checkpoint retention: " << deleted.status().to_string());
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    cv_.notify_all();
   }
 }
 

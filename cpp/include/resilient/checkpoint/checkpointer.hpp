@@ -85,7 +85,7 @@ class Checkpointer {
   /// step's temporary directory for a coordinator to commit with commit_step().
   Result<std::shared_ptr<SaveHandle>> save(int64_t step, std::span<const TensorSpec> tensors,
                                            nlohmann::json values, bool commit = true);
-  /// Waits for every queued save.
+  /// Waits for every queued save and for the writer to finish its background work (retention).
   Status wait_all(Duration timeout);
 
   Result<std::vector<int64_t>> steps() const;
@@ -121,6 +121,7 @@ class Checkpointer {
   std::deque<Job> queue_;
   std::vector<std::shared_ptr<SaveHandle>> pending_;
   bool stop_ = false;
+  bool busy_ = false;  // the writer is handling a job (including its retention pass)
   std::thread writer_;
 };
 

@@ -1,0 +1,260 @@
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include "resilient/checkpoint/checkpointer.hpp"
+#include "resilient/checkpoint/commit.hpp"
+#include "resilient/io/file_hooks.hpp"
+
+namespace resilient::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / ("resilient-ckpt-" + std::to_string(::getpid()) + "-" +
+                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  std::unique_ptr<Checkpointer> make(int zstd = 0, int keep = 3) {
+    auto o = CheckpointOptions::from_env(root_.string());
+    o.keep = keep;
+    o.zstd_level = zstd;
+    o.chunk_bytes = 64 << 10;     // small chunks: many chunks per tensor
+    o.pool.slab_bytes = 256 << 10;
+    o.pool.budget_bytes = 64 << 20;
+    o.timeout = 30s;
+    auto c = Checkpointer::create(o);
+    EXPECT_TRUE(c.ok()) << c.status().to_string();
+    return std::move(c).value();
+  }
+
+  // Two tensors: one spanning several chunks and slabs, one tiny; values depend on `seed`.
+  void fill(uint32_t seed) {
+    big_.resize(300'000);
+    std::iota(big_.begin(), big_.end(), static_cast<float>(seed));
+    small_ = {static_cast<int64_t>(seed), -1, 7};
+  }
+  std::vector<TensorSpec> specs() {
+    return {TensorSpec{"big", "float32", {300'000}, big_.data(), big_.size() * 4},
+            TensorSpec{"small", "int64", {3}, small_.data(), 24}};
+  }
+  Status save(Checkpointer& c, int64_t step) {
+    auto h = c.save(step, specs(), {{"step", step}});
+    if (!h.ok()) return h.status();
+    return (*h)->wait(30s);
+  }
+  Status load_into(Checkpointer& c, int64_t step, std::vector<float>& big, std::vector<int64_t>& small) {
+    big.assign(300'000, 0);
+    small.assign(3, 0);
+    RESILIENT_ASSIGN_OR_RETURN(Manifest m, c.manifest(step));
+    std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4}, {"small", small.data(), 24}};
+    return c.read(m, t);
+  }
+
+  fs::path root_;
+  std::vector<float> big_;
+  std::vector<int64_t> small_;
+};
+
+TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
+  for (int zstd : {0, 3}) {
+    fs::remove_all(root_);
+    auto c = make(zstd);
+    fill(11);
+    ASSERT_TRUE(save(*c, 1).ok());
+    fill(99);  // the caller's buffers change after save: the checkpoint keeps step-1 values
+    std::vector<float> big;
+    std::vector<int64_t> small;
+    ASSERT_TRUE(load_into(*c, 1, big, small).ok());
+    fill(11);
+    EXPECT_EQ(big, big_) << "zstd=" << zstd;
+    EXPECT_EQ(small, small_);
+    auto m = c->manifest(1);
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(m->values["step"], 1);
+    EXPECT_GT(m->tensors[0].chunks.size(), 4u);
+    if (zstd) EXPECT_EQ(m->tensors[0].chunks[0].codec, Codec::kZstd);  // iota compresses
+  }
+}
+
+TEST_F(EngineTest, RetentionKeepsNewest) {
+  auto c = make(0, /*keep=*/2);
+  fill(1);
+  for (int s = 1; s <= 4; ++s) ASSERT_TRUE(save(*c, s * 10).ok());
+  ASSERT_TRUE(c->wait_all(30s).ok());  // retention runs after the handle completes
+  auto steps = c->steps();
+  ASSERT_TRUE(steps.ok());
+  EXPECT_EQ(*steps, (std::vector<int64_t>{30, 40}));
+  EXPECT_EQ(read_latest(root_.string()), 40);
+}
+
+TEST_F(EngineTest, ResavingAStepReplacesItAtomically) {
+  auto c = make();
+  fill(1);
+  ASSERT_TRUE(save(*c, 5).ok());
+  fill(2);
+  ASSERT_TRUE(save(*c, 5).ok());
+  std::vector<float> big;
+  std::vector<int64_t> small;
+  ASSERT_TRUE(load_into(*c, 5, big, small).ok());
+  EXPECT_EQ(small[0], 2);
+}
+
+TEST_F(EngineTest, FlippedByteIsCorruptNamingFileAndOffset) {
+  auto c = make();
+  fill(3);
+  ASSERT_TRUE(save(*c, 1).ok());
+  fs::path data = root_ / step_dir_name(1) / shard_file_name(0);
+  {
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(70'000);
+    char b;
+    f.seekg(70'000);
+    f.read(&b, 1);
+    b ^= 0x10;
+    f.seekp(70'000);
+    f.write(&b, 1);
+  }
+  std::vector<float> big;
+  std::vector<int64_t> small;
+  Status s = load_into(*c, 1, big, small);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_EQ(s.path(), data.string());
+  ASSERT_TRUE(s.offset().has_value());
+  EXPECT_LE(*s.offset(), 70'000u);
+  auto m = c->manifest(1);
+  EXPECT_EQ(c->verify(*m).code(), StatusCode::kCorrupt);
+}
+
+TEST_F(EngineTest, TruncatedAndMissingShardsAreErrors) {
+  auto c = make();
+  fill(3);
+  ASSERT_TRUE(save(*c, 1).ok());
+  fs::path data = root_ / step_dir_name(1) / shard_file_name(0);
+  fs::resize_file(data, 100'000);
+  std::vector<float> big;
+  std::vector<int64_t> small;
+  Status s = load_into(*c, 1, big, small);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_NE(s.message().find("truncated"), std::string::npos);
+  fs::remove(data);
+  s = load_into(*c, 1, big, small);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+}
+
+TEST_F(EngineTest, TargetSizeMismatchAndUnknownTensor) {
+  auto c = make();
+  fill(3);
+  ASSERT_TRUE(save(*c, 1).ok());
+  auto m = c->manifest(1);
+  std::vector<float> wrong(10);
+  std::vector<ReadTarget> t = {{"big", wrong.data(), 40}};
+  EXPECT_EQ(c->read(*m, t).code(), StatusCode::kInvalidArgument);
+  t = {{"nope", wrong.data(), 40}};
+  EXPECT_EQ(c->read(*m, t).code(), StatusCode::kNotFound);
+}
+
+// ENOSPC / EIO / failing fsync or rename during a save: the error reaches wait(), the previous
+// checkpoint stays loadable, no partial step is committed, and later saves work again.
+TEST_F(EngineTest, WriteFailuresLeaveThePreviousCheckpointIntact) {
+  struct Case {
+    io::FileOp op;
+    int err;
+    StatusCode code;
+  };
+  for (Case k : {Case{io::FileOp::kWrite, ENOSPC, StatusCode::kNoSpace}, Case{io::FileOp::kWrite, EIO, StatusCode::kIoError},
+                 Case{io::FileOp::kFsync, EIO, StatusCode::kIoError}, Case{io::FileOp::kRename, EIO, StatusCode::kIoError}}) {
+    fs::remove_all(root_);
+    auto c = make();
+    fill(1);
+    ASSERT_TRUE(save(*c, 1).ok());
+    {
+      io::ScopedFileHook hook([&](io::FileOp op, const std::string& path) {
+        return (op == k.op && path.find(root_.string()) == 0) ? k.err : 0;
+      });
+      fill(2);
+      Status s = save(*c, 2);
+      EXPECT_EQ(s.code(), k.code) << io::file_op_name(k.op) << ": " << s.to_string();
+    }
+    auto steps = c->steps();
+    EXPECT_EQ(*steps, std::vector<int64_t>{1}) << io::file_op_name(k.op);
+    EXPECT_FALSE(fs::exists(tmp_dir_path(root_.string(), 2))) << "failed save leaves no temporary directory";
+    std::vector<float> big;
+    std::vector<int64_t> small;
+    ASSERT_TRUE(load_into(*c, 1, big, small).ok());
+    EXPECT_EQ(small[0], 1);
+    fill(3);
+    EXPECT_TRUE(save(*c, 3).ok()) << "saves work again after the fault clears";
+  }
+}
+
+TEST_F(EngineTest, ShortWritesAreCompleted) {
+  auto c = make();
+  fill(5);
+  int calls = 0;
+  {
+    io::ScopedFileHook hook([&](io::FileOp op, const std::string& path) {
+      return (op == io::FileOp::kWrite && ++calls % 2 == 1) ? -4096 : 0;
+    });
+    ASSERT_TRUE(save(*c, 1).ok());
+  }
+  EXPECT_GT(calls, 1);
+  std::vector<float> big;
+  std::vector<int64_t> small;
+  ASSERT_TRUE(load_into(*c, 1, big, small).ok());
+  EXPECT_EQ(big, big_);
+}
+
+TEST_F(EngineTest, StaleTemporaryDirectoryIsNotACheckpoint) {
+  auto c = make();
+  fill(1);
+  ASSERT_TRUE(save(*c, 1).ok());
+  // A crash during a save of step 2 leaves .tmp-step-2 with data and even a manifest.
+  fs::create_directories(tmp_dir_path(root_.string(), 2));
+  fs::copy(root_ / step_dir_name(1) / kManifestName, fs::path(tmp_dir_path(root_.string(), 2)) / kManifestName);
+  EXPECT_EQ(*c->steps(), std::vector<int64_t>{1});
+  fill(2);
+  ASSERT_TRUE(save(*c, 2).ok());  // the stale directory is replaced
+  EXPECT_EQ(*c->steps(), (std::vector<int64_t>{1, 2}));
+}
+
+TEST_F(EngineTest, BudgetTooSmallIsResourceExhausted) {
+  auto o = CheckpointOptions::from_env(root_.string());
+  o.chunk_bytes = 64 << 10;
+  o.pool.slab_bytes = 256 << 10;
+  o.pool.budget_bytes = 512 << 10;
+  auto c = Checkpointer::create(o);
+  ASSERT_TRUE(c.ok());
+  fill(1);
+  auto h = (*c)->save(1, specs(), {});
+  EXPECT_EQ(h.status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST_F(EngineTest, InvalidSpecsAreRejected) {
+  auto c = make();
+  fill(1);
+  auto s = specs();
+  s[1].name = "big";
+  EXPECT_EQ(c->save(1, s, {}).status().code(), StatusCode::kInvalidArgument);
+  s = specs();
+  s[0].nbytes = 12;
+  EXPECT_EQ(c->save(1, s, {}).status().code(), StatusCode::kInvalidArgument);
+  s = specs();
+  s[0].dtype = "float7";
+  EXPECT_EQ(c->save(1, s, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->save(-1, specs(), {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace resilient::checkpoint

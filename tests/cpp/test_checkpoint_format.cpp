@@ -1,0 +1,120 @@
+#include <gtest/gtest.h>
+
+#include "resilient/checkpoint/format.hpp"
+
+namespace resilient::checkpoint {
+namespace {
+
+Manifest sample() {
+  Manifest m;
+  m.step = 42;
+  m.shards.push_back(ShardEntry{0, "rank-00000.data", 8192});
+  TensorEntry t;
+  t.name = "model/w";
+  t.dtype = "float32";
+  t.shape = {2, 3};
+  t.nbytes = 24;
+  t.chunks.push_back(Chunk{0, 24, 24, 0xdeadbeefcafef00dull, Codec::kNone});
+  m.tensors.push_back(t);
+  TensorEntry e;  // empty tensor: no chunks
+  e.name = "empty";
+  e.dtype = "bfloat16";
+  e.shape = {0, 5};
+  m.tensors.push_back(e);
+  m.values = {{"lr", 0.1}};
+  return m;
+}
+
+StatusCode parse_code(const std::string& text) { return parse_manifest(text, "m.json").status().code(); }
+
+nlohmann::json sample_json() { return nlohmann::json::parse(to_json(sample())); }
+
+TEST(Format, RoundTrips) {
+  auto m = parse_manifest(to_json(sample()), "m.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->step, 42);
+  ASSERT_EQ(m->tensors.size(), 2u);
+  EXPECT_EQ(m->tensors[0].chunks[0].xxh3, 0xdeadbeefcafef00dull);
+  EXPECT_EQ(m->tensors[1].nbytes, 0u);
+  EXPECT_EQ(m->values["lr"], 0.1);
+}
+
+TEST(Format, RejectsGarbageAndTruncation) {
+  EXPECT_EQ(parse_code(""), StatusCode::kCorrupt);
+  EXPECT_EQ(parse_code("{\"format\": 1"), StatusCode::kCorrupt);
+  std::string full = to_json(sample());
+  EXPECT_EQ(parse_code(full.substr(0, full.size() / 2)), StatusCode::kCorrupt);
+  EXPECT_EQ(parse_code("[1,2,3]"), StatusCode::kCorrupt);
+}
+
+TEST(Format, UnknownVersionIsVersionMismatch) {
+  auto j = sample_json();
+  j["version"] = 99;
+  auto r = parse_manifest(j.dump(), "m.json");
+  EXPECT_EQ(r.status().code(), StatusCode::kVersionMismatch);
+  EXPECT_NE(r.status().message().find("99"), std::string::npos);
+  EXPECT_EQ(r.status().path(), "m.json");
+}
+
+TEST(Format, RejectsPathsThatEscapeTheDirectory) {
+  for (const char* bad : {"../../etc/passwd", "/etc/passwd", "a/b.data", "..", ".hidden", ""}) {
+    auto j = sample_json();
+    j["shards"][0]["file"] = bad;
+    EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt) << bad;
+  }
+}
+
+TEST(Format, RejectsAbsurdSizesAndInconsistentEntries) {
+  auto j = sample_json();
+  j["tensors"][0]["shape"] = {1ll << 40, 1ll << 40};
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["nbytes"] = 25;
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["chunks"][0]["raw"] = 20;
+  j["tensors"][0]["chunks"][0]["len"] = 20;
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);  // chunks do not cover the tensor
+  j = sample_json();
+  j["tensors"][0]["chunks"][0]["len"] = 1ull << 40;
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["shard"] = 7;
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["dtype"] = "float128";
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["shape"] = {-2, -12};
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["chunks"][0]["xxh3"] = "not-hex";
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["chunks"][0]["codec"] = "lzma";
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+  j = sample_json();
+  j["tensors"][0]["name"] = 5;
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+}
+
+TEST(Format, ChecksExtentsAgainstFileSizes) {
+  auto m = sample();
+  EXPECT_TRUE(check_extents(m, {8192}).ok());
+  auto s = check_extents(m, {16});
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt);
+  EXPECT_EQ(s.path(), "rank-00000.data");
+}
+
+TEST(Format, Names) {
+  EXPECT_EQ(step_dir_name(42), "step-000000000042");
+  EXPECT_EQ(parse_step_dir_name("step-000000000042"), 42);
+  EXPECT_EQ(parse_step_dir_name("step-00000000004x"), -1);
+  EXPECT_EQ(parse_step_dir_name(".tmp-step-000000000042"), -1);
+  EXPECT_EQ(shard_file_name(3), "rank-00003.data");
+  EXPECT_EQ(dtype_size("bfloat16"), 2u);
+  EXPECT_EQ(dtype_size("nope"), 0u);
+}
+
+}  // namespace
+}  // namespace resilient::checkpoint
