@@ -83,7 +83,7 @@ class Cluster:
             if prefixes:
                 cmd = prefixes[r] + cmd
             err = open(tmp / f"rank{r}.err", "w")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT))
+            self.procs.append(subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env))
 
     def log(self, r: int) -> Path:
         return self.tmp / f"rank{r}.jsonl"
