@@ -1,0 +1,291 @@
+"""Checkpointer: round trips of every kind of state, and every bad-input path."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import resilient
+from resilient import CorruptCheckpointError, VersionMismatchError
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+
+
+def rand(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=gen).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes, so that NaNs and -0.0 compare exactly."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for dt in DTYPES:
+        name = str(dt).removeprefix("torch.")
+        state[name] = {"0d": rand((), dt, gen), "empty": rand((0, 3), dt, gen), "big": rand((257, 33), dt, gen)}
+    base = torch.randn(8, 6, generator=gen)
+    state["views"] = {"t": base.t(), "strided": base[::2, 1::2], "narrow": base[2:5]}
+    expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).wait()
+        for group in state.values():  # change everything after save returned
+            for t in group.values():
+                if t.numel():
+                    t.zero_() if t.dtype != torch.bool else t.logical_not_()
+        assert ckpt.load(state) == 1
+    for k, group in expected.items():
+        for n, t in group.items():
+            got = state[k][n]
+            assert got.dtype == t.dtype and got.shape == t.shape, (k, n)
+            assert torch.equal(bits(got), bits(t)), (k, n)
+    # the non-contiguous views were restored in place into the same storage
+    assert torch.equal(state["views"]["t"], base.t())
+
+
+def test_plain_values_round_trip_with_their_types(tmp_path):
+    values = {
+        "int": 7, "neg": -3, "big": 2**80, "float": 0.1, "nan": math.nan, "inf": -math.inf, "str": "héllo",
+        "none": None, "bool": True, "list": [1, [2, 3]], "tuple": (1, (2, "x")), "bytes": b"\x00\xff",
+        "intkeys": {0: "a", 5: {"k": (1,)}}, "dollar": {"$tensor": "not a tensor"},
+        "np": np.arange(6, dtype=np.int32).reshape(2, 3), "npscalar": np.float32(1.5),
+    }
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, values).wait()
+        out: dict = {}
+        assert ckpt.load(out) == 3
+    assert out["big"] == 2**80 and out["float"] == 0.1 and math.isnan(out["nan"]) and out["inf"] == -math.inf
+    assert out["tuple"] == (1, (2, "x")) and isinstance(out["tuple"][1], tuple)
+    assert out["list"] == [1, [2, 3]] and out["bytes"] == b"\x00\xff"
+    assert out["intkeys"] == {0: "a", 5: {"k": (1,)}}
+    assert out["dollar"] == {"$tensor": "not a tensor"}
+    assert out["str"] == "héllo" and out["none"] is None and out["bool"] is True
+    np.testing.assert_array_equal(out["np"], values["np"])
+    assert out["npscalar"] == np.float32(1.5) and isinstance(out["npscalar"], np.float32)
+
+
+def make_training(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model, opt, sched, steps, gen):
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_stateful_objects_resume_exactly(tmp_path):
+    model, opt, sched = make_training()
+    gen = torch.Generator().manual_seed(1)
+    train(model, opt, sched, 5, gen)
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"model": model, "optim": opt, "sched": sched, "gen": gen.get_state()}).wait()
+        reference = train(model, opt, sched, 4, gen)
+        model2, opt2, sched2 = make_training(seed=123)  # fresh objects, empty optimizer state
+        state = {"model": model2, "optim": opt2, "sched": sched2, "gen": None}
+        assert ckpt.load(state) == 5
+    gen2 = torch.Generator()
+    gen2.set_state(state["gen"])
+    assert train(model2, opt2, sched2, 4, gen2) == reference
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_no_checkpoint_returns_none_and_unknown_objects_are_refused(tmp_path):
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.load({}) is None
+        with pytest.raises(TypeError, match="without pickle"):
+            ckpt.save(1, {"obj": object()})
+        with pytest.raises(FileNotFoundError):
+            ckpt.load({}, step=9)
+
+
+def test_dtype_and_shape_mismatch_name_the_tensor(tmp_path):
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(2, 3)}).wait()
+        with pytest.raises(ValueError, match="'w'.*float32"):
+            ckpt.load({"w": torch.zeros(3, 2)})
+        with pytest.raises(ValueError, match="'w'"):
+            ckpt.load({"w": torch.zeros(2, 3, dtype=torch.float16)})
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:012d}"
+
+
+def _save_steps(root, steps=(1, 2)):
+    with resilient.Checkpointer(root, keep=5) as ckpt:
+        for s in steps:
+            ckpt.save(s, {"w": torch.full((1000,), float(s)), "step": s}).wait()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_shard", "manifest_garbage"])
+def test_damaged_newest_falls_back_to_older(tmp_path, damage):
+    _save_steps(tmp_path)
+    d = _step_dir(tmp_path, 2)
+    data = d / "rank-00000.data"
+    if damage == "flip":
+        b = bytearray(data.read_bytes())
+        b[100] ^= 1
+        data.write_bytes(bytes(b))
+    elif damage == "truncate":
+        os.truncate(data, 10)
+    elif damage == "missing_shard":
+        data.unlink()
+    else:
+        (d / "manifest.json").write_text('{"format": "resilient-checkpoint", "vers')
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        state = {"w": torch.zeros(1000)}
+        assert ckpt.load(state) == 1
+        assert state["step"] == 1 and torch.equal(state["w"], torch.full((1000,), 1.0))
+        assert [s for s, _ in ckpt.last_load.skipped] == [2]
+        exc = FileNotFoundError if damage == "missing_shard" else CorruptCheckpointError
+        with pytest.raises(exc):
+            ckpt.load(state, step=2)
+
+
+def test_flipped_byte_error_names_file_and_offset(tmp_path):
+    _save_steps(tmp_path, steps=(1,))
+    data = _step_dir(tmp_path, 1) / "rank-00000.data"
+    b = bytearray(data.read_bytes())
+    b[200] ^= 0x80
+    data.write_bytes(bytes(b))
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CorruptCheckpointError) as info:
+            ckpt.load({}, step=1)
+        assert info.value.path == str(data) and info.value.offset == 0
+        with pytest.raises(CorruptCheckpointError, match="no checkpoint .* verifies"):
+            ckpt.load({})
+        with pytest.raises(CorruptCheckpointError):
+            ckpt.verify(1)
+
+
+def test_unknown_version_and_hostile_paths(tmp_path):
+    _save_steps(tmp_path)
+    manifest = _step_dir(tmp_path, 2) / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["version"] = 99
+    manifest.write_text(json.dumps(doc))
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(VersionMismatchError, match="version 99"):
+            ckpt.load({}, step=2)
+        assert ckpt.load({}) == 1
+    doc["version"] = 1
+    doc["shards"][0]["file"] = "../../../etc/passwd"
+    manifest.write_text(json.dumps(doc))
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match="escapes"):
+            ckpt.load({}, step=2)
+
+
+def test_values_with_unknown_tags_are_rejected(tmp_path):
+    _save_steps(tmp_path, steps=(1,))
+    manifest = _step_dir(tmp_path, 1) / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["values"]["state"]["evil"] = {"$pickle": "Y29zCnN5c3RlbQ=="}
+    manifest.write_text(json.dumps(doc))
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match="unknown tag"):
+            ckpt.load({}, step=1)
+
+
+def test_disk_full_fails_the_save_and_keeps_the_previous(small_tmpfs):
+    with resilient.Checkpointer(small_tmpfs, keep=5) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1 << 20)}).wait()  # 4 MiB
+        h = ckpt.save(2, {"w": torch.full((4 << 20,), 2.0)})  # 16 MiB: does not fit
+        with pytest.raises(OSError) as info:
+            h.wait(timeout=60)
+        assert info.value.errno == errno.ENOSPC
+        assert ckpt.steps() == [1]
+        state = {"w": torch.zeros(1 << 20)}
+        assert ckpt.load(state) == 1 and torch.equal(state["w"], torch.ones(1 << 20))
+        ckpt.save(3, {"w": torch.full((1 << 20,), 3.0)}).wait()  # space was given back
+        assert ckpt.steps() == [1, 3]
+
+
+def test_retention_keeps_newest(tmp_path):
+    with resilient.Checkpointer(tmp_path, keep=2) as ckpt:
+        for s in range(1, 6):
+            ckpt.save(s, {"w": torch.full((10,), float(s))})
+        ckpt.wait()
+        assert ckpt.steps() == [4, 5]
+
+
+def test_compressed_checkpoints_round_trip(tmp_path):
+    state = {"w": torch.zeros(1 << 18), "r": torch.randn(1000)}
+    with resilient.Checkpointer(tmp_path, zstd_level=3) as ckpt:
+        h = ckpt.save(1, state)
+        h.wait()
+        assert h.stats()["stored_bytes"] < h.stats()["bytes"] / 4
+        out = {"w": torch.ones(1 << 18), "r": torch.zeros(1000)}
+        ckpt.load(out)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["r"], state["r"])
+
+
+def test_bad_settings_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        resilient.Checkpointer(tmp_path, chunk_bytes=1000)
+    with pytest.raises(TypeError, match="unknown checkpoint option"):
+        resilient.Checkpointer(tmp_path, colour="blue")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        resilient.Checkpointer(tmp_path, io_uring="sometimes")
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch, resilient
+    ckpt = resilient.Checkpointer(sys.argv[1], keep=3)
+    step = 0
+    while True:
+        step += 1
+        ckpt.save(step, {"w": torch.full((1 << 20,), float(step)), "step": step}).wait()
+        print(step, flush=True)
+""")
+
+
+def test_kill_9_during_saves_never_leaves_a_corrupt_latest(tmp_path):
+    """A process saving in a loop is killed at random moments; what is committed always loads."""
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        try:
+            first = proc.stdout.readline()  # at least one committed step
+            assert first.strip(), "writer produced no checkpoint"
+            time.sleep(float(rng.uniform(0.0, 0.5)))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        with resilient.Checkpointer(tmp_path, keep=3) as ckpt:
+            state = {"w": torch.zeros(1 << 20)}
+            step = ckpt.load(state)
+            assert step is not None and ckpt.last_load.skipped == []
+            assert state["step"] == step and torch.equal(state["w"], torch.full((1 << 20,), float(step)))
