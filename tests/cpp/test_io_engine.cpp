@@ -132,7 +132,8 @@ TEST_P(EngineTest, EagainAndEintrAreRetried) {
 }
 
 TEST_P(EngineTest, PersistentEagainTimesOut) {
-  ScopedFileHook hook([&](FileOp op, const std::string&) { return op == FileOp::kWrite ? EAGAIN : 0; });
+  ScopedFileHook hook(
+      [&](FileOp op, const std::string&) { return op == FileOp::kWrite ? EAGAIN : 0; });
   auto buf = pattern_buffer(1 << 16, 1);
   auto f = File::create(dir_.file("t"), Feature::kOn);
   ASSERT_TRUE(f.ok());
@@ -141,7 +142,6 @@ TEST_P(EngineTest, PersistentEagainTimesOut) {
   EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
   EXPECT_EQ(s.path(), dir_.file("t"));
 }
-
 
 TEST_P(EngineTest, InjectedEioOnWriteNamesFileAndOffset) {
   std::atomic<int> writes{0};
@@ -158,7 +158,8 @@ TEST_P(EngineTest, InjectedEioOnWriteNamesFileAndOffset) {
 }
 
 TEST_P(EngineTest, InjectedEnospcIsNoSpace) {
-  ScopedFileHook hook([&](FileOp op, const std::string&) { return op == FileOp::kWrite ? ENOSPC : 0; });
+  ScopedFileHook hook(
+      [&](FileOp op, const std::string&) { return op == FileOp::kWrite ? ENOSPC : 0; });
   testing::AlignedBuffer buf;
   Status s = write_pattern(dir_.file("full"), 1 << 20, Feature::kOn, buf);
   EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.to_string();
@@ -229,9 +230,10 @@ TEST_P(EngineTest, TmpfsRoundTrip) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, EngineTest, ::testing::Values("io_uring", "threads"),
-                         [](const auto& info) { return std::string(info.param) == "io_uring"
-                                                           ? std::string("uring")
-                                                           : std::string("threads"); });
+                         [](const auto& info) {
+                           return std::string(info.param) == "io_uring" ? std::string("uring")
+                                                                        : std::string("threads");
+                         });
 
 TEST(UringEngine, RegisteredBuffersAreUsed) {
   auto e = IoEngine::create(small_options(Feature::kOn));
@@ -264,6 +266,33 @@ TEST(IoEngineCreate, UringOffGivesThreads) {
   EXPECT_STREQ((*e)->name(), "threads");
   EXPECT_TRUE((*e)->register_buffers({}).ok());
 }
+
+class RefusedRing : public ::testing::TestWithParam<int> {
+ protected:
+  static int refuse(unsigned, io_uring*, unsigned) { return -errno_; }
+  void SetUp() override {
+    errno_ = GetParam();
+    detail::set_ring_init_for_testing(&refuse);
+  }
+  void TearDown() override { detail::set_ring_init_for_testing(nullptr); }
+  static inline int errno_ = 0;
+};
+
+TEST_P(RefusedRing, AutoFallsBackToThreadsAndOnIsAnError) {
+  auto e = IoEngine::create(small_options(Feature::kAuto));
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_STREQ((*e)->name(), "threads");
+  TempDir dir;
+  auto f = File::create(dir.file("f"), Feature::kAuto);
+  auto buf = pattern_buffer(1 << 16, 2);
+  IoRequest req{buf.get(), 1 << 16, 0};
+  EXPECT_TRUE((*e)->write(*f, {&req, 1}, kLong).ok());
+  auto on = IoEngine::create(small_options(Feature::kOn));
+  EXPECT_EQ(on.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(on.status().sys_errno(), GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Errnos, RefusedRing, ::testing::Values(ENOSYS, EPERM, ENOMEM));
 
 TEST(IoEngineCreate, InvalidOptionsRejected) {
   IoOptions o = small_options(Feature::kAuto);

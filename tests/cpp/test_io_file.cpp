@@ -95,9 +95,8 @@ TEST(File, DirectRefusedFallsBackToBufferedOnAuto) {
 
 TEST(File, DirectRefusedIsAnErrorWhenRequired) {
   TempDir dir;
-  ScopedFileHook hook([&](FileOp op, const std::string&) {
-    return op == FileOp::kOpen ? EINVAL : 0;
-  });
+  ScopedFileHook hook(
+      [&](FileOp op, const std::string&) { return op == FileOp::kOpen ? EINVAL : 0; });
   auto f = File::create(dir.file("x"), Feature::kOn);
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().code(), StatusCode::kUnavailable);
@@ -132,7 +131,8 @@ TEST(Dirs, MakeDirsNestedAndExisting) {
 
 TEST(Dirs, MakeDirsMkdirFailure) {
   TempDir dir;
-  ScopedFileHook hook([](FileOp op, const std::string&) { return op == FileOp::kMkdir ? EACCES : 0; });
+  ScopedFileHook hook(
+      [](FileOp op, const std::string&) { return op == FileOp::kMkdir ? EACCES : 0; });
   Status s = make_dirs(dir.file("new"));
   EXPECT_EQ(s.code(), StatusCode::kIoError);
   EXPECT_EQ(s.sys_errno(), EACCES);
@@ -154,8 +154,7 @@ TEST(Dirs, ListDir) {
   ASSERT_TRUE(make_dirs(dir.file("b")).ok());
   auto names = list_dir(dir.path());
   ASSERT_TRUE(names.ok());
-  EXPECT_EQ(std::set<std::string>(names->begin(), names->end()),
-            (std::set<std::string>{"a", "b"}));
+  EXPECT_EQ(std::set<std::string>(names->begin(), names->end()), (std::set<std::string>{"a", "b"}));
   EXPECT_EQ(list_dir(dir.file("nope")).status().code(), StatusCode::kNotFound);
 }
 
@@ -189,7 +188,8 @@ TEST(Dirs, RemoveTreeReportsUnlinkFailure) {
   TempDir dir;
   ASSERT_TRUE(make_dirs(dir.file("t")).ok());
   std::ofstream(dir.file("t/f")) << "1";
-  ScopedFileHook hook([](FileOp op, const std::string&) { return op == FileOp::kUnlink ? EPERM : 0; });
+  ScopedFileHook hook(
+      [](FileOp op, const std::string&) { return op == FileOp::kUnlink ? EPERM : 0; });
   Status s = remove_tree(dir.file("t"));
   EXPECT_EQ(s.sys_errno(), EPERM);
   EXPECT_EQ(s.path(), dir.file("t/f"));
@@ -235,11 +235,12 @@ TEST_P(AtomicWriteFailure, LeavesOldContentAndNoTempFile) {
   if (err == ENOSPC) EXPECT_EQ(s.code(), StatusCode::kNoSpace);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Ops, AtomicWriteFailure,
-    ::testing::Values(std::make_pair(FileOp::kWrite, ENOSPC), std::make_pair(FileOp::kWrite, EIO),
-                      std::make_pair(FileOp::kFsync, EIO), std::make_pair(FileOp::kRename, EIO),
-                      std::make_pair(FileOp::kClose, EIO)));
+INSTANTIATE_TEST_SUITE_P(Ops, AtomicWriteFailure,
+                         ::testing::Values(std::make_pair(FileOp::kWrite, ENOSPC),
+                                           std::make_pair(FileOp::kWrite, EIO),
+                                           std::make_pair(FileOp::kFsync, EIO),
+                                           std::make_pair(FileOp::kRename, EIO),
+                                           std::make_pair(FileOp::kClose, EIO)));
 
 TEST(AtomicWrite, ShortWritesAreCompleted) {
   TempDir dir;

@@ -103,8 +103,8 @@ File& File::operator=(File&& other) noexcept {
 }
 
 Result<File> File::create(const std::string& path, Feature direct) {
-  RESILIENT_ASSIGN_OR_RETURN(auto opened,
-                             open_with_policy(path, O_WRONLY | O_CREAT | O_TRUNC, direct, "create"));
+  RESILIENT_ASSIGN_OR_RETURN(
+      auto opened, open_with_policy(path, O_WRONLY | O_CREAT | O_TRUNC, direct, "create"));
   return File(opened.first, opened.second, path);
 }
 

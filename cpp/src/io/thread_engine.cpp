@@ -41,8 +41,7 @@ Status ThreadEngine::write(const File& file, std::span<const IoRequest> requests
   return run(Direction::kWrite, file, requests, timeout);
 }
 
-Status ThreadEngine::read(const File& file, std::span<const IoRequest> requests,
-                          Duration timeout) {
+Status ThreadEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout) {
   return run(Direction::kRead, file, requests, timeout);
 }
 
@@ -79,7 +78,8 @@ Status ThreadEngine::run(Direction dir, const File& file, std::span<const IoRequ
   std::lock_guard<std::mutex> lock(batch->mu);
   if (!batch->error.ok()) return batch->error;
   if (timed_out) {
-    return Status(StatusCode::kTimeout, std::string(direction_name(dir)) + " did not finish within " +
+    return Status(StatusCode::kTimeout, std::string(direction_name(dir)) +
+                                            " did not finish within " +
                                             std::to_string(to_seconds(timeout)) + " s")
         .with_path(file.path());
   }

@@ -18,11 +18,16 @@ __kernel_timespec to_timespec(Duration d) {
   return ts;
 }
 
+RingInit g_ring_init = nullptr;
+
 }  // namespace
+
+void set_ring_init_for_testing(RingInit init) { g_ring_init = init; }
 
 Result<std::unique_ptr<UringEngine>> UringEngine::create(const IoOptions& options) {
   std::unique_ptr<UringEngine> engine(new UringEngine(options));
-  int rc = io_uring_queue_init(static_cast<unsigned>(options.queue_depth), &engine->ring_, 0);
+  RingInit init = g_ring_init != nullptr ? g_ring_init : &io_uring_queue_init;
+  int rc = init(static_cast<unsigned>(options.queue_depth), &engine->ring_, 0);
   if (rc < 0) {
     engine->ring_.ring_fd = -1;
     return Status::from_errno(-rc, "io_uring_queue_init").with_errno(-rc);

@@ -11,13 +11,16 @@
 
 namespace resilient::io {
 
-enum class FileOp { kOpen, kWrite, kRead, kFsync, kRename, kUnlink, kMkdir, kRmdir, kTruncate, kClose };
+enum class FileOp {
+  kOpen, kWrite, kRead, kFsync, kRename, kUnlink, kMkdir, kRmdir, kTruncate, kClose
+};
 const char* file_op_name(FileOp op);
 
 /// Called before each syscall with the operation and the file's path (for fd-based calls, the
 /// path the fd was opened with). Return 0 to let the call proceed, or an errno value to make it
 /// fail with that errno without running it. For kWrite, returning -N (N > 0) makes the write
-/// short: only N bytes are written (to test short-write handling).
+/// short: only N bytes are written (to test short-write handling); likewise -N for kRead.
+/// EAGAIN/EINTR are retried by the I/O engines, so a hook can inject transient failures.
 using FileHook = std::function<int(FileOp op, const std::string& path)>;
 
 /// Installs `hook` for the lifetime of the object (tests only; one at a time). Thread-safe.

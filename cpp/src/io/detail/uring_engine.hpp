@@ -13,6 +13,11 @@
 
 namespace resilient::io::detail {
 
+/// The ring constructor (io_uring_queue_init). Tests replace it to simulate a kernel or a
+/// seccomp policy that refuses io_uring; nullptr restores the real one. Not thread-safe.
+using RingInit = int (*)(unsigned entries, io_uring* ring, unsigned flags);
+void set_ring_init_for_testing(RingInit init);
+
 class UringEngine final : public IoEngine {
  public:
   /// Sets up a ring of options.queue_depth entries; the error is the negated io_uring_queue_init
