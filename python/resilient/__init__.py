@@ -28,6 +28,7 @@ _LAZY = {
     "Checkpointer": "resilient.checkpoint",
     "LoadReport": "resilient.checkpoint",
     "SaveHandle": "resilient.checkpoint",
+    "FailureDetector": "resilient.detect",
 }
 __all__ += list(_LAZY)
 
