@@ -33,30 +33,46 @@ std::vector<std::vector<std::pair<size_t, size_t>>> chunks_by_slab(const Staging
   return by;
 }
 
+// Checksums are computed on the workers, slab by slab, running ahead of the writes. The writer
+// submits every slab whose checksums are ready in one batch (up to kMaxBatchSlabs), so the io
+// engine keeps its queue full across slab boundaries; slabs go back to the pool per batch.
+constexpr size_t kMaxBatchSlabs = 8;
+
 Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
                                     ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
-  auto hash_slab = [&](size_t s) {
-    for (auto [t, c] : by_slab[s]) {
-      Chunk& ch = st.layout.tensors[t].chunks[c];
-      ch.xxh3 = checksum(st.slabs[s].data() + ch.offset % st.slab_bytes, ch.len);
-    }
-  };
-  // Hash slab s+1 on a worker while slab s is being written.
-  std::future<void> next;
-  if (!st.slabs.empty()) next = workers.submit([&] { hash_slab(0); });
+  std::vector<std::future<void>> hashed(st.slabs.size());
   for (size_t s = 0; s < st.slabs.size(); ++s) {
-    next.get();
-    if (s + 1 < st.slabs.size()) next = workers.submit([&, s] { hash_slab(s + 1); });
-    uint64_t begin = s * st.slab_bytes;
-    uint64_t used = std::min(st.slab_bytes, st.layout.bytes - begin);
-    io::IoRequest req{st.slabs[s].data(), used, begin};
-    Status w = engine.write(file, {&req, 1}, o.timeout);
+    hashed[s] = workers.submit([&st, &by_slab, s] {
+      for (auto [t, c] : by_slab[s]) {
+        Chunk& ch = st.layout.tensors[t].chunks[c];
+        ch.xxh3 = checksum(st.slabs[s].data() + ch.offset % st.slab_bytes, ch.len);
+      }
+    });
+  }
+  auto drain = [&] {
+    for (auto& f : hashed) if (f.valid()) f.wait();
+  };
+  size_t s = 0;
+  while (s < st.slabs.size()) {
+    hashed[s].get();
+    size_t end = s + 1;
+    while (end < st.slabs.size() && end - s < kMaxBatchSlabs &&
+           hashed[end].wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      hashed[end++].get();
+    }
+    std::vector<io::IoRequest> reqs;
+    for (size_t k = s; k < end; ++k) {
+      uint64_t begin = k * st.slab_bytes;
+      reqs.push_back(io::IoRequest{st.slabs[k].data(), std::min(st.slab_bytes, st.layout.bytes - begin), begin});
+    }
+    Status w = engine.write(file, reqs, o.timeout);
     if (!w.ok()) {
-      if (next.valid()) next.wait();
+      drain();
       return w;
     }
-    st.slabs[s].release();
+    for (size_t k = s; k < end; ++k) st.slabs[k].release();
+    s = end;
   }
   return st.layout.bytes;
 }

@@ -1,0 +1,1 @@
+"""`resilient bench`: checkpoint and restore benchmarks against torch.save and DCP."""

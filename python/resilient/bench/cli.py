@@ -1,0 +1,170 @@
+"""`resilient bench`: the checkpoint/restore benchmark (and `resilient bench straggler`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from resilient import _C
+
+ALL_METHODS = ["raw", "resilient", "torch.save", "dcp", "dcp_async", "dcp_async_fresh"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="checkpoint/restore benchmark (and `bench straggler`)",
+                       description=__doc__)
+    p.add_argument("--size", default="256MiB", help="synthetic state size, e.g. 4GiB (default 256MiB)")
+    p.add_argument("--tensors", type=int, default=64, help="number of synthetic tensors")
+    p.add_argument("--model", default=None, help="use a named model's parameter shapes (gpt-125m, gpt-1b...)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
+    p.add_argument("--dir", default="./resilient-bench", help="scratch directory on the storage to test (removed after)")
+    p.add_argument("--request-bytes", default="16MiB")
+    p.add_argument("--queue-depth", type=int, default=8)
+    p.add_argument("--zstd-level", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="measured repetitions per method (median reported)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+    kinds = p.add_subparsers(dest="kind")
+    s = kinds.add_parser("straggler", help="straggler detection timeline (see docs/straggler.md)", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=run_straggler)
+
+
+def run_straggler(args: argparse.Namespace) -> int:
+    from resilient.straggler_bench import run_straggler_bench
+
+    return int(run_straggler_bench(args.rest) or 0)
+
+
+def progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from resilient.bench import methods as m
+    from resilient.bench.shapes import make_state, model_shapes, state_bytes, synthetic_shapes
+
+    dtype = getattr(torch, args.dtype)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    wanted = [x.strip() for x in args.methods.split(",") if x.strip()]
+    unknown = set(wanted) - set(ALL_METHODS)
+    if unknown:
+        print(f"error: unknown methods {sorted(unknown)}", file=sys.stderr)
+        return 2
+    shapes = model_shapes(args.model) if args.model else synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
+    state = make_state(shapes, dtype, args.device)
+    nbytes = state_bytes(state)
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    quiet = args.json
+    progress(f"{nbytes / 2**30:.2f} GiB in {len(state)} tensors on {args.device}, scratch {root}", quiet)
+    request_bytes = _C.parse_bytes(args.request_bytes)
+    rows = []
+    started = time.time()
+    try:
+        progress("reference copy", quiet)
+        ref = m.d2h_row if args.device == "cuda" else m.memcpy_row
+        rows.append(ref(state, nbytes, args.repeat))
+        for name in wanted:
+            progress(name, quiet)
+            d = root / name.replace(".", "_")
+            d.mkdir(parents=True, exist_ok=True)
+            if name == "raw":
+                fn = lambda d=d: m.raw_row(nbytes, d, request_bytes, args.queue_depth, args.repeat)  # noqa: E731
+            elif name == "resilient":
+                opts = {"request_bytes": request_bytes, "queue_depth": args.queue_depth, "zstd_level": args.zstd_level}
+                fn = lambda d=d: m.resilient_row(state, nbytes, d, args.device, opts, args.repeat)  # noqa: E731
+            elif name == "torch.save":
+                fn = lambda d=d: m.torch_save_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
+            elif name == "dcp":
+                fn = lambda d=d: m.dcp_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
+            else:
+                reuse = name == "dcp_async"
+                fn = lambda d=d, r=reuse: m.dcp_async_row(state, nbytes, d, args.device, args.repeat, r)  # noqa: E731
+            rows.append(m.run_guarded(name, fn))
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "bytes": nbytes, "tensors": len(state), "dtype": args.dtype, "device": args.device,
+        "model": args.model, "host": platform.node(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
+        "rows": [r.to_dict() for r in rows],
+    }
+    result["goals"] = goals(result["rows"], args.device)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_table(result)
+    return 0
+
+
+def _row(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["method"] == name and r["ok"]), None)
+
+
+def goals(rows: list[dict], device: str) -> list[dict[str, Any]]:
+    """The issue's goals as ratios measured in this run."""
+    out: list[dict[str, Any]] = []
+    res, raw = _row(rows, "resilient"), _row(rows, "raw")
+    ref = _row(rows, "d2h_limit" if device == "cuda" else "memcpy")
+    limit = 1.15 if device == "cuda" else 1.2
+
+    def add(name: str, value: float | None, target: str, ok: bool | None) -> None:
+        out.append({"goal": name, "value": value, "target": target, "met": ok})
+
+    if res and raw:
+        for key, label in (("write_gbps", "write vs raw"), ("restore_gbps", "restore vs raw")):
+            v = res[key] / raw[key] if res[key] and raw[key] else None
+            add(label, v, ">= 0.90", v is not None and v >= 0.9)
+    if res and ref:
+        v = res["stall_s"] / ref["stall_s"]
+        add(f"stall vs {ref['method']}", v, f"<= {limit}", v <= limit)
+    if res:
+        for other in ("torch.save", "dcp", "dcp_async", "dcp_async_fresh"):
+            o = _row(rows, other)
+            if not o:
+                continue
+            ahead = (res["stall_s"] < o["stall_s"] and res["durable_s"] < o["durable_s"]
+                     and (res["write_gbps"] or 0) > (o["write_gbps"] or 0)
+                     and (res["restore_gbps"] or 0) > (o["restore_gbps"] or 0))
+            add(f"ahead of {other} (stall, durable, write, restore)", None, "all four", ahead)
+    return out
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def print_table(result: dict) -> None:
+    print(f"resilient bench: {result['bytes'] / 2**30:.2f} GiB in {result['tensors']} tensors "
+          f"({result['dtype']}, {result['device']}), torch {result['torch']}, {result['date']}")
+    cols = ["method", "return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps"]
+    print(" ".join(f"{c:>13}" for c in cols) + "  notes")
+    for r in result["rows"]:
+        if not r["ok"]:
+            print(f"{r['method']:>13} FAILED: {r['error']}")
+            continue
+        notes = {k: v for k, v in r["notes"].items() if k != "traceback"}
+        print(" ".join(f"{_fmt(r[c]):>13}" for c in cols) + "  " + ", ".join(f"{k}={_fmt(v, 2)}" for k, v in notes.items()))
+    print("goals (this run):")
+    for g in result["goals"]:
+        mark = "met" if g["met"] else "MISSED"
+        print(f"  {g['goal']:<50} {_fmt(g['value']):>8}  target {g['target']:<10} {mark}")

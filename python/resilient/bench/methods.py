@@ -1,0 +1,273 @@
+"""One function per benchmarked method. Each saves the same state, waits until it is durable,
+then restores it with the page cache dropped, and returns a Row.
+
+Definitions (seconds from the save call):
+  return_s   how long the save call blocked
+  stall_s    until the caller may modify the saved tensors again (async methods: staging done)
+  durable_s  until the checkpoint is on storage (fsynced) and committed
+  write_gbps bytes / (durable_s - stall_s): storage throughput once the state is staged
+             (for blocking methods stall_s == durable_s, so bytes / durable_s)
+  restore_gbps bytes / time to read the checkpoint back into memory from storage
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from resilient import _C
+
+
+@dataclass
+class Row:
+    method: str
+    return_s: float | None = None
+    stall_s: float | None = None
+    durable_s: float | None = None
+    write_gbps: float | None = None
+    restore_gbps: float | None = None
+    ok: bool = True
+    error: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def median_row(rows: list[Row]) -> Row:
+    """Field-wise median of repeated measurements (the notes of the last one)."""
+    import statistics
+
+    out = Row(rows[-1].method, notes=dict(rows[-1].notes))
+    for f in ("return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps"):
+        vals = [getattr(r, f) for r in rows if getattr(r, f) is not None]
+        setattr(out, f, statistics.median(vals) if vals else None)
+    out.notes["repeats"] = len(rows)
+    return out
+
+
+def _gbps(nbytes: int, seconds: float | None) -> float | None:
+    return nbytes / seconds / 1e9 if seconds and seconds > 0 else None
+
+
+def drop_cache(path: Path) -> str:
+    """Evicts `path`'s files from the page cache; returns how ("drop_caches" or "fadvise")."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    ok = all(_C.drop_file_cache(str(p)) for p in files)
+    return "fadvise" if ok else "none (page cache may serve reads)"
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _sync_device(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
+    """One single-threaded memcpy of the same bytes into a pre-touched buffer: the stall floor
+    the CPU goal is measured against."""
+    if next(iter(state.values())).device.type != "cpu":
+        return Row("memcpy", ok=False, error="host memcpy row needs CPU tensors")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.fill_(1)
+    base = buf.data_ptr()
+
+    def copy() -> None:
+        off = 0
+        for t in state.values():
+            n = t.numel() * t.element_size()
+            ctypes.memmove(base + off, t.data_ptr(), n)
+            off += n
+
+    copy()  # warm
+    rows = [Row("memcpy", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
+            for s, _ in (_timed(copy) for _ in range(repeat))]
+    return median_row(rows)
+
+
+def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
+    """Pinned device-to-host copy of the same bytes: the floor for any blocking GPU snapshot."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy() -> None:
+        off = 0
+        for t in state.values():
+            n = t.numel() * t.element_size()
+            host[off:off + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+            off += n
+        torch.cuda.synchronize()
+
+    copy()
+    rows = [Row("d2h_limit", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
+            for s, _ in (_timed(copy) for _ in range(repeat))]
+    return median_row(rows)
+
+
+def raw_row(nbytes: int, root: Path, request_bytes: int, queue_depth: int, repeat: int) -> Row:
+    """Plain io_uring O_DIRECT writes and reads of the same bytes: the storage limit."""
+    path = root / "raw.bin"
+    rows = []
+    for _ in range(repeat):
+        w = _C.raw_write(str(path), nbytes, request_bytes=request_bytes, queue_depth=queue_depth)
+        how = drop_cache(path)
+        r = _C.raw_read(str(path), request_bytes=request_bytes, queue_depth=queue_depth)
+        path.unlink()
+        rows.append(Row("raw", durable_s=w["seconds"], write_gbps=_gbps(nbytes, w["seconds"]),
+                        restore_gbps=_gbps(nbytes, r["seconds"]),
+                        notes={"engine": w["engine"], "direct": w["direct"], "cache": how}))
+    return median_row(rows)
+
+
+def resilient_row(state, nbytes, root: Path, device: str, options: dict[str, Any], repeat: int) -> Row:
+    from resilient.checkpoint import Checkpointer
+
+    rows = []
+    with Checkpointer(root, keep=1, **options) as ckpt:
+        ckpt.save(0, state).wait()  # warm-up: the pool's buffers are allocated once and reused
+        for step in range(1, repeat + 1):
+            ckpt.wait()  # retention of the previous step finishes before anything is timed
+            _sync_device(device)
+            t0 = time.perf_counter()
+            h = ckpt.save(step, state)
+            ret = time.perf_counter() - t0
+            h.wait()
+            st = h.stats()
+            stall, durable = st["snapshot_s"], st["durable_s"]
+            how = drop_cache(root)
+            _sync_device(device)
+            restore, _ = _timed(lambda s=step: (ckpt.load(state, step=s), _sync_device(device)))
+            rows.append(Row("resilient", return_s=ret, stall_s=stall, durable_s=durable,
+                            write_gbps=_gbps(nbytes, durable - stall), restore_gbps=_gbps(nbytes, restore),
+                            notes={"io": ckpt.io_backend, "cache": how}))
+    return median_row(rows)
+
+
+def torch_save_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
+    path = root / "model.pt"
+
+    def save() -> None:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    save()  # warm-up
+    rows = []
+    for _ in range(repeat):
+        durable, _ = _timed(save)
+        how = drop_cache(path)
+        restore, _ = _timed(lambda: torch.load(path, map_location=device, weights_only=True))
+        rows.append(Row("torch.save", return_s=durable, stall_s=durable, durable_s=durable,
+                        write_gbps=_gbps(nbytes, durable), restore_gbps=_gbps(nbytes, restore),
+                        notes={"cache": how}))
+    return median_row(rows)
+
+
+def dcp_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
+    import torch.distributed.checkpoint as dcp
+
+    def save(i: int) -> Path:
+        d = root / f"dcp-{i}"
+        dcp.save(state, checkpoint_id=str(d), no_dist=True)
+        return d
+
+    shutil.rmtree(save(0))
+    rows = []
+    for i in range(1, repeat + 1):
+        durable, d = _timed(lambda i=i: save(i))
+        how = drop_cache(d)
+        restore, _ = _timed(lambda: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device)))
+        shutil.rmtree(d)
+        rows.append(Row("dcp", return_s=durable, stall_s=durable, durable_s=durable,
+                        write_gbps=_gbps(nbytes, durable), restore_gbps=_gbps(nbytes, restore),
+                        notes={"cache": how}))
+    return median_row(rows)
+
+
+def _stager(device: str, notes: dict[str, Any]) -> Any:
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        notes["stager"] = "none in this torch"
+        return None
+    cuda = device == "cuda"
+    notes["stager"] = f"DefaultStager(pinned={cuda}, async staging)"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=cuda))
+
+
+def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_stager: bool) -> Row:
+    """dcp.async_save with the installed torch's stager. With reuse_stager (the intended use,
+    whose pinned buffers are reused), one stager serves every save; otherwise each save gets a
+    fresh stager and pays its allocation."""
+    import torch.distributed.checkpoint as dcp
+
+    name = "dcp_async" if reuse_stager else "dcp_async_fresh"
+    notes: dict[str, Any] = {}
+    shared = _stager(device, notes) if reuse_stager else None
+
+    def save(i: int) -> tuple[Row, Path]:
+        stager = shared if reuse_stager else _stager(device, notes)
+        d = root / f"dcp-async-{i}"
+        try:
+            t0 = time.perf_counter()
+            resp = dcp.async_save(state, checkpoint_id=str(d), no_dist=True, async_stager=stager)
+            ret = time.perf_counter() - t0
+            if hasattr(resp, "staging_completion"):
+                resp.staging_completion.result()
+                stall = time.perf_counter() - t0
+                resp.upload_completion.result()
+            else:
+                stall = ret
+                resp.result()
+            durable = time.perf_counter() - t0
+        finally:
+            if stager is not None and not reuse_stager and hasattr(stager, "close"):
+                stager.close()
+        return Row(name, return_s=ret, stall_s=stall, durable_s=durable,
+                   write_gbps=_gbps(nbytes, durable - stall), notes=notes), d
+
+    try:
+        shutil.rmtree(save(0)[1])  # warm-up
+        rows = []
+        for i in range(1, repeat + 1):
+            row, d = save(i)
+            how = drop_cache(d)
+            restore, _ = _timed(lambda: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device)))
+            shutil.rmtree(d)
+            row.restore_gbps = _gbps(nbytes, restore)
+            row.notes = {**notes, "cache": how}
+            rows.append(row)
+    finally:
+        if shared is not None and hasattr(shared, "close"):
+            shared.close()
+    return median_row(rows)
+
+
+def run_guarded(name: str, fn: Callable[[], Row]) -> Row:
+    """Runs one method; a method that fails is reported as failed with its error, not dropped."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a failing baseline is a result
+        return Row(name, ok=False, error=f"{type(e).__name__}: {e}",
+                   notes={"traceback": traceback.format_exc(limit=3)})
