@@ -1,0 +1,67 @@
+"""Communicators that survive failures: the native NCCL manager (non-blocking init and
+collectives, revoke/abort, shrink or fresh init per generation) and helpers that rebuild
+torch.distributed process groups and DDP for a new membership.
+
+``resilient.comm.native`` needs only the native core; ``resilient.comm.process_group`` imports
+torch (loaded on first use of its names here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resilient.comm.native import (
+    CommManager,
+    CommOptions,
+    InMemoryStore,
+    NcclLibrary,
+    Store,
+    TorchStoreAdapter,
+    load_nccl,
+    torch_nccl_dir,
+)
+
+_TORCH_NAMES = {
+    "RebuildResult",
+    "RebuildTimings",
+    "abort_process_group",
+    "generation_store",
+    "join_process_group",
+    "rebuild_process_group",
+    "release_retired_groups",
+    "rewrap_ddp",
+    "supports_shrink",
+    "survivor_rank",
+    "verify_group",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from resilient.comm import process_group
+
+        return getattr(process_group, name)
+    raise AttributeError(f"module 'resilient.comm' has no attribute {name!r}")
+
+
+__all__ = [
+    "CommManager",
+    "CommOptions",
+    "InMemoryStore",
+    "NcclLibrary",
+    "RebuildResult",
+    "RebuildTimings",
+    "Store",
+    "TorchStoreAdapter",
+    "abort_process_group",
+    "generation_store",
+    "join_process_group",
+    "load_nccl",
+    "rebuild_process_group",
+    "release_retired_groups",
+    "rewrap_ddp",
+    "supports_shrink",
+    "survivor_rank",
+    "torch_nccl_dir",
+    "verify_group",
+]

@@ -1,0 +1,301 @@
+"""Rebuilding torch.distributed process groups for a new membership after a rank fails.
+
+Two paths, chosen per group:
+
+* **shrink** — where the backend supports it (``ProcessGroupNCCL`` with NCCL >= 2.27 in torch
+  2.11: ``torch.distributed.shrink_group``), the survivors shrink the failed group in place,
+  excluding the failed ranks (``SHRINK_ABORT`` first stops in-flight work);
+* **reinit** — otherwise (gloo, older NCCL, or when spares join): abort the failed group, destroy
+  it, and create a new default group under a generation-prefixed store
+  (``gen<g>/`` key prefix), so keys of the failed generation can never be mixed with
+  the new one.
+
+Survivors keep their order and close the gaps (old rank 3 of 4 becomes rank 2 of 3 when rank 1
+leaves), exactly as ncclCommShrink does; spares or restarted ranks take the ranks after the
+survivors and call :func:`join_process_group` with the same generation.
+
+The caller (the recovery loop) decides *which* ranks left and agrees on the generation; these
+helpers only rebuild. Every step is timed for the recovery timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "RebuildResult",
+    "RebuildTimings",
+    "abort_process_group",
+    "generation_store",
+    "join_process_group",
+    "rebuild_process_group",
+    "release_retired_groups",
+    "rewrap_ddp",
+    "supports_shrink",
+    "survivor_rank",
+    "verify_group",
+]
+
+
+@dataclass
+class RebuildTimings:
+    """Seconds spent in each phase of a rebuild (``time.monotonic`` differences)."""
+
+    method: str = ""  #: "shrink" or "reinit"
+    abort_s: float = 0.0  #: aborting and destroying the failed group (0 for shrink)
+    rebuild_s: float = 0.0  #: shrink_group, or init_process_group of the new generation
+    first_collective_s: float = 0.0  #: the verifying all_reduce on the new group
+
+    def as_dict(self) -> dict[str, Any]:
+        """The timings as a JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class RebuildResult:
+    """The rebuilt group and this process's place in it."""
+
+    group: Any  #: the new ProcessGroup (the new default group for reinit)
+    rank: int
+    world_size: int
+    generation: int
+    timings: RebuildTimings = field(default_factory=RebuildTimings)
+
+
+def survivor_rank(old_rank: int, old_size: int, excluded: Sequence[int]) -> int:
+    """The rank ``old_rank`` gets once ``excluded`` leave (order kept, gaps closed).
+
+    Raises:
+        ValueError: ``old_rank`` is excluded, or ``excluded`` has a duplicate or a rank outside
+            ``[0, old_size)``.
+    """
+    ex = sorted(excluded)
+    if len(set(ex)) != len(ex):
+        raise ValueError(f"excluded ranks contain a duplicate: {list(excluded)}")
+    if any(r < 0 or r >= old_size for r in ex):
+        raise ValueError(f"excluded ranks {ex} outside [0, {old_size})")
+    if old_rank in ex:
+        raise ValueError(f"rank {old_rank} is itself excluded")
+    return old_rank - sum(1 for r in ex if r < old_rank)
+
+
+def generation_store(store: Any, generation: int) -> Any:
+    """The namespace of one generation's group: keys become ``gen<generation>/<key>``
+    (torch's PrefixStore inserts the ``/`` itself)."""
+    return dist.PrefixStore(f"gen{generation}", store)
+
+
+def _backend_of(group: Any) -> Any | None:
+    device = getattr(group, "bound_device_id", None)
+    candidates = [device] if device is not None else []
+    candidates += [torch.device("cuda"), torch.device("cpu")]
+    for dev in candidates:
+        try:
+            return group._get_backend(dev)
+        except (RuntimeError, ValueError):
+            continue
+    return None
+
+
+def supports_shrink(group: Any | None = None) -> bool:
+    """True when ``torch.distributed.shrink_group`` exists and ``group``'s backend can shrink."""
+    if not hasattr(dist, "shrink_group"):
+        return False
+    group = group if group is not None else dist.group.WORLD
+    backend = _backend_of(group)
+    try:
+        return bool(backend is not None and backend.supports_shrinking)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Groups torn down after a failure. Their C++ destructors join backend threads, and a gloo thread
+# stuck in a collective with the dead rank only returns at the group's timeout: dropping the last
+# reference would block the survivor for that long (measured: 20 s with a 20 s timeout). They are
+# kept here until release_retired_groups().
+_RETIRED: list[Any] = []
+
+
+def abort_process_group(group: Any | None = None) -> float:
+    """Aborts in-flight work on ``group`` (default: the default group) and destroys it.
+
+    Never waits for peers: ``ProcessGroup.abort`` tears down communicators without a barrier,
+    and the group object is retired (kept referenced) so its destructor cannot block on a
+    collective still waiting for the dead rank. Destroying the default group destroys every
+    other group too.
+
+    Returns:
+        seconds spent.
+    """
+    t0 = time.monotonic()
+    if not dist.is_initialized():
+        return 0.0
+    pg = group if group is not None else dist.group.WORLD
+    _RETIRED.append(pg)
+    try:
+        pg.abort()
+    except (RuntimeError, NotImplementedError):
+        pass  # a backend without abort: destroy below still releases it
+    dist.destroy_process_group(group)
+    return time.monotonic() - t0
+
+
+def release_retired_groups() -> int:
+    """Drops the references to groups retired by :func:`abort_process_group` (call once their
+    stuck collectives have timed out, e.g. at the next checkpoint). Returns how many."""
+    n = len(_RETIRED)
+    _RETIRED.clear()
+    return n
+
+
+def join_process_group(
+    store: Any,
+    *,
+    generation: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta = timedelta(seconds=60),
+    device_id: torch.device | None = None,
+) -> Any:
+    """Creates the default group of ``generation`` (a spare or restarted rank joining, or a
+    survivor of a reinit). Blocks until all ``world_size`` ranks joined or ``timeout``.
+
+    Returns:
+        the new default ProcessGroup.
+    """
+    kwargs: dict[str, Any] = {}
+    if device_id is not None:
+        kwargs["device_id"] = device_id
+    dist.init_process_group(
+        backend,
+        store=generation_store(store, generation),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+    return dist.group.WORLD
+
+
+def verify_group(group: Any | None = None, device: torch.device | str = "cpu") -> float:
+    """All-reduces a one on ``group`` and checks the sum equals its size: the first collective
+    on a rebuilt group. Returns the seconds it took.
+
+    Raises:
+        RuntimeError: the sum is wrong (a rank is in the wrong group) or the collective failed.
+    """
+    group = group if group is not None else dist.group.WORLD
+    t0 = time.monotonic()
+    x = torch.ones(1, device=device)
+    dist.all_reduce(x, group=group)
+    if device != "cpu" and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    size = dist.get_world_size(group)
+    if int(x.item()) != size:
+        raise RuntimeError(f"verify_group: all_reduce gave {x.item()}, expected {size}")
+    return time.monotonic() - t0
+
+
+def rebuild_process_group(
+    store: Any | None,
+    *,
+    generation: int,
+    excluded: Sequence[int],
+    backend: str | None = None,
+    new_size: int | None = None,
+    timeout: timedelta = timedelta(seconds=60),
+    prefer_shrink: bool = True,
+    device_id: torch.device | None = None,
+    verify: bool = True,
+) -> RebuildResult:
+    """Rebuilds the default process group without the ``excluded`` ranks.
+
+    Every survivor calls this with the same ``generation``, ``excluded`` and ``new_size``.
+
+    Args:
+        store: the job's base store (one that outlives any rank, e.g. hosted by the launcher).
+            None takes the failed group's store, which only works if its host is alive.
+        generation: the new generation; must differ from every earlier one.
+        excluded: ranks of the failed group that left.
+        backend: backend of the new group for the reinit path (default: the failed group's).
+        new_size: world size of the new group when spares join (default: the survivors);
+            joiners force the reinit path.
+        timeout: the new group's collective and rendezvous timeout.
+        prefer_shrink: use ``shrink_group`` where the backend supports it.
+        device_id: passed to ``init_process_group`` (binds NCCL groups to a device).
+        verify: run :func:`verify_group` as the first collective and time it.
+
+    Returns:
+        the new group, this rank and size in it, and the phase timings.
+
+    Raises:
+        ValueError: bad ``excluded`` (see :func:`survivor_rank`) or ``new_size``.
+        RuntimeError: the torch backend failed (e.g. another rank died during the rebuild);
+            the caller retries with more exclusions and a newer generation.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("rebuild_process_group: no default process group to rebuild")
+    old = dist.group.WORLD
+    old_rank, old_size = dist.get_rank(), dist.get_world_size()
+    rank = survivor_rank(old_rank, old_size, excluded)
+    survivors = old_size - len(excluded)
+    size = survivors if new_size is None else new_size
+    if size < survivors:
+        raise ValueError(f"new_size {size} is smaller than the {survivors} survivors")
+    backend = backend or dist.get_backend(old)
+    timings = RebuildTimings()
+    device = "cpu"
+    if device_id is not None:
+        device = device_id
+    elif backend == "nccl" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    if prefer_shrink and size == survivors and supports_shrink(old):
+        _RETIRED.append(old)
+        timings.method = "shrink"
+        t0 = time.monotonic()
+        group = dist.shrink_group(sorted(excluded), old, shrink_flags=dist.SHRINK_ABORT)
+        timings.rebuild_s = time.monotonic() - t0
+    else:
+        timings.method = "reinit"
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        timings.abort_s = abort_process_group()
+        t0 = time.monotonic()
+        group = join_process_group(
+            store,
+            generation=generation,
+            rank=rank,
+            world_size=size,
+            backend=backend,
+            timeout=timeout,
+            device_id=device_id,
+        )
+        timings.rebuild_s = time.monotonic() - t0
+    if verify:
+        timings.first_collective_s = verify_group(group, device)
+    return RebuildResult(group, dist.get_rank(group), dist.get_world_size(group), generation,
+                         timings)
+
+
+def rewrap_ddp(model: torch.nn.Module, process_group: Any, **ddp_kwargs: Any) -> Any:
+    """Wraps ``model`` (or the module inside a DistributedDataParallel) in a new DDP on
+    ``process_group``. DDP's constructor broadcasts rank 0's parameters and buffers, so the new
+    group starts in sync. For a CUDA module ``device_ids`` defaults to the module's device.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = model.module if isinstance(model, DDP) else model
+    if "device_ids" not in ddp_kwargs:
+        param = next(module.parameters(), None)
+        if param is not None and param.device.type == "cuda":
+            ddp_kwargs["device_ids"] = [param.device.index]
+    return DDP(module, process_group=process_group, **ddp_kwargs)

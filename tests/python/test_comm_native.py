@@ -1,0 +1,97 @@
+"""resilient._C.comm through Python: settings, errors, stores and the real NCCL when present."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient import UnavailableError
+from resilient.comm import CommManager, CommOptions, InMemoryStore, Store, load_nccl
+from resilient.comm.native import NcclLibrary, TorchStoreAdapter, torch_nccl_dir
+
+
+def _nccl():
+    try:
+        return load_nccl()
+    except UnavailableError as exc:
+        pytest.skip(f"no NCCL here: {exc}")
+
+
+def test_options_defaults_setters_and_validation() -> None:
+    o = CommOptions()
+    assert o.init_timeout_s == 120 and o.rebuild_mode == "auto" and o.revoke == "auto"
+    o.collective_timeout_s = 1.5
+    o.rebuild_mode = "reinit"
+    o.revoke = "off"
+    assert (o.collective_timeout_s, o.rebuild_mode, o.revoke) == (1.5, "reinit", "off")
+    with pytest.raises(ValueError):
+        o.rebuild_mode = "sometimes"
+    with pytest.raises(ValueError):
+        o.init_timeout_s = -1
+
+
+def test_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENT_COMM_STORE_TIMEOUT_S", "7")
+    monkeypatch.setenv("RESILIENT_COMM_REBUILD", "shrink")
+    o = CommOptions.from_env()
+    assert (o.store_timeout_s, o.rebuild_mode) == (7, "shrink")
+
+
+def test_missing_library_raises_unavailable() -> None:
+    with pytest.raises(UnavailableError, match="RESILIENT_NCCL_PATH"):
+        NcclLibrary.load("/nonexistent/lib", False)
+    with pytest.raises(UnavailableError, match="disabled"):
+        NcclLibrary.load("", True, "off")
+
+
+def test_in_memory_store_times_out() -> None:
+    s = InMemoryStore()
+    with pytest.raises(TimeoutError):
+        s.get("k", 0.01)
+    s.set("k", b"\x00v")
+    assert s.get("k", 0.01) == b"\x00v"
+
+
+def test_real_nccl_loads_and_gates_features() -> None:
+    lib = _nccl()
+    assert lib.version >= 21400
+    if torch_nccl_dir():
+        assert torch_nccl_dir() in lib.origin
+    if lib.version >= 22807:
+        assert lib.supports("revoke") and lib.supports("shrink")
+    m = CommManager(lib, CommOptions())
+    assert len(m.new_unique_id()) == 128
+    assert m.state == "empty"
+    assert m.plan() == ("none", "reinit")  # nothing to tear down before the first init
+
+
+def test_python_store_timeout_reaches_init_from_store() -> None:
+    """A Store implemented in Python: its TimeoutError becomes the manager's Timeout."""
+    lib = _nccl()
+
+    class DictStore(Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.data: dict[str, bytes] = {}
+
+        def set(self, key: str, value: bytes) -> None:
+            self.data[key] = value
+
+        def get(self, key: str, timeout_s: float) -> bytes:
+            if key not in self.data:
+                raise TimeoutError(key)
+            return self.data[key]
+
+    o = CommOptions()
+    o.store_timeout_s = 0.05
+    m = CommManager(lib, o)
+    with pytest.raises(TimeoutError, match="gen3/nccl_id"):
+        m.init_from_store(DictStore(), 3, 2, 1)
+
+
+def test_torch_store_adapter_round_trip_and_timeout() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    adapter = TorchStoreAdapter(dist.HashStore())
+    adapter.set("a", b"\x01\x02")
+    assert adapter.get("a", 1.0) == b"\x01\x02"
+    with pytest.raises(TimeoutError):
+        adapter.get("missing", 0.05)
