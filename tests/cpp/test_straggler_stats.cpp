@@ -71,8 +71,16 @@ TEST(StragglerStats, RollingHistoryKeepsTheLastValues) {
   EXPECT_THROW(RollingHistory(0), std::logic_error);
 }
 
+constexpr CusumParams kParams{.drift = 0.5, .threshold = 3.0, .clip = 2.0, .cap = 6.0};
+
+TEST(StragglerCusum, DefaultsNeedSeveralWindows) {
+  CusumParams p;  // a maximal (clipped) window adds clip - drift: persistence takes > 2 windows
+  EXPECT_GT(p.threshold, 2 * (p.clip - p.drift));
+  EXPECT_GE(p.cap, p.threshold);
+}
+
 TEST(StragglerCusum, SingleSpikeStaysTransient) {
-  CusumParams p;  // drift 0.5, threshold 3, clip 2
+  CusumParams p = kParams;
   CusumState st;
   // A huge one-window spike is clipped to 2: S = 1.5, below the threshold, then decays.
   CusumEvent ev = cusum_update(st, 100.0, 10, p);
@@ -86,12 +94,12 @@ TEST(StragglerCusum, SingleSpikeStaysTransient) {
 }
 
 TEST(StragglerCusum, SustainedShiftBecomesPersistentWithChangePoint) {
-  CusumParams p;
+  CusumParams p = kParams;
   CusumState st;
   cusum_update(st, 0.0, 0, p);
   cusum_update(st, 0.2, 10, p);  // below the drift: no excursion
   EXPECT_EQ(st.run_start, -1);
-  // Evidence 1.3 per window (a 20% slowdown with min_ratio 1.15): +0.8 per window.
+  // Evidence 1.3 per window: +0.8 per window.
   int became_at = -1;
   for (int w = 0; w < 6; ++w) {
     CusumEvent ev = cusum_update(st, 1.3, 20 + 10 * w, p);
@@ -110,7 +118,7 @@ TEST(StragglerCusum, SustainedShiftBecomesPersistentWithChangePoint) {
 }
 
 TEST(StragglerCusum, IntermittentShiftAccumulates) {
-  CusumParams p;
+  CusumParams p = kParams;
   CusumState st;
   bool persistent = false;
   // Slow in 3 windows out of 4 at evidence 1.5: mean increment 0.625 per window.
@@ -124,7 +132,7 @@ TEST(StragglerCusum, IntermittentShiftAccumulates) {
 TEST(StragglerOptions, ValidateRejectsInconsistentSettings) {
   StragglerOptions o;
   EXPECT_TRUE(o.validate().ok());
-  o.slow_ratio = 1.1;  // below min_ratio 1.15
+  o.slow_ratio = 1.05;  // below min_ratio 1.1
   EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
   o = StragglerOptions{};
   o.interval = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <tuple>
 #include <utility>
 
 namespace resilient::straggler {
@@ -26,17 +27,19 @@ std::vector<double> column(const WindowInput& in, int phase) {
   return out;
 }
 
+// Slow phases first; among them the directly measured ones (compute, host) before the wait
+// phase, whose implied ratio is only corroborating; then the largest ratio. Among phases that
+// are not slow, the largest z.
 void pick_worst(RankScore& s) {
+  auto rank_of = [&](int p) {
+    const PhaseScore& ps = s.phases[p];
+    const bool direct = static_cast<Phase>(p) != Phase::kWait;
+    return std::make_tuple(ps.slow, ps.slow && direct, ps.slow ? ps.ratio : ps.z);
+  };
   int worst = -1;
   for (int p = 0; p < kNumPhases; ++p) {
-    const PhaseScore& ps = s.phases[p];
-    if (!std::isfinite(ps.ratio)) continue;
-    if (worst < 0) { worst = p; continue; }
-    const PhaseScore& best = s.phases[worst];
-    const bool better = ps.slow != best.slow ? ps.slow
-                        : ps.slow            ? ps.ratio > best.ratio
-                                             : ps.z > best.z;
-    if (better) worst = p;
+    if (!std::isfinite(s.phases[p].ratio)) continue;
+    if (worst < 0 || rank_of(p) > rank_of(worst)) worst = p;
   }
   if (worst < 0) return;
   s.worst_phase = static_cast<Phase>(worst);
@@ -117,6 +120,19 @@ Result<std::vector<RankScore>> score_window(const WindowInput& input,
       ps.slow = phase_slow(ps.ratio, ps.z, excess, median_step, options);
     }
   }
+  // The wait phase only corroborates: a collective's own duration varies across ranks (by
+  // milliseconds for gloo on a loaded host), and that noise lands in the wait deficit. So waiting
+  // little makes a rank slow only on a z-score (not the ratio rule alone) and only when its host
+  // time, where the busy-time difference shows directly, is at least min_ratio above the median.
+  constexpr int kWait = static_cast<int>(Phase::kWait);
+  constexpr int kHost = static_cast<int>(Phase::kHost);
+  for (RankScore& sc : scores) {
+    PhaseScore& w = sc.phases[kWait];
+    if (!w.slow) continue;
+    const double host_ratio = sc.phases[kHost].ratio;
+    w.slow = w.z >= options.z_threshold && w.ratio >= options.min_ratio &&
+             (!std::isfinite(host_ratio) || host_ratio >= options.min_ratio);
+  }
   for (RankScore& s : scores) pick_worst(s);
   return scores;
 }
@@ -186,7 +202,12 @@ Result<WindowResult> StragglerDetector::update(const WindowInput& input) {
     s.persistent = rs.cusum.persistent;
     if (ev.became_persistent) out.newly_persistent.push_back(s.rank);
     if (ev.recovered) out.recovered.push_back(s.rank);
-    if (!s.slow && !s.persistent) continue;
+    rs.slow_streak = s.slow ? rs.slow_streak + 1 : 0;
+    s.slow_streak = rs.slow_streak;
+    // Report while slow: after report_after windows in a row, or at once when the excursion is
+    // already persistent (an intermittent straggler). A persistent rank that looks normal again
+    // is not reported; its scores show the CUSUM decaying until `recovered`.
+    if (!s.slow || (!s.persistent && s.slow_streak < options_.report_after)) continue;
     StragglerReport rep;
     rep.rank = s.rank;
     rep.phase = s.worst_phase;
@@ -199,7 +220,8 @@ Result<WindowResult> StragglerDetector::update(const WindowInput& input) {
     rep.last_step = input.last_step;
     rep.persistent = s.persistent;
     rep.cusum = s.cusum;
-    rep.flagged_windows = rs.cusum.run_start >= 0 ? rs.cusum.flagged_windows : 1;
+    rep.flagged_windows = rs.cusum.run_start >= 0 ? rs.cusum.flagged_windows : s.slow_streak;
+    rep.slow_streak = s.slow_streak;
     out.reports.push_back(rep);
   }
   out.scores = std::move(scores);

@@ -24,6 +24,7 @@ StragglerOptions StragglerOptions::from_env() {
   o.min_step_fraction = env_double("RESILIENT_STRAGGLER_MIN_STEP_FRACTION", o.min_step_fraction);
   o.min_ranks = env_int("RESILIENT_STRAGGLER_MIN_RANKS", o.min_ranks);
   o.history_windows = env_int("RESILIENT_STRAGGLER_HISTORY", o.history_windows);
+  o.report_after = env_int("RESILIENT_STRAGGLER_REPORT_AFTER", o.report_after);
   o.cusum.drift = env_double("RESILIENT_STRAGGLER_CUSUM_DRIFT", o.cusum.drift);
   o.cusum.threshold = env_double("RESILIENT_STRAGGLER_CUSUM_THRESHOLD", o.cusum.threshold);
   o.cusum.clip = env_double("RESILIENT_STRAGGLER_CUSUM_CLIP", o.cusum.clip);
@@ -42,6 +43,7 @@ Status StragglerOptions::validate() const {
   }
   if (min_ranks < 2) return invalid("min_ranks must be >= 2");
   if (history_windows < 1) return invalid("history_windows must be >= 1");
+  if (report_after < 1) return invalid("report_after must be >= 1");
   if (!(cusum.drift > 0.0)) return invalid("cusum drift must be > 0");
   if (!(cusum.threshold > 0.0)) return invalid("cusum threshold must be > 0");
   if (!(cusum.clip > cusum.drift)) return invalid("cusum clip must be > drift");

@@ -12,9 +12,9 @@ namespace resilient::straggler {
 /// threshold > 0, clip > drift, cap >= threshold.
 struct CusumParams {
   double drift = 0.5;      ///< Subtracted every window: the evidence a window must exceed to grow S.
-  double threshold = 3.0;  ///< S >= threshold: the shift is persistent.
+  double threshold = 5.0;  ///< S >= threshold: the shift is persistent.
   double clip = 2.0;       ///< Per-window evidence is clipped to [0, clip]: no single window alarms.
-  double cap = 6.0;        ///< S is capped so recovery after a long episode takes bounded time.
+  double cap = 10.0;       ///< S is capped so recovery after a long episode takes bounded time.
 };
 
 /// State of one detector (one rank). Plain value; copy it to branch.

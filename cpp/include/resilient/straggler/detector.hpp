@@ -12,8 +12,10 @@
 // with scale = max(1.4826 * MAD, mad_floor * median). A phase is slow when
 //   ratio >= slow_ratio, or (z >= z_threshold and ratio >= min_ratio),
 // and in both cases its excess over the median is at least min_step_fraction of the median step.
+// The wait phase only corroborates (the collective's own duration is noisy across ranks): it is
+// slow only on the z rule, and only when the host phase's ratio is also >= min_ratio.
 // A rank is slow in a window when any phase is; its worst phase is the slow phase with the largest
-// ratio. Persistence comes from a CUSUM per rank (cusum.hpp) fed with
+// ratio, compute and host taking precedence over wait. A rank is reported while slow, once slow for report_after consecutive windows. Persistence comes from a CUSUM per rank (cusum.hpp) fed with
 // log(ratio) / log(min_ratio) for slow windows and 0 otherwise.
 
 #include <array>
@@ -63,7 +65,7 @@ struct PhaseScore {
 struct RankScore {
   int rank = 0;
   std::array<PhaseScore, kNumPhases> phases;
-  Phase worst_phase = Phase::kCompute;  ///< The slow phase with the largest ratio, else largest z.
+  Phase worst_phase = Phase::kCompute;  ///< Slow phase with the largest ratio (wait last), else max z.
   double ratio = kNotMeasured;          ///< Ratio of the worst phase.
   double z = 0.0;                       ///< z of the worst phase.
   bool slow = false;
@@ -71,6 +73,7 @@ struct RankScore {
   double cusum = 0.0;         ///< CUSUM after this window.
   bool persistent = false;    ///< In a persistent excursion after this window.
   double self_ratio = kNotMeasured;  ///< Worst phase versus this rank's own recent baseline.
+  int64_t slow_streak = 0;    ///< Consecutive slow windows up to this one.
 };
 
 /// A named straggler with its evidence.
@@ -87,6 +90,7 @@ struct StragglerReport {
   bool persistent = false;           ///< false: transient so far.
   double cusum = 0.0;
   int64_t flagged_windows = 0;       ///< Slow windows in the current excursion.
+  int64_t slow_streak = 0;           ///< Consecutive slow windows up to this one.
 
   /// "rank 2 persistent straggler: compute 1.52x median (z=9.1, 12.0 ms vs 7.9 ms) since step 40"
   std::string to_string() const;
@@ -97,7 +101,9 @@ struct WindowResult {
   int64_t first_step = 0;
   int64_t last_step = 0;
   std::vector<RankScore> scores;           ///< One per rank, index = rank.
-  std::vector<StragglerReport> reports;    ///< Ranks slow now or in a persistent excursion.
+  /// Ranks slow in this window and either slow for report_after consecutive windows or in a
+  /// persistent excursion.
+  std::vector<StragglerReport> reports;
   std::vector<int> newly_persistent;       ///< Ranks that turned persistent in this window.
   std::vector<int> recovered;              ///< Ranks whose persistent excursion ended.
 };
@@ -131,6 +137,7 @@ class StragglerDetector {
 
   struct RankState {
     CusumState cusum;
+    int64_t slow_streak = 0;
     std::vector<RollingHistory> baseline;  // one per phase; only non-slow windows are pushed
   };
 

@@ -19,7 +19,7 @@ struct StragglerOptions {
   /// A phase is also slow when its robust z-score >= z_threshold AND its ratio to the median is
   /// >= min_ratio (RESILIENT_STRAGGLER_Z_THRESHOLD, RESILIENT_STRAGGLER_MIN_RATIO).
   double z_threshold = 3.5;
-  double min_ratio = 1.15;
+  double min_ratio = 1.1;
   /// Floor of the z-score denominator as a fraction of the median (RESILIENT_STRAGGLER_MAD_FLOOR).
   double mad_floor = 0.02;
   /// A slow phase's excess over the median must also be at least this fraction of the median step
@@ -31,6 +31,10 @@ struct StragglerOptions {
   int64_t min_ranks = 3;
   /// Windows kept per rank as its own baseline (RESILIENT_STRAGGLER_HISTORY).
   int64_t history_windows = 32;
+  /// Consecutive slow windows before a rank is reported (RESILIENT_STRAGGLER_REPORT_AFTER). One
+  /// slow window (a GC pause, the OS scheduling another job on the host) shows in the scores but is
+  /// not reported; a persistent rank is reported regardless.
+  int64_t report_after = 3;
   /// Persistence detector (RESILIENT_STRAGGLER_CUSUM_DRIFT, _CUSUM_THRESHOLD, _CUSUM_CLIP,
   /// _CUSUM_CAP).
   CusumParams cusum;

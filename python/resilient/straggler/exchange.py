@@ -1,0 +1,116 @@
+"""How the per-window summaries reach every rank.
+
+Every `interval` steps each rank contributes one row [steps, step_s, compute_s, host_s, wait_s];
+the exchange returns the rows of all ranks. TorchExchange issues one asynchronous all_gather of
+that small tensor and the monitor polls it on later steps, so no step ever waits for the others
+because of the monitor (it waits only if a summary is still in flight a whole window later, with a
+deadline). LocalExchange serves tests and single-process simulations.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+ROW_WIDTH = 5
+
+
+class PendingRows(Protocol):
+    """A summary exchange in flight."""
+
+    def done(self) -> bool:
+        """True when result() will not block."""
+
+    def result(self, timeout_s: float) -> list[list[float]]:
+        """All ranks' rows; raises TimeoutError after `timeout_s` seconds."""
+
+
+class SummaryExchange(Protocol):
+    """Exchanges one row per rank per window."""
+
+    rank: int
+    world_size: int
+
+    def start(self, row: Sequence[float]) -> PendingRows:
+        """Begins exchanging this rank's row; every rank must call it for the same window."""
+
+
+class _Ready:
+    def __init__(self, rows: list[list[float]]):
+        self._rows = rows
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float) -> list[list[float]]:
+        return self._rows
+
+
+class LocalExchange:
+    """An exchange without communication: `gather(rank, row)` returns every rank's row.
+
+    With the default gather the world is this one rank.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1,
+                 gather: Callable[[int, list[float]], list[list[float]]] | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self._gather = gather or (lambda _rank, row: [row])
+
+    def start(self, row: Sequence[float]) -> PendingRows:
+        rows = self._gather(self.rank, list(row))
+        if len(rows) != self.world_size:
+            raise ValueError(f"gather returned {len(rows)} rows for a world of {self.world_size}")
+        return _Ready(rows)
+
+
+class _TorchPending:
+    def __init__(self, work, outputs):
+        self._work = work
+        self._outputs = outputs
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def result(self, timeout_s: float) -> list[list[float]]:
+        if not self._work.is_completed():
+            try:
+                self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as e:  # gloo and NCCL report a deadline as RuntimeError
+                raise TimeoutError(f"straggler summary exchange: {e}") from e
+        return [t.tolist() for t in self._outputs]
+
+
+class TorchExchange:
+    """One asynchronous all_gather of a 5-float64 tensor per window over a CPU (gloo) group.
+
+    Args:
+        group: the process group to use. None: the default group if its backend is gloo, else a
+            new gloo group over all ranks, created here (a collective call: every rank must
+            construct its monitor).
+    """
+
+    def __init__(self, group=None):
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; use LocalExchange")
+        if group is None and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        self._torch = torch
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def start(self, row: Sequence[float]) -> PendingRows:
+        torch = self._torch
+        mine = torch.tensor(list(row), dtype=torch.float64)
+        outputs = [torch.empty(ROW_WIDTH, dtype=torch.float64) for _ in range(self.world_size)]
+        work = self._dist.all_gather(outputs, mine, group=self._group, async_op=True)
+        return _TorchPending(work, outputs)
