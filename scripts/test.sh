@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Every test: C++ unit tests, Python tests, an ASan/UBSan build of the C++ tests, bounded
+# libFuzzer runs, smoke runs of the CLI and examples, and ruff. Run scripts/setup.sh first.
+# FUZZ_SECONDS (default 30) bounds each fuzz target; SKIP_SANITIZE=1 / SKIP_FUZZ=1 skip those.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+jobs=$(nproc)
+failed=()
+step() { echo; echo "=== $* ==="; }
+run() { local name=$1; shift; if ! "$@"; then failed+=("$name"); echo "*** $name FAILED"; fi; }
+
+step "C++ unit tests"
+run ctest ctest --test-dir build/py --output-on-failure -j "$jobs" --timeout 300
+
+step "Python tests"
+run pytest python -m pytest tests/python -m "not slow" -q -p no:cacheprovider --timeout 600
+
+step "smoke: resilient bench"
+run bench resilient bench --size 32MiB --tensors 16 --repeat 1 --dir build/bench-smoke
+for ex in examples/smoke_*.sh; do
+  [ -e "$ex" ] || continue
+  step "smoke: $ex"
+  run "$ex" bash "$ex"
+done
+
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
+  step "C++ unit tests under ASan/UBSan"
+  cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DRESILIENT_PYTHON=OFF \
+        -DRESILIENT_TESTS=ON -DRESILIENT_SANITIZE=ON >/dev/null
+  if cmake --build build/asan -j "$jobs" >build/asan-build.log 2>&1; then
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+      run asan ctest --test-dir build/asan --output-on-failure -j "$jobs" --timeout 600
+  else
+    tail -n 40 build/asan-build.log; failed+=("asan-build")
+  fi
+fi
+
+if [ "${SKIP_FUZZ:-0}" != 1 ]; then
+  step "libFuzzer (${FUZZ_SECONDS:-30} s per target)"
+  CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DRESILIENT_PYTHON=OFF -DRESILIENT_FUZZ=ON \
+      "-DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link,address,undefined" >/dev/null
+  if cmake --build build/fuzz -j "$jobs" >build/fuzz-build.log 2>&1; then
+    for f in build/fuzz/tests/cpp/fuzz_*; do
+      [ -x "$f" ] || continue
+      corpus="build/fuzz/corpus/$(basename "$f")"
+      mkdir -p "$corpus"
+      run "$(basename "$f")" "$f" -max_total_time="${FUZZ_SECONDS:-30}" -print_final_stats=1 "$corpus" \
+          >"build/fuzz/$(basename "$f").log" 2>&1 || tail -n 30 "build/fuzz/$(basename "$f").log"
+      tail -n 3 "build/fuzz/$(basename "$f").log"
+    done
+  else
+    tail -n 40 build/fuzz-build.log; failed+=("fuzz-build")
+  fi
+fi
+
+step "ruff"
+run ruff ruff check python tests examples benchmarks
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all test suites passed"
