@@ -22,9 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != module_name:
+            if e.name is None or not module_name.startswith(e.name):
                 raise
-            continue  # not built yet in this checkout
+            continue  # this subcommand's module is not part of this checkout
         module.add_parser(sub)
     return parser
 
