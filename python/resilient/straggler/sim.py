@@ -44,6 +44,11 @@ class ScenarioResult:
     first_persistent_step: int = -1  # monitor.step_index when the policy hook fired
     since_step: int = -1            # the change point the persistent report gave
     false_reports: int = 0          # reports of a rank that was not slowed (or not yet)
+    # Of those, the ones the harness's own timing cannot explain: in the report's window the named
+    # rank's busy time (step start to the collective) was below 1.1x the cross-rank median. On a
+    # shared host the OS can slow one rank for real; such a report is right, the rest are not.
+    unexplained_reports: int = 0
+    false_windows: list[list[int]] = field(default_factory=list)  # [rank, last_step]
     reports: list[str] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
 
@@ -71,6 +76,7 @@ def _run_scenario(sc: Scenario, rank: int, world: int, dist, torch) -> ScenarioR
             res.named_ratio = report.ratio
         if not genuine:
             res.false_reports += 1
+            res.false_windows.append([report.rank, report.last_step])
         if len(res.reports) < 50:
             res.reports.append(str(report))
 
@@ -82,19 +88,35 @@ def _run_scenario(sc: Scenario, rank: int, world: int, dist, torch) -> ScenarioR
     mon = StragglerMonitor(options=opts, on_report=on_report, on_persistent_straggler=on_persistent,
                            log_rank=None if os.environ.get("RESILIENT_SIM_LOG") else -1)
     grad = torch.ones(16)
+    busy = torch.zeros(sc.steps, dtype=torch.float64)  # the harness's own timing
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(sc.steps):
+        b0 = time.perf_counter()
         with mon.step():
             with mon.compute():
                 slow = rank == sc.slow_rank and step >= sc.slow_from
                 time.sleep(sc.base_s * (1.0 + sc.slowdown) if slow else sc.base_s)
+            busy[step] = time.perf_counter() - b0
             with mon.wait():
                 dist.all_reduce(grad)
     mon.flush()
     res.mean_step_ms = (time.perf_counter() - t0) / sc.steps * 1e3
+    all_busy = [torch.empty_like(busy) for _ in range(world)]
+    dist.all_gather(all_busy, busy)
+    res.unexplained_reports = sum(
+        not _really_slow(all_busy, r, last - sc.interval + 1, last, opts.min_ratio)
+        for r, last in res.false_windows)
     res.timeline = [asdict(p) for p in mon.timeline]
     return res
+
+
+def _really_slow(all_busy, rank: int, first: int, last: int, min_ratio: float) -> bool:
+    """Whether `rank`'s median busy time in [first, last] was >= min_ratio x the ranks' median."""
+    import statistics
+
+    medians = [statistics.median(b[first:last + 1].tolist()) for b in all_busy]
+    return medians[rank] >= min_ratio * statistics.median(medians)
 
 
 def _worker(rank: int, world: int, init_method: str, scenarios: list[Scenario],
