@@ -54,7 +54,7 @@ Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoOptions& options) {
                         std::strerror(err))
           .with_errno(err);
     }
-    log_once("io.uring_fallback", LogLevel::kInfo,
+    log_once("io.uring_fallback", LogLevel::kWarn,
              std::string("io_uring unavailable (") + std::strerror(err) +
                  "); using the pwrite/pread thread engine");
   }
