@@ -1,0 +1,41 @@
+"""In-process recovery: survivors of a rank failure keep training without a restart.
+
+``resilient.recovery.policy``, ``config`` and ``events`` are pure Python; ``Recovery`` (torch,
+torch.distributed, the detector and resilient.comm) is imported on first use. See
+docs/recovery.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.events import PHASES, Timeline, phases
+from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide, plan_batch
+
+_TORCH_NAMES = {"FAULT_POINTS", "PeerFailure", "Recovery", "RecoveryStopped"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from resilient.recovery import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module 'resilient.recovery' has no attribute {name!r}")
+
+
+__all__ = [
+    "FAULT_POINTS",
+    "PHASES",
+    "BatchPlan",
+    "Decision",
+    "MicroBatch",
+    "PeerFailure",
+    "Recovery",
+    "RecoveryConfig",
+    "RecoveryStopped",
+    "Timeline",
+    "decide",
+    "phases",
+    "plan_batch",
+]

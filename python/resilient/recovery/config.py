@@ -1,0 +1,87 @@
+"""Settings of the recovery loop: typed defaults, ``RESILIENT_RECOVERY_*`` overrides, setters."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from resilient.recovery.policy import POLICIES
+
+MISMATCH_SOURCES = ("storage", "peer")
+
+
+@dataclass
+class RecoveryConfig:
+    """Recovery settings. ``RecoveryConfig.from_env()`` applies ``RESILIENT_RECOVERY_<NAME>``
+    overrides (upper-case field names); ``set(name, value)`` checks and sets one field."""
+
+    #: smaller-world policy: keep_batch | scale_lr | none (see resilient.recovery.policy)
+    policy: str = "keep_batch"
+    #: stop (RecoveryStopped, exit code 3 in the example) below this many ranks
+    min_world: int = 1
+    #: seconds to wait for the detector's agreed membership after a collective failed
+    agree_timeout_s: float = 30.0
+    #: rendezvous and collective timeout of a rebuilt (and the first) process group
+    group_timeout_s: float = 60.0
+    #: a gradient all-reduce still running after this long counts as a failure
+    collective_timeout_s: float = 300.0
+    #: when survivors hold different steps: "storage" (the Checkpointer, if any) or "peer"
+    mismatch_source: str = "storage"
+    #: a job that needs more recoveries than this stops
+    max_recoveries: int = 16
+    #: NCCL: shrink the group in place where torch supports it (else abort + new group)
+    prefer_shrink: bool = True
+    #: seconds between polls of an in-flight collective
+    poll_interval_s: float = 0.0005
+
+    def set(self, name: str, value: Any) -> None:
+        """Sets field ``name``, converting ``value`` to its type.
+
+        Raises:
+            ValueError: unknown name, bad value, or an out-of-range setting.
+        """
+        types = {f.name: f.type for f in fields(self)}
+        if name not in types:
+            raise ValueError(f"unknown recovery setting {name!r}")
+        kind = types[name]
+        if kind in ("bool", bool):
+            value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "on")
+        elif kind in ("int", int):
+            value = int(value)
+        elif kind in ("float", float):
+            value = float(value)
+        else:
+            value = str(value)
+        setattr(self, name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError for an invalid combination."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} not one of {POLICIES}")
+        if self.mismatch_source not in MISMATCH_SOURCES:
+            raise ValueError(f"mismatch_source {self.mismatch_source!r} not one of "
+                             f"{MISMATCH_SOURCES}")
+        if self.min_world < 1:
+            raise ValueError("min_world must be >= 1")
+        for name in ("agree_timeout_s", "group_timeout_s", "collective_timeout_s",
+                     "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> RecoveryConfig:
+        """Defaults, then ``RESILIENT_RECOVERY_*`` variables, then ``overrides``."""
+        cfg = cls()
+        for f in fields(cls):
+            env = os.environ.get(f"RESILIENT_RECOVERY_{f.name.upper()}")
+            if env is not None:
+                cfg.set(f.name, env)
+        for name, value in overrides.items():
+            cfg.set(name, value)
+        cfg.validate()
+        return cfg
+
+
+__all__ = ["MISMATCH_SOURCES", "RecoveryConfig"]

@@ -1,0 +1,449 @@
+"""In-process recovery: the survivors of a rank failure keep training without a restart.
+
+The user gives a model, an optimizer and a loss function; :meth:`Recovery.run` runs the steps::
+
+    with Recovery(store, rank, world, model, opt, global_batch=64, micro_batch=16) as rec:
+        rec.run(lambda step, mb: loss_fn(rec.model(x(step)[mb.slice]), y(step)[mb.slice]),
+                start=0, end=1000)
+
+On a failure (a collective error, the detector's verdict, or a collective past its timeout):
+
+1. **abort**: the gradient all-reduce is polled, never waited on, so the training thread stops
+   using the failed group at once (gloo's abort cannot unblock a collective; NCCL groups are
+   aborted by the shrink);
+2. **agree**: wait for the detector's decided generation that removes a member; every survivor
+   acts on the same record (compare-and-set on the store), so they agree on the membership;
+3. **policy**: fewer than ``min_world`` survivors -> :class:`RecoveryStopped`; otherwise the new
+   batch plan and learning-rate factor (``resilient.recovery.policy``);
+4. **rebuild**: shrink the group (NCCL, where torch can) or abort it and create generation
+   ``1000 * g``'s group under a ``gen<..>/`` store prefix (``resilient.comm``); a second failure
+   during the rebuild waits for the next generation and tries again;
+5. **restore**: the survivors all-gather their completed step. Equal (the usual case: the step
+   whose all-reduce failed never reached ``optimizer.step``) -> keep the in-memory state and redo
+   the step. Different -> load from storage (``mismatch_source="storage"`` with a Checkpointer)
+   or broadcast the state of the most advanced survivor;
+6. re-wrap DDP on the new group and continue; the first completed gradient all-reduce ends the
+   recovery. Every phase is an event in :attr:`Recovery.timeline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resilient.comm.process_group import (
+    abort_process_group,
+    join_process_group,
+    supports_shrink,
+)
+from resilient.recovery.config import RecoveryConfig
+from resilient.recovery.events import Timeline
+from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
+
+log = logging.getLogger("resilient.recovery")
+
+LossFn = Callable[[int, MicroBatch], torch.Tensor]
+FAULT_POINTS = ("step_start", "before_rebuild", "before_restore", "after_recovery")
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete because a peer failed (cause: collective_error,
+    verdict or timeout)."""
+
+    def __init__(self, cause: str, detail: str = "") -> None:
+        super().__init__(f"peer failure ({cause}){': ' + detail if detail else ''}")
+        self.cause = cause
+
+
+class RecoveryStopped(RuntimeError):
+    """Training cannot continue (too few ranks, evicted, too many recoveries). ``exit_code``
+    is what a launcher-facing script should exit with."""
+
+    exit_code = 3
+
+
+class Recovery:
+    """Runs a DDP training loop that survives rank failures (see the module docstring).
+
+    Args:
+        store: the job's store (e.g. a TCPStore hosted by the launcher; must outlive any rank).
+        rank, world_size: this process's rank in the initial job, and the job's size.
+        model: the module (not yet wrapped); on GPU, already on its device.
+        optimizer: its optimizer (its learning rates are the base of the ``scale_lr`` policy).
+        global_batch, micro_batch: samples per step in the initial job, and the most one
+            forward pass takes (the batch plan is derived from these).
+        backend: "gloo" or "nccl".
+        config: settings (default ``RecoveryConfig.from_env()``).
+        checkpointer: optional ``resilient.Checkpointer`` (rank 0 saves every
+            ``checkpoint_every`` steps; survivors load it when their steps differ).
+        extra_state: a dict of further state (e.g. a scheduler) broadcast/saved with the model.
+        detector: a started or unstarted ``FailureDetector`` (default: one is created with
+            ``detector_options``). job: the detector's job name.
+        ddp_kwargs: passed to DistributedDataParallel.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, global_batch: int, micro_batch: int,
+                 backend: str = "gloo", config: RecoveryConfig | None = None,
+                 checkpointer: Any = None, checkpoint_every: int = 0,
+                 extra_state: dict | None = None, detector: Any = None,
+                 detector_options: dict | None = None, job: str | None = None,
+                 ddp_kwargs: dict | None = None) -> None:
+        self.config = config or RecoveryConfig.from_env()
+        self.config.validate()
+        self.store = store
+        self.initial_rank = rank
+        self.initial_world = world_size
+        self.rank, self.world_size = rank, world_size
+        self.members = list(range(world_size))  # initial ranks of the current group, in order
+        self.module = model
+        self.model: Any = None
+        self.optimizer = optimizer
+        self.backend = backend
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.checkpointer = checkpointer
+        self.checkpoint_every = checkpoint_every
+        self.extra_state = extra_state if extra_state is not None else {}
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.timeline = Timeline(rank)
+        self.fault_hooks: dict[str, list[Callable[[Recovery], None]]] = {
+            p: [] for p in FAULT_POINTS}
+        self.step = 0  #: completed steps (the next step to run)
+        self.generation = 0  #: the detector generation of the current group
+        self.recoveries = 0
+        self.plan: BatchPlan = self._decide(world_size).plan  # type: ignore[assignment]
+        self.lr_factor = 1.0
+        self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self._device = self._comm_device()
+        self._group: Any = None
+        self._retired: list[Any] = []  # failed groups and DDP wrappers (see resilient.comm)
+        self._verdict = threading.Event()
+        self._evicted = threading.Event()
+        self._pending_cause: str | None = None
+        self._min_generation = 1
+        self._awaiting_first = False
+        self._job = job
+        self._detector_options = detector_options
+        self.detector = detector
+
+    # ---- lifecycle ----
+    def start(self) -> Recovery:
+        """Starts the detector and creates the first process group and DDP wrapper."""
+        if self.detector is None:
+            from resilient.detect import FailureDetector
+
+            self.detector = FailureDetector(
+                self.store, self.initial_rank, self.initial_world, job=self._job,
+                options=self._detector_options)
+        self.detector.on_failure = self._on_failure
+        self.detector.on_evicted = self._on_evicted
+        if getattr(self.detector, "_agent", None) is None:
+            self.detector.start()
+        self._group = join_process_group(
+            self.store, generation=0, rank=self.rank, world_size=self.world_size,
+            backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
+            device_id=self._device if self._device.type == "cuda" else None)
+        self._wrap(init_sync=True)
+        self.timeline.add("started", world_size=self.world_size)
+        return self
+
+    def close(self) -> None:
+        """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
+        referenced: their destructors could block until the group timeout (see comm docs)."""
+        if self.detector is not None:
+            self.detector.stop()
+        if self.checkpointer is not None:
+            with contextlib.suppress(Exception):
+                self.checkpointer.wait(self.config.group_timeout_s)
+
+    def __enter__(self) -> Recovery:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the loop ----
+    def run(self, loss_fn: LossFn, start: int, end: int) -> int:
+        """Runs steps ``start`` .. ``end - 1``, recovering from failures; returns the number of
+        completed steps (``end``).
+
+        ``loss_fn(step, mb)`` computes the mean loss of micro-batch ``mb`` of ``step`` through
+        ``self.model`` (samples ``mb.slice`` of the step's global batch); this calls backward,
+        the gradient all-reduce and ``optimizer.step``.
+
+        Raises:
+            RecoveryStopped: too few ranks, this rank was evicted, or too many recoveries.
+        """
+        self.step = start
+        while self.step < end:
+            try:
+                self._run_hooks("step_start")
+                if self._evicted.is_set():
+                    raise RecoveryStopped(self._stop("this rank was removed from the job"))
+                if self._verdict.is_set() and self._members_failed():
+                    raise PeerFailure("verdict")
+                self._train_step(loss_fn, self.step)
+                self.step += 1
+                self.detector.step(self.step)
+                self._maybe_checkpoint()
+            except RecoveryStopped:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- classified below, re-raised if not ours
+                cause = self._failure_cause(exc)
+                if cause is None:
+                    raise
+                self._recover(cause, exc)
+        return self.step
+
+    def _train_step(self, loss_fn: LossFn, step: int) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+        mbs = self.plan.micro_batches(self.rank)
+        for i, mb in enumerate(mbs):
+            sync = i == len(mbs) - 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                loss = loss_fn(step, mb)
+                (loss * mb.loss_scale).backward()
+        if self._device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._poll(ev.query, lambda: None)
+            self._first_collective_done()
+        self.optimizer.step()
+
+    # ---- abortable collectives ----
+    def _poll(self, done: Callable[[], bool], finish: Callable[[], Any]) -> Any:
+        """Polls ``done`` until true, then returns ``finish()``; raises PeerFailure on a verdict
+        against a member, the collective timeout, or an error from ``finish``."""
+        deadline = time.monotonic() + self.config.collective_timeout_s
+        while not done():
+            if self._evicted.is_set():
+                self._pending_cause = "evicted"
+                raise PeerFailure("evicted")
+            if self._verdict.is_set() and self._members_failed():
+                self._pending_cause = "verdict"
+                raise PeerFailure("verdict")
+            if time.monotonic() > deadline:
+                self._pending_cause = "timeout"
+                raise PeerFailure("timeout", f"collective ran {self.config.collective_timeout_s}s")
+            time.sleep(self.config.poll_interval_s)
+        try:
+            return finish()
+        except Exception as exc:
+            self._pending_cause = "collective_error"
+            raise PeerFailure("collective_error", str(exc).splitlines()[0][:200]) from exc
+
+    def _wait_work(self, work: Any) -> None:
+        self._poll(work.is_completed, work.wait)
+
+    def _allreduce_hook(self, _state: Any, bucket: Any) -> torch.futures.Future:
+        """DDP comm hook (gloo): an all-reduce that the training thread polls, so a verdict
+        stops it even when gloo would block until its timeout."""
+        buf = bucket.buffer()
+        self._wait_work(dist.all_reduce(buf, group=self._group, async_op=True))
+        buf.div_(self.world_size)
+        self._first_collective_done()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def _first_collective_done(self) -> None:
+        if self._awaiting_first:
+            self._awaiting_first = False
+            self.timeline.add("first_collective", step=self.step, generation=self.generation)
+
+    # ---- detector callbacks (dispatcher thread) ----
+    def _on_failure(self, ranks: list, generation: int) -> None:
+        self.timeline.add("verdict", removed=list(ranks), generation=generation)
+        self._verdict.set()
+
+    def _on_evicted(self, generation: int) -> None:
+        self.timeline.add("evicted", generation=generation)
+        self._evicted.set()
+
+    def _members_failed(self) -> bool:
+        gen, live = self.detector.generation
+        return gen >= self._min_generation and not set(self.members) <= set(live)
+
+    def _failure_cause(self, exc: BaseException) -> str | None:
+        cause, self._pending_cause = self._pending_cause, None
+        if cause is not None:
+            return cause
+        if isinstance(exc, PeerFailure):
+            return exc.cause
+        text = str(exc).lower()
+        if isinstance(exc, dist.DistError) or any(
+                w in text for w in ("gloo", "nccl", "connection closed", "connection reset")):
+            return "collective_error"
+        return None
+
+    # ---- recovery ----
+    def _recover(self, cause: str, exc: BaseException) -> None:
+        self.timeline.add("failure_observed", cause=cause, step=self.step,
+                          error=str(exc).splitlines()[0][:200] if str(exc) else "")
+        if cause == "evicted":
+            raise RecoveryStopped(self._stop("this rank was removed from the job"))
+        self.recoveries += 1
+        if self.recoveries > self.config.max_recoveries:
+            raise RecoveryStopped(self._stop(f"more than {self.config.max_recoveries} recoveries"))
+        while True:
+            gen, live = self._agree()
+            survivors = [m for m in self.members if m in live]
+            if self.initial_rank not in survivors:
+                raise RecoveryStopped(self._stop("this rank was removed from the job"))
+            decision = self._decide(len(survivors))
+            if decision.stop:
+                raise RecoveryStopped(self._stop(decision.message))
+            self._run_hooks("before_rebuild")
+            try:
+                self._rebuild(gen, survivors)
+                break
+            except RecoveryStopped:
+                raise
+            except Exception as err:  # noqa: BLE001 -- a second failure: next generation
+                self.timeline.add("rebuild_failed", generation=gen, error=str(err)[:200])
+                log.warning("rebuild of generation %d failed (%s); waiting for the next", gen, err)
+                self._min_generation = gen + 1
+        self._run_hooks("before_restore")
+        self._restore()
+        self._apply(decision)
+        self._awaiting_first = True
+        self._run_hooks("after_recovery")
+
+    def _agree(self) -> tuple[int, list[int]]:
+        """Waits for the detector's decided generation that removes a current member."""
+        deadline = time.monotonic() + self.config.agree_timeout_s
+        while True:
+            gen, live = self.detector.generation
+            if gen >= self._min_generation and not set(self.members) <= set(live):
+                self._verdict.clear()
+                removed = [m for m in self.members if m not in live]
+                self.timeline.add("agreed", generation=gen, removed=removed, members=list(live))
+                return gen, list(live)
+            if self._evicted.is_set():
+                raise RecoveryStopped(self._stop("this rank was removed from the job"))
+            if time.monotonic() > deadline:
+                raise RecoveryStopped(self._stop(
+                    f"a collective failed but the detector removed no rank within "
+                    f"{self.config.agree_timeout_s}s"))
+            time.sleep(0.001)
+
+    def _rebuild(self, gen: int, survivors: list[int]) -> None:
+        excluded = [i for i, m in enumerate(self.members) if m not in survivors]
+        new_rank, new_size = survivors.index(self.initial_rank), len(survivors)
+        t0 = time.monotonic()
+        group, method = None, "reinit"
+        if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
+                and supports_shrink(self._group)):
+            self._retired.append(self._group)
+            group = dist.shrink_group(excluded, self._group, shrink_flags=dist.SHRINK_ABORT)
+            method = "shrink"
+        else:
+            if dist.is_initialized():
+                abort_process_group()
+            group = join_process_group(
+                self.store, generation=1000 * gen, rank=new_rank, world_size=new_size,
+                backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
+                device_id=self._device if self._device.type == "cuda" else None)
+        # The old DDP wrapper must go: its reducer's autograd hooks stay on the parameters while
+        # it lives. Its reference to the failed group is harmless (the group stays retired).
+        self.model = None
+        self._group, self.generation = group, gen
+        self.members, self.rank, self.world_size = list(survivors), new_rank, new_size
+        self._min_generation = gen + 1
+        self.timeline.add("rebuilt", method=method, generation=gen, rank=new_rank,
+                          world_size=new_size, seconds=time.monotonic() - t0)
+
+    def _restore(self) -> None:
+        """Makes every survivor hold the same state (see the module docstring, step 5)."""
+        mine = torch.tensor([self.step], dtype=torch.int64, device=self._device)
+        steps = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._wait_work(dist.all_gather(steps, mine, group=self._group, async_op=True))
+        all_steps = [int(s.item()) for s in steps]
+        source = "memory"
+        if len(set(all_steps)) > 1:
+            source = "peer"
+            if self.config.mismatch_source == "storage" and self.checkpointer is not None:
+                loaded = self.checkpointer.load(self._state())
+                if loaded is not None:
+                    self.step, source = loaded, "storage"
+            if source == "peer":
+                target = max(all_steps)
+                self.broadcast_state(all_steps.index(target))
+                self.step = target
+        self.optimizer.zero_grad(set_to_none=False)
+        self._wrap(init_sync=False)
+        self.timeline.add("restored", source=source, step=self.step, steps=all_steps)
+
+    def broadcast_state(self, src: int) -> None:
+        """Copies model, optimizer and extra state from group rank ``src`` to every member
+        (how a lagging survivor or a joining rank receives state from a live peer)."""
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                self._wait_work(dist.broadcast(t.data, group=self._group, group_src=src,
+                                                async_op=True))
+        objs = [{"optimizer": self.optimizer.state_dict(), "extra": self.extra_state,
+                 "step": self.step}]
+        dist.broadcast_object_list(objs, group=self._group, group_src=src, device=self._device)
+        if self.rank != src:
+            self.optimizer.load_state_dict(objs[0]["optimizer"])
+            self.extra_state.update(objs[0]["extra"])
+
+    def _apply(self, decision: Decision) -> None:
+        self.plan = decision.plan  # type: ignore[assignment]
+        self.lr_factor = decision.lr_factor
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * decision.lr_factor
+        self.timeline.add("policy", message=decision.message, accum_steps=self.plan.accum_steps,
+                          global_batch=self.plan.global_batch, lr_factor=decision.lr_factor)
+
+    def _decide(self, world: int) -> Decision:
+        return decide(self.config.policy, initial_world=self.initial_world, world=world,
+                      min_world_size=self.config.min_world, global_batch=self.global_batch,
+                      micro_batch=self.micro_batch)
+
+    def _stop(self, message: str) -> str:
+        self.timeline.add("stopped", reason=message, step=self.step)
+        log.error("resilient recovery: %s", message)
+        return message
+
+    # ---- helpers ----
+    def _wrap(self, init_sync: bool) -> None:
+        kwargs = dict(self.ddp_kwargs)
+        if self._device.type == "cuda":
+            kwargs.setdefault("device_ids", [self._device.index])
+        self.model = DDP(self.module, process_group=self._group, init_sync=init_sync, **kwargs)
+        if self._device.type != "cuda":
+            # A lambda: DDP rejects hooks whose (string) annotations are not GradBucket/Future.
+            self.model.register_comm_hook(
+                None, lambda state, bucket: self._allreduce_hook(state, bucket))
+
+    def _comm_device(self) -> torch.device:
+        if self.backend == "nccl":
+            p = next(self.module.parameters())
+            return p.device if p.device.type == "cuda" else torch.device(
+                "cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _state(self) -> dict:
+        return {"model": self.module, "optimizer": self.optimizer, "extra": self.extra_state}
+
+    def _maybe_checkpoint(self) -> None:
+        if (self.checkpointer is not None and self.checkpoint_every > 0 and self.rank == 0
+                and self.step % self.checkpoint_every == 0):
+            self.checkpointer.save(self.step, self._state())
+
+    def _run_hooks(self, point: str) -> None:
+        for hook in self.fault_hooks[point]:
+            hook(self)
+
+
+__all__ = ["FAULT_POINTS", "PeerFailure", "Recovery", "RecoveryStopped"]

@@ -1,0 +1,98 @@
+"""The recovery timeline: timestamped events of every phase, and their split into durations.
+
+Each event carries ``time_mono`` (``time.monotonic()``, CLOCK_MONOTONIC: comparable between
+processes of one host, so a launcher can subtract the time it injected a fault) and
+``time_wall``. Kinds, in the order a recovery produces them:
+
+``failure_observed`` (cause: collective_error | verdict | timeout), ``agreed`` (generation,
+removed, members), ``rebuilt`` (method, rank, world_size), ``restored`` (source: memory | peer |
+storage, step), ``policy`` (message, accum_steps, lr_factor), ``first_collective`` (the first
+gradient all-reduce that completed on the new group), and ``stopped`` / ``evicted`` when the
+rank gives up. ``fault`` marks an injected fault (the chaos runner and the example write it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+PHASES = ("detection", "agreement", "rebuild", "restore", "first_collective")
+_PHASE_END = {"detection": "failure_observed", "agreement": "agreed", "rebuild": "rebuilt",
+              "restore": "restored", "first_collective": "first_collective"}
+
+
+class Timeline:
+    """A thread-safe list of events (dicts) for one rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Records an event now; returns it."""
+        ev = {"kind": kind, "rank": self.rank, "time_mono": time.monotonic(),
+              "time_wall": time.time(), **fields}
+        with self._lock:
+            self._events.append(ev)
+        return ev
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """A copy of the events so far."""
+        with self._lock:
+            return list(self._events)
+
+    def to_json(self) -> str:
+        """The events as a JSON array."""
+        return json.dumps(self.events)
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One dict of phase durations per recovery (see :func:`phases`)."""
+        out, current = [], []
+        for ev in self.events:
+            if ev["kind"] == "failure_observed" and current:
+                out.append(phases(current))
+                current = []
+            if ev["kind"] != "fault":
+                current.append(ev)
+        if current:
+            out.append(phases(current))
+        return [r for r in out if r]
+
+
+def phases(events: list[dict[str, Any]], t_fault: float | None = None) -> dict[str, Any]:
+    """Durations (seconds) of one recovery's phases from its events.
+
+    ``detection`` runs from ``t_fault`` (the fault's ``time_mono``, when known) to
+    ``failure_observed``; each later phase from the previous phase's end to its own event.
+    ``total_s`` is fault (or observation) -> first collective. Missing events give no entry.
+    """
+    first = {}
+    for ev in events:
+        first.setdefault(ev["kind"], ev)
+    if "failure_observed" not in first:
+        return {}
+    out: dict[str, Any] = {"cause": first["failure_observed"].get("cause")}
+    prev = t_fault
+    for name in PHASES:
+        ev = first.get(_PHASE_END[name])
+        if ev is None:
+            break
+        if prev is not None:
+            out[f"{name}_s"] = ev["time_mono"] - prev
+        prev = ev["time_mono"]
+    start = t_fault if t_fault is not None else first["failure_observed"]["time_mono"]
+    if "first_collective" in first:
+        out["total_s"] = first["first_collective"]["time_mono"] - start
+    if "restored" in first:
+        out["source"] = first["restored"].get("source")
+        out["to_restored_s"] = first["restored"]["time_mono"] - start
+    if "rebuilt" in first:
+        out["method"] = first["rebuilt"].get("method")
+    return out
+
+
+__all__ = ["PHASES", "Timeline", "phases"]

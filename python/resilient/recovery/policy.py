@@ -1,0 +1,126 @@
+"""What the survivors do with a smaller (or larger) world: pure decisions, no torch.
+
+Three policies (``RecoveryConfig.policy`` / ``RESILIENT_RECOVERY_POLICY``):
+
+* ``keep_batch`` (default): the global batch stays the same. Each rank runs more micro-batches
+  (gradient accumulation); when the global batch does not divide evenly, micro-batch sizes differ
+  by at most one sample and the loss is scaled so that the gradient is still the mean over exactly
+  ``global_batch`` samples.
+* ``scale_lr``: every rank keeps its micro-batch and accumulation, so the global batch shrinks in
+  proportion to the world; the learning rate is scaled by the same factor (linear scaling rule).
+* ``none``: keep micro-batches and the learning rate (the global batch shrinks).
+
+Whatever the policy, fewer than ``min_world_size`` ranks stop the job with a message naming the
+sizes (``decide`` returns ``Decision(stop=True, ...)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("keep_batch", "scale_lr", "none")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of one rank in one step.
+
+    ``offset`` is the position of its first sample in the step's global batch, so the data a
+    step sees does not depend on the world size; ``loss_scale`` turns the mean loss over this
+    micro-batch into its share of the global mean once DDP averages over the ranks.
+    """
+
+    index: int
+    size: int
+    offset: int
+    loss_scale: float
+
+    @property
+    def slice(self) -> slice:
+        """The samples of this micro-batch within the step's global batch."""
+        return slice(self.offset, self.offset + self.size)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's ``global_batch`` samples are spread over ``world`` ranks."""
+
+    world: int
+    global_batch: int
+    accum_steps: int
+    sizes: tuple = field(default_factory=tuple)  #: sizes[k], micro-batch k in rank-major order
+
+    def micro_batches(self, rank: int) -> list[MicroBatch]:
+        """Rank ``rank``'s micro-batches: ``accum_steps`` of them (a size may be 0)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside world of {self.world}")
+        out = []
+        first = rank * self.accum_steps
+        offset = sum(self.sizes[:first])
+        for i in range(self.accum_steps):
+            size = self.sizes[first + i]
+            # mean loss x size / global_batch sums to the global mean; DDP divides by world.
+            scale = size * self.world / self.global_batch if self.global_batch else 0.0
+            out.append(MicroBatch(i, size, offset, scale))
+            offset += size
+        return out
+
+
+def plan_batch(global_batch: int, micro_batch: int, world: int) -> BatchPlan:
+    """Spreads ``global_batch`` samples over ``world`` ranks in micro-batches of at most
+    ``micro_batch`` samples, with as few accumulation steps as possible.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    if global_batch <= 0 or micro_batch <= 0 or world <= 0:
+        raise ValueError(f"need positive sizes, got global_batch={global_batch} "
+                         f"micro_batch={micro_batch} world={world}")
+    accum = -(-global_batch // (micro_batch * world))
+    slots = world * accum
+    base, extra = divmod(global_batch, slots)
+    # Rank-major order; the first `extra` slots take one more sample.
+    sizes = tuple(base + (1 if k < extra else 0) for k in range(slots))
+    return BatchPlan(world, global_batch, accum, sizes)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of ``decide``: stop, or continue with this batch plan and LR factor."""
+
+    stop: bool
+    message: str
+    plan: BatchPlan | None = None
+    lr_factor: float = 1.0
+
+
+def decide(policy: str, *, initial_world: int, world: int, min_world_size: int,
+           global_batch: int, micro_batch: int) -> Decision:
+    """The policy's answer for a world of ``world`` ranks (the job started with
+    ``initial_world``; ``global_batch`` is the initial global batch per step).
+
+    Raises:
+        ValueError: unknown policy or bad sizes.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown recovery policy {policy!r} (one of {', '.join(POLICIES)})")
+    if initial_world <= 0 or global_batch <= 0 or micro_batch <= 0:
+        raise ValueError("initial_world, global_batch and micro_batch must be positive")
+    if world < max(1, min_world_size):
+        return Decision(True, f"only {world} of {initial_world} ranks remain, fewer than the "
+                              f"minimum world size {min_world_size}: stopping")
+    if policy == "keep_batch":
+        plan = plan_batch(global_batch, micro_batch, world)
+        return Decision(False, f"world {initial_world} -> {world}: global batch {global_batch} "
+                               f"kept with {plan.accum_steps} accumulation step(s)", plan)
+    if global_batch % initial_world:
+        raise ValueError(f"policy {policy!r} needs a global batch ({global_batch}) divisible by "
+                         f"the initial world ({initial_world})")
+    # Each rank keeps its share (and so its micro-batches and accumulation steps).
+    plan = plan_batch(global_batch // initial_world * world, micro_batch, world)
+    factor = world / initial_world if policy == "scale_lr" else 1.0
+    return Decision(False, f"world {initial_world} -> {world}: global batch {plan.global_batch}, "
+                           f"learning rate x{factor:.4g}", plan, factor)
+
+
+__all__ = ["POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide", "plan_batch"]
