@@ -85,6 +85,18 @@ def inject_fault(a: argparse.Namespace, store: Any, rec: Any) -> None:
             os.kill(os.getpid(), sig)
 
 
+def skew_state(a: argparse.Namespace, rec: Any) -> None:
+    """Test hook (--skew-rank): before the restore, this survivor pretends its all-reduce
+    finished before the peer died: one step ahead, with different parameters."""
+    import torch
+
+    if rec.initial_rank == a.skew_rank and rec.recoveries == 1:
+        rec.step += 1
+        with torch.no_grad():
+            for p in rec.module.parameters():
+                p.add_(0.01)
+
+
 def worker(a: argparse.Namespace) -> int:
     import torch
 
@@ -102,7 +114,8 @@ def worker(a: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
-    cfg = RecoveryConfig.from_env(policy=a.policy, min_world=a.min_world)
+    cfg = RecoveryConfig.from_env(policy=a.policy, min_world=a.min_world,
+                                  mismatch_source=a.mismatch_source)
     ckpt = None
     if a.checkpoint_dir:
         from resilient import Checkpointer
@@ -113,6 +126,7 @@ def worker(a: argparse.Namespace) -> int:
                    checkpoint_every=a.checkpoint_every, job=f"ddp-recovery-{a.store}",
                    detector_options={"heartbeat_interval_s": a.heartbeat})
     rec.fault_hooks["step_start"].append(lambda r: inject_fault(a, store, r))
+    rec.fault_hooks["before_restore"].append(lambda r: skew_state(a, r))
     loss_fn = torch.nn.functional.mse_loss
     losses: list[float] = []
 
@@ -134,6 +148,8 @@ def worker(a: argparse.Namespace) -> int:
         code = RecoveryStopped.exit_code
     report.update(step=rec.step, final_rank=rec.rank, world_size=rec.world_size,
                   members=rec.members, params_sha256=params_digest(rec.module),
+                  params=torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
+                  .tolist(),
                   last_loss=losses[-1] if losses else None, accum_steps=rec.plan.accum_steps,
                   lr=opt.param_groups[0]["lr"], timeline=rec.timeline.events,
                   recoveries=rec.timeline.recoveries())
@@ -234,7 +250,8 @@ def print_table(result: dict, t_fault: float | None) -> None:
 def worker_args(a: argparse.Namespace) -> list[str]:
     keys = ("steps", "kill_rank", "kill_step", "stop_rank", "stop_step", "min_world", "policy",
             "backend", "global_batch", "micro_batch", "lr", "checkpoint_dir",
-            "checkpoint_every", "heartbeat", "mode", "restart_generation")
+            "checkpoint_every", "heartbeat", "mode", "restart_generation", "skew_rank",
+            "mismatch_source")
     args = []
     for k in keys:
         v = getattr(a, k)
@@ -266,6 +283,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat", type=float, default=0.1, help="detector heartbeat seconds")
     p.add_argument("--mode", default="recover", choices=("recover", "resume"))
     p.add_argument("--restart-generation", type=int, default=1)
+    p.add_argument("--skew-rank", type=int, default=-1,
+                   help="test hook: this survivor is one step ahead at the restore")
+    p.add_argument("--mismatch-source", default="storage", choices=("storage", "peer"))
     p.add_argument("--timeout", type=float, default=120.0, help="launcher: seconds to wait")
     return p.parse_args(argv)
 

@@ -43,45 +43,57 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How a step's ``global_batch`` samples are spread over ``world`` ranks."""
+    """How a step's ``global_batch`` samples are spread over ``world`` ranks.
+
+    ``sizes[r]`` are rank r's micro-batch sizes. Ranks get ``global_batch // world`` samples
+    (the first ``global_batch % world`` one more), each split into as few micro-batches of at most
+    ``micro_batch`` as possible, with sizes differing by at most one. Ranks may run different
+    numbers of micro-batches: each still runs exactly one synchronizing backward (its last).
+    """
 
     world: int
     global_batch: int
-    accum_steps: int
-    sizes: tuple = field(default_factory=tuple)  #: sizes[k], micro-batch k in rank-major order
+    sizes: tuple = field(default_factory=tuple)
+
+    @property
+    def accum_steps(self) -> int:
+        """The most micro-batches any rank runs per step."""
+        return max(len(s) for s in self.sizes)
 
     def micro_batches(self, rank: int) -> list[MicroBatch]:
-        """Rank ``rank``'s micro-batches: ``accum_steps`` of them (a size may be 0)."""
+        """Rank ``rank``'s micro-batches, in order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside world of {self.world}")
         out = []
-        first = rank * self.accum_steps
-        offset = sum(self.sizes[:first])
-        for i in range(self.accum_steps):
-            size = self.sizes[first + i]
-            # mean loss x size / global_batch sums to the global mean; DDP divides by world.
-            scale = size * self.world / self.global_batch if self.global_batch else 0.0
-            out.append(MicroBatch(i, size, offset, scale))
+        offset = sum(sum(s) for s in self.sizes[:rank])
+        for i, size in enumerate(self.sizes[rank]):
+            # mean loss x size x world / global_batch: after DDP divides the summed gradients
+            # by the world, every sample weighs 1 / global_batch.
+            out.append(MicroBatch(i, size, offset, size * self.world / self.global_batch))
             offset += size
         return out
 
 
+def _split(n: int, parts: int) -> tuple:
+    base, extra = divmod(n, parts)
+    return tuple(base + (1 if k < extra else 0) for k in range(parts))
+
+
 def plan_batch(global_batch: int, micro_batch: int, world: int) -> BatchPlan:
     """Spreads ``global_batch`` samples over ``world`` ranks in micro-batches of at most
-    ``micro_batch`` samples, with as few accumulation steps as possible.
+    ``micro_batch`` samples (see :class:`BatchPlan`).
 
     Raises:
-        ValueError: a non-positive argument.
+        ValueError: a non-positive argument, or fewer samples than ranks.
     """
     if global_batch <= 0 or micro_batch <= 0 or world <= 0:
         raise ValueError(f"need positive sizes, got global_batch={global_batch} "
                          f"micro_batch={micro_batch} world={world}")
-    accum = -(-global_batch // (micro_batch * world))
-    slots = world * accum
-    base, extra = divmod(global_batch, slots)
-    # Rank-major order; the first `extra` slots take one more sample.
-    sizes = tuple(base + (1 if k < extra else 0) for k in range(slots))
-    return BatchPlan(world, global_batch, accum, sizes)
+    if global_batch < world:
+        raise ValueError(f"global batch {global_batch} smaller than the world ({world})")
+    shares = _split(global_batch, world)
+    sizes = tuple(_split(share, -(-share // micro_batch)) for share in shares)
+    return BatchPlan(world, global_batch, sizes)
 
 
 @dataclass(frozen=True)
