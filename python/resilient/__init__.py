@@ -29,6 +29,7 @@ _LAZY = {
     "LoadReport": "resilient.checkpoint",
     "SaveHandle": "resilient.checkpoint",
     "FailureDetector": "resilient.detect",
+    "StragglerMonitor": "resilient.straggler",
 }
 __all__ += list(_LAZY)
 
