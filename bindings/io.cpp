@@ -12,11 +12,15 @@
 #include <vector>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "errors.hpp"
 #include "register.hpp"
 #include "resilient/io/engine.hpp"
+#include "resilient/io/fault_env.hpp"
+#include "resilient/io/file_hooks.hpp"
 #include "resilient/io/file.hpp"
+#include "resilient/common/logging.hpp"
 #include "resilient/memory/pool.hpp"
 
 namespace resilient::py {
@@ -163,6 +167,38 @@ pyb::dict to_dict(const RawResult& r) {
 }  // namespace
 
 void register_io(pyb::module_& m) {
+  // Chaos runs give an unmodified job file faults through RESILIENT_FAULT_* (docs/operations.md).
+  if (auto spec = io::fault_spec_from_env(); !spec.ok()) {
+    RESILIENT_LOG(kError, "file fault injection not installed: " << spec.status().to_string());
+  } else if (spec.value().ops != 0) {
+    Status st = io::install_fault_hook(spec.value());
+    RESILIENT_LOG(kWarn, "file fault injection from RESILIENT_FAULT_*: " << st.to_string());
+  }
+  m.def(
+      "install_fault_hook",
+      [](const std::vector<std::string>& ops, int error, const std::string& path_contains,
+         int64_t after, int64_t count, const std::string& trigger_file, double delay_ms) {
+        io::FaultSpec spec;
+        for (int op = 0; op <= static_cast<int>(io::FileOp::kClose); ++op)
+          for (const auto& name : ops)
+            if (name == io::file_op_name(static_cast<io::FileOp>(op))) spec.ops |= 1u << op;
+        if (spec.ops == 0) throw_if_error(Status(StatusCode::kInvalidArgument, "no known op"));
+        spec.error = error;
+        spec.path_contains = path_contains;
+        spec.after = after;
+        spec.count = count;
+        spec.trigger_file = trigger_file;
+        spec.delay_ms = delay_ms;
+        throw_if_error(io::install_fault_hook(spec));
+      },
+      pyb::arg("ops"), pyb::arg("error"), pyb::arg("path_contains") = "", pyb::arg("after") = 0,
+      pyb::arg("count") = 0, pyb::arg("trigger_file") = "", pyb::arg("delay_ms") = 0.0,
+      "Makes file ops (names as in 'write', 'fsync', 'rename'...) fail with `error` (an errno; "
+      "0 only delays by delay_ms) for paths containing `path_contains`, after `after` matching "
+      "calls, at most `count` times (0: unlimited), only while `trigger_file` exists if given.");
+  m.def("clear_fault_hook", &io::clear_fault_hook,
+        "Removes the fault hook; returns how many calls it failed or delayed.");
+  m.def("fault_hook_hits", &io::fault_hook_hits, "Calls failed or delayed by the fault hook.");
   m.def(
       "raw_write",
       [](const std::string& path, uint64_t nbytes, uint64_t request_bytes, int queue_depth,
