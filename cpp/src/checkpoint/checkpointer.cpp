@@ -32,6 +32,10 @@ Status CheckpointOptions::validate() const {
   return io.validate();
 }
 
+Status SaveHandle::wait_snapshot(Duration timeout) const {
+  return copies_ ? copies_->wait_all(timeout) : ok_status();
+}
+
 bool SaveHandle::done() const {
   std::lock_guard<std::mutex> lock(mu_);
   return done_;
@@ -73,6 +77,7 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
   c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
   c->workers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads));
+  c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get());
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
   c->writer_ = std::thread([p = c.get()] { p->writer_loop(); });
   return c;
@@ -90,12 +95,16 @@ Checkpointer::~Checkpointer() {
 }
 
 Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<const TensorSpec> tensors,
-                                                       nlohmann::json values, bool commit) {
+                                                       nlohmann::json values, bool commit, SaveMode mode) {
   if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
   const TimePoint start = SteadyClock::instance().now();
-  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout);
+  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
   if (!staging.ok()) return Status(staging.status()).prepend("saving step " + std::to_string(step));
-  auto handle = std::make_shared<SaveHandle>(step);
+  auto handle = std::make_shared<SaveHandle>(step, staging->copies);
+  if (mode == SaveMode::kBlocking) {
+    Status copied = handle->wait_snapshot(options_.timeout);
+    if (!copied.ok()) return copied.prepend("saving step " + std::to_string(step));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
@@ -201,6 +210,7 @@ Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets
   ro.threads = options_.restore_threads;
   ro.io = options_.io;
   ro.timeout = options_.timeout;
+  ro.cuda = streams_->cuda();
   return restore_tensors(step_dir_path(options_.root, m.step), m, targets, ro, *pool_);
 }
 

@@ -42,8 +42,11 @@ Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOp
                                     ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
   std::vector<std::future<void>> hashed(st.slabs.size());
+  std::vector<Status> copy_errors(st.slabs.size());
   for (size_t s = 0; s < st.slabs.size(); ++s) {
-    hashed[s] = workers.submit([&st, &by_slab, s] {
+    hashed[s] = workers.submit([&st, &by_slab, &copy_errors, &o, s] {
+      copy_errors[s] = st.wait_slab(s, o.timeout);  // device-to-host copies into this slab
+      if (!copy_errors[s].ok()) return;
       for (auto [t, c] : by_slab[s]) {
         Chunk& ch = st.layout.tensors[t].chunks[c];
         ch.xxh3 = checksum(st.slabs[s].data() + ch.offset % st.slab_bytes, ch.len);
@@ -57,8 +60,12 @@ Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOp
   while (s < st.slabs.size()) {
     hashed[s].get();
     size_t end = s + 1;
+    if (!copy_errors[s].ok()) {
+      drain();
+      return copy_errors[s];
+    }
     while (end < st.slabs.size() && end - s < kMaxBatchSlabs &&
-           hashed[end].wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+           hashed[end].wait_for(std::chrono::seconds(0)) == std::future_status::ready && copy_errors[end].ok()) {
       hashed[end++].get();
     }
     std::vector<io::IoRequest> reqs;
@@ -82,6 +89,7 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
   auto by_slab = chunks_by_slab(st);
   uint64_t pos = 0;
   for (size_t s = 0; s < st.slabs.size(); ++s) {
+    RESILIENT_RETURN_IF_ERROR(st.wait_slab(s, o.timeout));
     const auto& list = by_slab[s];
     std::vector<AlignedBuffer> out(list.size());
     std::vector<uint64_t> out_len(list.size());

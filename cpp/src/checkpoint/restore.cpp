@@ -21,6 +21,73 @@ struct Piece {
   Chunk chunk;
   std::byte* dst;  // nullptr: verify only
   const std::string* tensor;
+  int device = -1;
+};
+
+// Host-to-device copies of one reader thread: a copy stream per device, and per staging buffer
+// the events that must complete before the buffer is reused.
+class DeviceWriter {
+ public:
+  explicit DeviceWriter(const memory::CudaRuntime* cuda) : cuda_(cuda) {}
+  ~DeviceWriter() {
+    if (cuda_ == nullptr) return;
+    for (auto& pending : pending_) (void)wait(pending);
+    for (auto [device, stream] : streams_) {
+      (void)cuda_->set_device(device);
+      (void)cuda_->stream_destroy(stream);
+    }
+  }
+  // Copies n bytes from a staging buffer (index `buf`) to device memory, asynchronously.
+  Status copy(int device, void* dst, const void* src, uint64_t n, int buf) {
+    if (cuda_ == nullptr) return Status(StatusCode::kUnavailable, "device target but no CUDA runtime");
+    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, stream_for(device));
+    RESILIENT_RETURN_IF_ERROR(cuda_->memcpy_async(dst, src, n, memory::CopyKind::kHostToDevice, stream));
+    used_[buf].push_back(stream);
+    return ok_status();
+  }
+  // Closes buffer `buf`'s batch of copies with events.
+  Status close(int buf) {
+    for (auto stream : used_[buf]) {
+      memory::EventHandle e = 0;
+      RESILIENT_RETURN_IF_ERROR(cuda_->event_create(&e));
+      pending_[buf].push_back(e);
+      RESILIENT_RETURN_IF_ERROR(cuda_->event_record(e, stream));
+    }
+    used_[buf].clear();
+    return ok_status();
+  }
+  // Waits until buffer `buf` may be overwritten.
+  Status reuse(int buf) { return wait(pending_[buf]); }
+  Status drain() {
+    RESILIENT_RETURN_IF_ERROR(wait(pending_[0]));
+    return wait(pending_[1]);
+  }
+
+ private:
+  Result<memory::StreamHandle> stream_for(int device) {
+    RESILIENT_RETURN_IF_ERROR(cuda_->set_device(device));
+    for (auto [d, s] : streams_) {
+      if (d == device) return s;
+    }
+    memory::StreamHandle s = 0;
+    RESILIENT_RETURN_IF_ERROR(cuda_->stream_create(&s));
+    streams_.emplace_back(device, s);
+    return s;
+  }
+  Status wait(std::vector<memory::EventHandle>& events) {
+    Status first;
+    for (auto e : events) {
+      Status s = cuda_->event_wait(e, std::chrono::seconds(600));
+      if (!s.ok() && first.ok()) first = s;
+      (void)cuda_->event_destroy(e);
+    }
+    events.clear();
+    return first;
+  }
+  const memory::CudaRuntime* cuda_;
+  std::vector<std::pair<int, memory::StreamHandle>> streams_;
+  std::vector<memory::StreamHandle> used_[2];
+  std::vector<memory::EventHandle> pending_[2];
 };
 
 struct Extent {
@@ -49,22 +116,35 @@ std::vector<Extent> coalesce(const std::vector<Piece>& pieces, uint64_t max_byte
   return out;
 }
 
-Status decode(const Piece& p, const std::byte* stored, const std::string& path) {
+Status decode(const Piece& p, const std::byte* stored, const std::string& path, DeviceWriter& device, int buf,
+              std::vector<std::byte>& scratch) {
   if (checksum(stored, p.chunk.len) != p.chunk.xxh3) {
     Status s(StatusCode::kCorrupt, "checksum mismatch in tensor '" + *p.tensor + "'");
     s.with_path(path).with_offset(p.chunk.offset);
     return s;
   }
   if (p.dst == nullptr) return ok_status();
+  if (p.device >= 0 && p.chunk.codec == Codec::kNone) return device.copy(p.device, p.dst, stored, p.chunk.raw, buf);
   if (p.chunk.codec == Codec::kNone) {
     std::memcpy(p.dst, stored, p.chunk.raw);
     return ok_status();
   }
-  size_t n = ZSTD_decompress(p.dst, p.chunk.raw, stored, p.chunk.len);
+  std::byte* out = p.dst;
+  if (p.device >= 0) {  // decompress on the host, then copy (synchronously: scratch is reused)
+    RESILIENT_RETURN_IF_ERROR(device.reuse(buf));
+    scratch.resize(p.chunk.raw);
+    out = scratch.data();
+  }
+  size_t n = ZSTD_decompress(out, p.chunk.raw, stored, p.chunk.len);
   if (ZSTD_isError(n) || n != p.chunk.raw) {
     Status s(StatusCode::kCorrupt, "bad zstd data in tensor '" + *p.tensor + "'");
     s.with_path(path).with_offset(p.chunk.offset);
     return s;
+  }
+  if (p.device >= 0) {
+    RESILIENT_RETURN_IF_ERROR(device.copy(p.device, p.dst, out, p.chunk.raw, buf));
+    RESILIENT_RETURN_IF_ERROR(device.close(buf));
+    return device.reuse(buf);
   }
   return ok_status();
 }
@@ -108,23 +188,29 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     if (first_error.ok()) first_error = std::move(s);
     failed = true;
   };
+  // Each reader thread alternates between two slabs so that the host-to-device copies out of one
+  // overlap the read into the other.
   auto worker = [&] {
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
-    memory::Slab slab;
-    for (size_t i; !failed && (i = next.fetch_add(1)) < extents.size();) {
+    DeviceWriter device(o.cuda);
+    std::vector<std::byte> scratch;
+    memory::Slab slabs[2];
+    int cur = 0;
+    for (size_t i; !failed && (i = next.fetch_add(1)) < extents.size(); cur ^= 1) {
       const Extent& x = extents[i];
       const uint64_t n = x.end - x.begin;
       std::byte* buf;
       std::unique_ptr<std::byte, decltype(&std::free)> big(nullptr, &std::free);
+      if (Status r = device.reuse(cur); !r.ok()) return fail(r);
       if (n <= pool.slab_bytes()) {
-        if (!slab) {
+        if (!slabs[cur]) {
           Duration left = deadline - SteadyClock::instance().now();
           auto s = pool.acquire(std::max(left, Duration::zero()));
           if (!s.ok()) return fail(Status(s.status()).prepend("waiting for host buffers"));
-          slab = std::move(s).value();
+          slabs[cur] = std::move(s).value();
         }
-        buf = slab.data();
+        buf = slabs[cur].data();
       } else {  // a chunk larger than this pool's slabs (written with another slab size)
         void* p = nullptr;
         if (posix_memalign(&p, io::kDirectAlignment, n) != 0) {
@@ -139,10 +225,14 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
       Status r = (*engine)->read(files[x.shard], {&req, 1}, left);
       if (!r.ok()) return fail(r);
       for (size_t k = x.first; k < x.last; ++k) {
-        Status d = decode(pieces[k], buf + (pieces[k].chunk.offset - x.begin), paths[x.shard]);
+        Status d = decode(pieces[k], buf + (pieces[k].chunk.offset - x.begin), paths[x.shard], device, cur, scratch);
         if (!d.ok()) return fail(d);
       }
+      Status c = device.close(cur);
+      if (c.ok() && big) c = device.reuse(cur);  // the heap buffer dies with this iteration
+      if (!c.ok()) return fail(c);
     }
+    if (Status d = device.drain(); !d.ok()) fail(d);
   };
   size_t nthreads = std::clamp<size_t>(o.threads, 1, std::max<size_t>(extents.size(), 1));
   std::vector<std::thread> threads;
@@ -169,12 +259,13 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m, std::span
       return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': checkpoint holds " + std::to_string(e.nbytes) +
                                                       " bytes, target has " + std::to_string(t.nbytes));
     }
-    if (t.device >= 0) {
-      return Status(StatusCode::kUnavailable, "tensor '" + t.name + "': restoring into device memory is not available here");
+    if (t.device >= 0 && o.cuda == nullptr) {
+      return Status(StatusCode::kUnavailable, "tensor '" + t.name + "' is on a CUDA device but CUDA is not usable: " +
+                                                  memory::CudaRuntime::unavailable_reason());
     }
     uint64_t raw_off = 0;
     for (const auto& c : e.chunks) {
-      pieces.push_back(Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name});
+      pieces.push_back(Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device});
       raw_off += c.raw;
     }
   }

@@ -1,5 +1,6 @@
 #include "resilient/checkpoint/snapshot.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_set>
 
@@ -51,16 +52,131 @@ Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_by
   return layout;
 }
 
+DeviceStreams::~DeviceStreams() {
+  for (auto& [device, stream] : streams_) {
+    (void)cuda_->set_device(device);
+    (void)cuda_->stream_synchronize(stream);
+    (void)cuda_->stream_destroy(stream);
+  }
+}
+
+Result<memory::StreamHandle> DeviceStreams::get(int device) {
+  if (cuda_ == nullptr) {
+    return Status(StatusCode::kUnavailable,
+                  std::string("CUDA tensors need the CUDA runtime: ") + memory::CudaRuntime::unavailable_reason());
+  }
+  RESILIENT_RETURN_IF_ERROR(cuda_->set_device(device));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [d, s] : streams_) {
+    if (d == device) return s;
+  }
+  memory::StreamHandle s = 0;
+  RESILIENT_RETURN_IF_ERROR(cuda_->stream_create(&s));
+  streams_.emplace_back(device, s);
+  return s;
+}
+
+DeviceCopies::~DeviceCopies() {
+  for (auto& events : slab_events) {
+    for (auto e : events) {
+      (void)cuda->event_wait(e, std::chrono::seconds(60));
+      (void)cuda->event_destroy(e);
+    }
+  }
+}
+
+Status DeviceCopies::wait_slab(size_t i, Duration timeout) const {
+  if (i >= slab_events.size()) return ok_status();
+  for (auto e : slab_events[i]) {
+    Status s = cuda->event_wait(e, timeout);
+    if (!s.ok()) return s.prepend("device-to-host copy");
+  }
+  return ok_status();
+}
+
+Status DeviceCopies::wait_all(Duration timeout) const {
+  const TimePoint deadline = SteadyClock::instance().now() + timeout;
+  for (size_t i = 0; i < slab_events.size(); ++i) {
+    RESILIENT_RETURN_IF_ERROR(wait_slab(i, std::max(deadline - SteadyClock::instance().now(), Duration::zero())));
+  }
+  return ok_status();
+}
+
+Staging::~Staging() {
+  // Never hand slabs back to the pool while a copy may still write into them.
+  if (copies) (void)copies->wait_all(std::chrono::seconds(60));
+}
+
+namespace {
+
+struct Copy {
+  std::byte* dst;
+  const std::byte* src;
+  uint64_t n;
+  int device;     // -1: host
+  size_t slab;
+};
+
+// Issues the device copies in logical order, one stream per device, each ordered after the
+// tensors' producing streams, and records one event per (slab, device) after that slab's copies.
+Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vector<Copy>& work, Staging& st,
+                           DeviceStreams& streams) {
+  const memory::CudaRuntime* cuda = streams.cuda();
+  st.copies = std::make_shared<DeviceCopies>();
+  st.copies->cuda = cuda;
+  auto& slab_events = st.copies->slab_events;
+  slab_events.resize(st.slabs.size());
+  // Order each copy stream after every producing stream of its device.
+  std::vector<std::pair<int, memory::StreamHandle>> ordered;
+  for (const auto& t : tensors) {
+    if (t.device < 0 || t.nbytes == 0) continue;
+    std::pair<int, memory::StreamHandle> key{t.device, t.stream};
+    if (std::find(ordered.begin(), ordered.end(), key) != ordered.end()) continue;
+    ordered.push_back(key);
+    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle copy_stream, streams.get(t.device));
+    memory::EventHandle produced = 0;
+    RESILIENT_RETURN_IF_ERROR(cuda->event_create(&produced));
+    Status s = cuda->event_record(produced, t.stream);
+    if (s.ok()) s = cuda->stream_wait_event(copy_stream, produced);
+    (void)cuda->event_destroy(produced);  // destruction is deferred by CUDA until it completes
+    RESILIENT_RETURN_IF_ERROR(s);
+  }
+  // Copies grouped by (slab, device), in order; an event closes each group.
+  size_t i = 0;
+  while (i < work.size()) {
+    if (work[i].device < 0) {
+      ++i;
+      continue;
+    }
+    const size_t slab = work[i].slab;
+    const int device = work[i].device;
+    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, streams.get(device));
+    size_t j = i;
+    for (; j < work.size() && work[j].slab == slab && work[j].device == device; ++j) {
+      RESILIENT_RETURN_IF_ERROR(
+          cuda->memcpy_async(work[j].dst, work[j].src, work[j].n, memory::CopyKind::kDeviceToHost, stream));
+    }
+    memory::EventHandle done = 0;
+    RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));
+    slab_events[slab].push_back(done);
+    RESILIENT_RETURN_IF_ERROR(cuda->event_record(done, stream));
+    i = j;
+  }
+  return ok_status();
+}
+
+}  // namespace
+
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
-                         uint64_t chunk_bytes, Duration timeout) {
+                         uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams) {
   Staging st;
   st.slab_bytes = pool.slab_bytes();
   RESILIENT_ASSIGN_OR_RETURN(st.layout, plan_layout(tensors, st.slab_bytes, chunk_bytes));
-  for (const auto& t : tensors) {
-    if (t.device >= 0) {
-      return Status(StatusCode::kUnavailable, "tensor '" + t.name + "' is on CUDA device " + std::to_string(t.device) +
-                                                  ", which this snapshot path does not copy");
-    }
+  bool any_device = false;
+  for (const auto& t : tensors) any_device |= t.device >= 0 && t.nbytes > 0;
+  if (any_device && (streams == nullptr || streams->cuda() == nullptr)) {
+    return Status(StatusCode::kUnavailable, std::string("CUDA tensors need the CUDA runtime: ") +
+                                                memory::CudaRuntime::unavailable_reason());
   }
   const uint64_t nslabs = (st.layout.bytes + st.slab_bytes - 1) / st.slab_bytes;
   if (nslabs * st.slab_bytes > pool.budget_bytes()) {
@@ -76,32 +192,34 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
     if (!slab.ok()) return Status(slab.status()).prepend("waiting for host buffers");
     st.slabs.push_back(std::move(slab).value());
   }
-  // One copy task per chunk; chunks never cross slabs.
-  struct Copy {
-    std::byte* dst;
-    const std::byte* src;
-    uint64_t n;
-  };
+  // One copy per chunk; chunks never cross slabs.
   std::vector<Copy> work;
   for (size_t ti = 0; ti < tensors.size(); ++ti) {
     const auto* src = static_cast<const std::byte*>(tensors[ti].data);
     uint64_t done = 0;
     for (const auto& c : st.layout.tensors[ti].chunks) {
-      std::byte* dst = st.slabs[c.offset / st.slab_bytes].data() + c.offset % st.slab_bytes;
-      work.push_back(Copy{dst, src + done, c.raw});
+      size_t slab = c.offset / st.slab_bytes;
+      work.push_back(Copy{st.slabs[slab].data() + c.offset % st.slab_bytes, src + done, c.raw, tensors[ti].device, slab});
       done += c.raw;
     }
   }
-  copies.parallel_for(work.size(), [&](size_t i) { std::memcpy(work[i].dst, work[i].src, work[i].n); });
   // Zero the alignment padding so files are deterministic (and no stale bytes leak to disk).
-  for (size_t ti = 0; ti < st.layout.tensors.size(); ++ti) {
-    const auto& chunks = st.layout.tensors[ti].chunks;
-    if (chunks.empty()) continue;
-    uint64_t end = chunks.back().offset + chunks.back().raw;
-    uint64_t pad_end = std::min(io::align_up(end), (end / st.slab_bytes + 1) * st.slab_bytes);
+  for (const auto& t : st.layout.tensors) {
+    if (t.chunks.empty()) continue;
+    uint64_t end = t.chunks.back().offset + t.chunks.back().raw;
     if (end % st.slab_bytes == 0) continue;
+    uint64_t pad_end = std::min(io::align_up(end), (end / st.slab_bytes + 1) * st.slab_bytes);
     std::memset(st.slabs[end / st.slab_bytes].data() + end % st.slab_bytes, 0, pad_end - end);
   }
+  if (any_device) RESILIENT_RETURN_IF_ERROR(issue_device_copies(tensors, work, st, *streams));
+  std::vector<size_t> host;
+  for (size_t i = 0; i < work.size(); ++i) {
+    if (work[i].device < 0) host.push_back(i);
+  }
+  copies.parallel_for(host.size(), [&](size_t k) {
+    const Copy& c = work[host[k]];
+    std::memcpy(c.dst, c.src, c.n);
+  });
   return st;
 }
 

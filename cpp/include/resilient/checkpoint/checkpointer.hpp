@@ -37,9 +37,17 @@ struct CheckpointOptions {
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
   io::IoOptions io;
   memory::PoolOptions pool;
+  /// The CUDA runtime for device tensors; null: memory::CudaRuntime::get() (tests inject a fake).
+  const memory::CudaRuntime* cuda = nullptr;
 
   static CheckpointOptions from_env(std::string root);
   Status validate() const;
+};
+
+/// When save() returns for device tensors. Host tensors are always copied before it returns.
+enum class SaveMode {
+  kBlocking,  // after the device-to-host copies completed: the tensors may change at once
+  kOverlap,   // at once; the tensors must not change until SaveHandle::wait_snapshot() returns
 };
 
 /// What a save measured, in seconds since save() was called.
@@ -54,8 +62,10 @@ struct SaveStats {
 /// One save in flight. Thread-safe.
 class SaveHandle {
  public:
-  explicit SaveHandle(int64_t step) : step_(step) {}
+  SaveHandle(int64_t step, std::shared_ptr<DeviceCopies> copies) : step_(step), copies_(std::move(copies)) {}
   int64_t step() const { return step_; }
+  /// Waits until the snapshot no longer reads the caller's tensors (device copies complete).
+  Status wait_snapshot(Duration timeout) const;
   bool done() const;
   /// Waits until the save is durable and committed; returns its error, or kTimeout.
   Status wait(Duration timeout) const;
@@ -66,6 +76,7 @@ class SaveHandle {
 
  private:
   const int64_t step_;
+  const std::shared_ptr<DeviceCopies> copies_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool done_ = false;
@@ -84,7 +95,8 @@ class Checkpointer {
   /// `commit` false (multi-rank), the shard and its shard manifest (rank-N.json) are left in the
   /// step's temporary directory for a coordinator to commit with commit_step().
   Result<std::shared_ptr<SaveHandle>> save(int64_t step, std::span<const TensorSpec> tensors,
-                                           nlohmann::json values, bool commit = true);
+                                           nlohmann::json values, bool commit = true,
+                                           SaveMode mode = SaveMode::kBlocking);
   /// Waits for every queued save and for the writer to finish its background work (retention).
   Status wait_all(Duration timeout);
 
@@ -115,6 +127,7 @@ class Checkpointer {
   CheckpointOptions options_;
   std::unique_ptr<memory::HostPool> pool_;
   std::unique_ptr<ThreadPool> workers_;
+  std::unique_ptr<DeviceStreams> streams_;
   std::unique_ptr<io::IoEngine> engine_;  // used by the writer thread only
   std::mutex mu_;
   std::condition_variable cv_;

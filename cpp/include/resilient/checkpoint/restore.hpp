@@ -11,11 +11,13 @@
 #include "resilient/common/clock.hpp"
 #include "resilient/common/status.hpp"
 #include "resilient/io/engine.hpp"
+#include "resilient/memory/cuda.hpp"
 #include "resilient/memory/pool.hpp"
 
 namespace resilient::checkpoint {
 
-/// A destination for one saved tensor: `nbytes` writable bytes at `dst` (host memory).
+/// A destination for one saved tensor: `nbytes` writable bytes at `dst`, in host memory
+/// (device -1) or on a CUDA device (copied host-to-device from the pool's pinned slabs).
 struct ReadTarget {
   std::string name;
   void* dst = nullptr;
@@ -27,6 +29,7 @@ struct RestoreOptions {
   int threads = 4;  // RESILIENT_RESTORE_THREADS
   io::IoOptions io;
   Duration timeout = std::chrono::seconds(600);
+  const memory::CudaRuntime* cuda = nullptr;  // needed for device targets
 };
 
 /// Reads every target from the step directory `step_dir` described by `manifest`. Errors:

@@ -3,6 +3,8 @@
 // logical shard image, so the caller may modify its tensors as soon as snapshot() returns.
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -42,17 +44,68 @@ struct Layout {
 /// and nbytes against shape (kInvalidArgument naming the tensor).
 Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes, uint64_t chunk_bytes);
 
+/// The engine's device-to-host copy streams, one per CUDA device, created on first use and
+/// reused by every save. Thread-safe.
+class DeviceStreams {
+ public:
+  /// `cuda` may be null (no device copies possible).
+  explicit DeviceStreams(const memory::CudaRuntime* cuda) : cuda_(cuda) {}
+  ~DeviceStreams();
+  DeviceStreams(const DeviceStreams&) = delete;
+  DeviceStreams& operator=(const DeviceStreams&) = delete;
+
+  const memory::CudaRuntime* cuda() const { return cuda_; }
+  /// The copy stream of `device` (sets that device current on the calling thread).
+  Result<memory::StreamHandle> get(int device);
+
+ private:
+  const memory::CudaRuntime* cuda_;
+  std::mutex mu_;
+  std::vector<std::pair<int, memory::StreamHandle>> streams_;
+};
+
+/// The asynchronous device-to-host copies of one snapshot: slab i's bytes are valid once every
+/// event in slab_events[i] has completed. Shared by the staging and the save handle (whose
+/// wait_snapshot() waits on it); the destructor waits for and destroys the events. Thread-safe.
+struct DeviceCopies {
+  const memory::CudaRuntime* cuda = nullptr;
+  std::vector<std::vector<memory::EventHandle>> slab_events;
+
+  DeviceCopies() = default;
+  DeviceCopies(const DeviceCopies&) = delete;
+  DeviceCopies& operator=(const DeviceCopies&) = delete;
+  ~DeviceCopies();
+  /// Waits for the copies into slab `i` (ok at once for a slab with none).
+  Status wait_slab(size_t i, Duration timeout) const;
+  /// Waits for every copy.
+  Status wait_all(Duration timeout) const;
+};
+
 /// A snapshot held in slabs. Slab i holds logical bytes [i * slab_bytes, (i + 1) * slab_bytes).
+/// Move-only; destroying it waits for device copies still writing into its slabs.
 struct Staging {
+  Staging() = default;
+  Staging(Staging&&) noexcept = default;
+  Staging& operator=(Staging&&) noexcept = default;
+  ~Staging();
+
   Layout layout;
   uint64_t slab_bytes = 0;
   std::vector<memory::Slab> slabs;
+  std::shared_ptr<DeviceCopies> copies;  // null when every tensor was in host memory
+
+  Status wait_slab(size_t i, Duration timeout) const {
+    return copies ? copies->wait_slab(i, timeout) : ok_status();
+  }
 };
 
-/// Copies `tensors` into slabs from `pool` using `copies` (host memcpy in parallel). Fails with
+/// Copies `tensors` into slabs from `pool`: host tensors with parallel memcpy on `copies` before
+/// returning; device tensors with cudaMemcpyAsync on `streams`' copy streams, ordered after each
+/// tensor's producing stream with an event, and NOT waited for: the
+/// caller must keep device tensors alive and unmodified until staging.copies->wait_all(). Fails with
 /// kResourceExhausted when the shard is larger than the pool's budget, kTimeout when slabs do not
 /// free up within `timeout`, kUnavailable for device tensors when CUDA is not usable.
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
-                         uint64_t chunk_bytes, Duration timeout);
+                         uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams = nullptr);
 
 }  // namespace resilient::checkpoint

@@ -1,0 +1,188 @@
+// The CUDA paths of the engine (device-to-host snapshot, host-to-device restore) against a fake
+// CUDA runtime whose "device memory" is host memory and whose copies run late: a copy only
+// happens when an event recorded after it is first polled twice. Reading a slab before its copy
+// event completed would therefore save stale bytes, and these tests would see them.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "memory/detail/cuda_table.hpp"
+#include "resilient/checkpoint/checkpointer.hpp"
+
+namespace resilient::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using memory::CudaRuntime;
+
+struct FakeGpu {
+  struct Op {
+    void* dst;
+    const void* src;
+    size_t n;
+  };
+  std::mutex mu;
+  std::map<void*, std::vector<Op>> queued;       // per stream, not yet executed
+  std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
+  std::map<void*, int> polls;
+  std::vector<int> h2d, d2h;
+  uintptr_t next = 0x1000;
+
+  static FakeGpu& get() {
+    static FakeGpu g;
+    return g;
+  }
+  void* handle() { return reinterpret_cast<void*>(next += 16); }
+  void flush(void* stream, size_t upto) {
+    auto& q = queued[stream];
+    upto = std::min(upto, q.size());
+    for (size_t i = 0; i < upto; ++i) std::memcpy(q[i].dst, q[i].src, q[i].n);
+    q.erase(q.begin(), q.begin() + static_cast<long>(upto));
+    for (auto& [e, rec] : events) {
+      if (rec.first == stream) rec.second = rec.second > upto ? rec.second - upto : 0;
+    }
+  }
+};
+
+int ok() { return 0; }
+const CudaRuntime::Table* fake_table() {
+  static CudaRuntime::Table t = [] {
+    CudaRuntime::Table t;
+    t.get_device_count = [](int* n) { *n = 2; return ok(); };
+    t.set_device = [](int) { return ok(); };
+    t.get_device = [](int* d) { *d = 0; return ok(); };
+    t.memcpy_async = [](void* dst, const void* src, size_t n, int kind, void* stream) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      g.queued[stream].push_back({dst, src, n});
+      (kind == 1 ? g.h2d : g.d2h).push_back(static_cast<int>(n));
+      return ok();
+    };
+    t.stream_create_with_flags = [](void** s, unsigned) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      *s = g.handle();
+      return ok();
+    };
+    t.stream_destroy = [](void*) { return ok(); };
+    t.event_create_with_flags = [](void** e, unsigned) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      *e = g.handle();
+      return ok();
+    };
+    t.event_destroy = [](void*) { return ok(); };
+    t.event_record = [](void* e, void* stream) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      g.events[e] = {stream, g.queued[stream].size()};
+      return ok();
+    };
+    t.stream_wait_event = [](void*, void*, unsigned) { return ok(); };
+    t.event_query = [](void* e) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      auto it = g.events.find(e);
+      if (it == g.events.end()) return ok();
+      if (++g.polls[e] < 2) return 600;  // cudaErrorNotReady: the copy is still "running"
+      g.flush(it->second.first, it->second.second);
+      return ok();
+    };
+    t.stream_synchronize = [](void* s) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      g.flush(s, SIZE_MAX);
+      return ok();
+    };
+    t.get_error_string = [](int) { return "fake"; };
+    return t;
+  }();
+  return &t;
+}
+
+class DeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / ("resilient-dev-" + std::to_string(::getpid()) + "-" +
+                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0) {
+    auto o = CheckpointOptions::from_env(root_.string());
+    o.zstd_level = zstd;
+    o.chunk_bytes = 64 << 10;
+    o.pool.slab_bytes = 256 << 10;
+    o.pool.budget_bytes = 64 << 20;
+    o.pool.pin = Feature::kOff;
+    o.timeout = 30s;
+    o.cuda = cuda;
+    auto c = Checkpointer::create(o);
+    EXPECT_TRUE(c.ok()) << c.status().to_string();
+    return std::move(c).value();
+  }
+  fs::path root_;
+};
+
+TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
+  CudaRuntime cuda(fake_table());
+  for (SaveMode mode : {SaveMode::kBlocking, SaveMode::kOverlap}) {
+    for (int zstd : {0, 3}) {
+      fs::remove_all(root_);
+      auto c = make(&cuda, zstd);
+      std::vector<float> gpu0(200'000), gpu1(3000);  // "device memory" on devices 0 and 1
+      std::vector<int32_t> host(100);
+      std::iota(gpu0.begin(), gpu0.end(), 1.0f);
+      std::iota(gpu1.begin(), gpu1.end(), -5.0f);
+      std::iota(host.begin(), host.end(), 7);
+      auto expect0 = gpu0, expect1 = gpu1;
+      std::vector<TensorSpec> specs = {
+          {"a", "float32", {200'000}, gpu0.data(), gpu0.size() * 4, 0, 0x77},
+          {"h", "int32", {100}, host.data(), 400},
+          {"b", "float32", {3000}, gpu1.data(), gpu1.size() * 4, 1, 0}};
+      auto h = c->save(1, specs, {}, true, mode);
+      ASSERT_TRUE(h.ok()) << h.status().to_string();
+      ASSERT_TRUE((*h)->wait_snapshot(10s).ok());
+      std::fill(gpu0.begin(), gpu0.end(), 0.0f);  // the tensors change after the fence
+      std::fill(gpu1.begin(), gpu1.end(), 0.0f);
+      ASSERT_TRUE((*h)->wait(30s).ok());
+
+      std::vector<float> back0(gpu0.size()), back1(gpu1.size());
+      std::vector<int32_t> hback(100);
+      auto m = c->manifest(1);
+      ASSERT_TRUE(m.ok());
+      std::vector<ReadTarget> targets = {{"a", back0.data(), back0.size() * 4, 0},
+                                         {"h", hback.data(), 400, -1},
+                                         {"b", back1.data(), back1.size() * 4, 1}};
+      ASSERT_TRUE(c->read(*m, targets).ok());
+      EXPECT_EQ(back0, expect0) << "zstd=" << zstd;
+      EXPECT_EQ(back1, expect1);
+      EXPECT_EQ(hback, host);
+    }
+  }
+  EXPECT_FALSE(FakeGpu::get().d2h.empty());
+  EXPECT_FALSE(FakeGpu::get().h2d.empty());
+}
+
+TEST_F(DeviceTest, DeviceTensorsWithoutCudaAreUnavailable) {
+  auto o = CheckpointOptions::from_env(root_.string());
+  o.pool.budget_bytes = 64 << 20;
+  o.pool.pin = Feature::kOff;
+  auto c = Checkpointer::create(o);
+  ASSERT_TRUE(c.ok());
+  if (CudaRuntime::get() != nullptr) GTEST_SKIP() << "a real GPU is present";
+  std::vector<float> x(10);
+  std::vector<TensorSpec> specs = {{"a", "float32", {10}, x.data(), 40, 0, 0}};
+  auto h = (*c)->save(1, specs, {});
+  EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(h.status().message().find("CUDA"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace resilient::checkpoint
