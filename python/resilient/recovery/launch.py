@@ -22,6 +22,17 @@ from typing import Any
 from resilient.recovery.events import PHASES, phases
 
 
+def _die_with_parent() -> None:
+    """Child side of spawn: SIGKILL this worker when the launcher dies (Linux prctl), so a
+    killed or timed-out launcher never leaves ranks behind."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class LocalJob:
     """``world`` worker processes of ``cmd`` plus the TCPStore they share."""
 
@@ -50,7 +61,8 @@ class LocalJob:
                               self.address, "--out", str(self.out)] + list(extra or [])
             log = open(self.out / f"rank{r}.log", "a")  # noqa: SIM115 -- owned by the child
             self.procs[r] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.env, start_new_session=True)
+                                             env=self.env, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
             log.close()
 
     def wait(self, ranks: list[int], timeout_s: float) -> dict[int, int | None]:
