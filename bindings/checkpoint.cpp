@@ -95,6 +95,15 @@ void register_checkpoint(pyb::module_& m) {
   pyb::class_<SaveHandle, std::shared_ptr<SaveHandle>>(m, "SaveHandle")
       .def_property_readonly("step", &SaveHandle::step)
       .def("done", &SaveHandle::done)
+      .def("wait_snapshot", [](const SaveHandle& h, std::optional<double> timeout_s) {
+             Status s;
+             {
+               pyb::gil_scoped_release release;
+               s = h.wait_snapshot(seconds_or_forever(timeout_s));
+             }
+             throw_if_error(s);
+           }, pyb::arg("timeout") = pyb::none(),
+           "Waits until the snapshot no longer reads the saved tensors (device copies done).")
       .def("wait", [](const SaveHandle& h, std::optional<double> timeout_s) {
              Status s;
              {
@@ -120,7 +129,9 @@ void register_checkpoint(pyb::module_& m) {
   pyb::class_<Checkpointer>(m, "Checkpointer")
       .def(pyb::init([](const CheckpointOptions& o) { return unwrap(Checkpointer::create(o)); }), pyb::arg("options"))
       .def("save", [](Checkpointer& c, int64_t step, const pyb::list& tensors, const std::string& values_json,
-                      bool commit) {
+                      bool commit, const std::string& mode) {
+             if (mode != "blocking" && mode != "overlap") throw pyb::value_error("mode must be 'blocking' or 'overlap'");
+             const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
              std::vector<TensorSpec> specs;
              specs.reserve(tensors.size());
              for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
@@ -129,10 +140,11 @@ void register_checkpoint(pyb::module_& m) {
              Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
              {
                pyb::gil_scoped_release release;
-               h = c.save(step, specs, std::move(values), commit);
+               h = c.save(step, specs, std::move(values), commit, save_mode);
              }
              return unwrap(std::move(h));
-           }, pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}", pyb::arg("commit") = true)
+           }, pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}", pyb::arg("commit") = true,
+           pyb::arg("mode") = "blocking")
       .def("wait_all", [](Checkpointer& c, std::optional<double> timeout_s) {
              Status s;
              {

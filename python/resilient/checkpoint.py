@@ -31,9 +31,16 @@ _VALUES_FORMAT = "resilient.state/1"
 class SaveHandle:
     """A save in progress. ``wait()`` returns once the checkpoint is durable and committed."""
 
-    def __init__(self, native: Any, step: int):
+    def __init__(self, native: Any, step: int, keep: list | None = None):
         self._native = native
         self.step = step
+        self._keep = keep  # the saved tensors, alive until the snapshot stops reading them
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Blocks until the snapshot no longer reads the saved tensors; after that they may
+        change. Immediate for host tensors and for saves in "blocking" mode."""
+        self._native.wait_snapshot(timeout)
+        self._keep = None
 
     def done(self) -> bool:
         """True once the save finished (successfully or not)."""
@@ -65,15 +72,12 @@ def tensor_descriptor(name: str, t: torch.Tensor, keep: list[torch.Tensor]) -> d
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if t.device.type == "cuda":
-        # TODO(issue 3): native device-to-host copies on the engine's stream.
-        t = t.to("cpu")
-    elif t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"tensor {name!r}: device {t.device} is not supported")
     if not t.is_contiguous():
         t = t.contiguous()
     keep.append(t)
-    return {
+    desc = {
         "name": name,
         "dtype": dtype_name(t.dtype),
         "shape": list(t.shape),
@@ -81,6 +85,12 @@ def tensor_descriptor(name: str, t: torch.Tensor, keep: list[torch.Tensor]) -> d
         "nbytes": t.numel() * t.element_size(),
         "device": -1,
     }
+    if t.device.type == "cuda":
+        # The engine copies on its own stream, ordered after the stream that produced the tensor;
+        # `keep` holds a reference so the caching allocator cannot reuse the memory meanwhile.
+        desc["device"] = t.device.index
+        desc["stream"] = torch.cuda.current_stream(t.device).cuda_stream
+    return desc
 
 
 class Checkpointer:
@@ -126,22 +136,40 @@ class Checkpointer:
             setattr(opts, key, value)
         self.options = opts
         self._native = _C.Checkpointer(opts)
+        self._in_snapshot: SaveHandle | None = None
         self.last_load = LoadReport()
 
     # -- saving ---------------------------------------------------------------------------
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, mode: str = "blocking") -> SaveHandle:
         """Snapshots `state` and returns while it is written in the background.
 
-        When this returns, the tensors in `state` may be modified. Raises TypeError for values
-        that cannot be stored without pickle.
+        mode "blocking": when this returns, the tensors in `state` may be modified (for CUDA
+        tensors it waits for the device-to-host copies). mode "overlap": returns as soon as the
+        copies are queued on the engine's streams; the tensors must not change until
+        ``wait_snapshot()`` (the hook installed by ``attach(optimizer)`` calls it before the next
+        ``optimizer.step()``). Raises TypeError for values that cannot be stored without pickle.
         """
+        self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
         enc = encode(state)
         keep: list[torch.Tensor] = []
         descs = [tensor_descriptor(name, t, keep) for name, t in enc.tensors.items()]
         values = json.dumps({"format": _VALUES_FORMAT, "state": enc.doc}, allow_nan=False)
-        native = self._native.save(int(step), descs, values, True)
-        del keep  # the snapshot is taken: the engine holds its own copy
-        return SaveHandle(native, int(step))
+        native = self._native.save(int(step), descs, values, True, mode)
+        handle = SaveHandle(native, int(step), keep if mode == "overlap" else None)
+        if mode == "overlap":
+            self._in_snapshot = handle
+        return handle
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Waits until the last overlapped save no longer reads the saved tensors."""
+        handle, self._in_snapshot = self._in_snapshot, None
+        if handle is not None:
+            handle.wait_snapshot(timeout)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Makes `optimizer.step()` wait for an overlapped snapshot first, so a checkpoint taken
+        in "overlap" mode holds exactly the saved step's values. Returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits for every save in flight; raises the first failure."""
@@ -215,7 +243,7 @@ class Checkpointer:
                         f"tensor {name!r}: checkpoint has {entry['dtype']}{list(shape)}, "
                         f"the target has {dtype_name(t.dtype)}{list(t.shape)}"
                     )
-                if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj():
+                if t.device.type in ("cpu", "cuda") and t.is_contiguous() and not t.is_conj():
                     dst = t
                 else:
                     dst = torch.empty(shape, dtype=dtype)
@@ -224,7 +252,10 @@ class Checkpointer:
             else:
                 dst = torch.empty(shape, dtype=dtype)
                 resolved[name] = dst
-            targets.append({"name": name, "ptr": dst.data_ptr(), "nbytes": entry["nbytes"], "device": -1})
+            device = dst.device.index if dst.device.type == "cuda" else -1
+            targets.append({"name": name, "ptr": dst.data_ptr(), "nbytes": entry["nbytes"], "device": device})
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
         with torch.no_grad():
             self._native.read(manifest, targets)
             for t, src in copy_back:
