@@ -13,7 +13,7 @@ from typing import Any
 
 from resilient import _C
 
-ALL_METHODS = ["raw", "resilient", "torch.save", "dcp", "dcp_async", "dcp_async_fresh"]
+ALL_METHODS = ["raw", "resilient", "resilient_overlap", "torch.save", "dcp", "dcp_async", "dcp_async_fresh"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-bytes", default="16MiB")
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--zstd-level", type=int, default=0)
+    p.add_argument("--train", action="store_true",
+                   help="also measure a small transformer training loop with and without overlapped saves (CUDA)")
     p.add_argument("--repeat", type=int, default=3, help="measured repetitions per method (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
@@ -84,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
             d.mkdir(parents=True, exist_ok=True)
             if name == "raw":
                 fn = lambda d=d: m.raw_row(nbytes, d, request_bytes, args.queue_depth, args.repeat)  # noqa: E731
-            elif name == "resilient":
+            elif name.startswith("resilient"):
                 opts = {"request_bytes": request_bytes, "queue_depth": args.queue_depth, "zstd_level": args.zstd_level}
-                fn = lambda d=d: m.resilient_row(state, nbytes, d, args.device, opts, args.repeat)  # noqa: E731
+                mode = "overlap" if name == "resilient_overlap" else "blocking"
+                fn = lambda d=d, mo=mode: m.resilient_row(state, nbytes, d, args.device, opts, args.repeat, mo)  # noqa: E731
             elif name == "torch.save":
                 fn = lambda d=d: m.torch_save_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
             elif name == "dcp":
@@ -96,6 +99,13 @@ def run(args: argparse.Namespace) -> int:
                 fn = lambda d=d, r=reuse: m.dcp_async_row(state, nbytes, d, args.device, args.repeat, r)  # noqa: E731
             rows.append(m.run_guarded(name, fn))
             shutil.rmtree(d, ignore_errors=True)
+        if args.train:
+            from resilient.bench.training import train_row
+
+            progress("training loop with and without overlapped saves", quiet)
+            d = root / "train"
+            d.mkdir(parents=True, exist_ok=True)
+            rows.append(m.run_guarded("train_overlap", lambda: train_row(d, args.device, progress_fn=lambda s: progress(s, quiet))))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
@@ -133,6 +143,14 @@ def goals(rows: list[dict], device: str) -> list[dict[str, Any]]:
     if res and ref:
         v = res["stall_s"] / ref["stall_s"]
         add(f"stall vs {ref['method']}", v, f"<= {limit}", v <= limit)
+    ov = _row(rows, "resilient_overlap")
+    if ov and ref and device == "cuda":
+        v = ov["return_s"] / ref["stall_s"]
+        add("overlap return vs d2h_limit", v, "<= 0.10", v <= 0.10)
+    tr = _row(rows, "train_overlap")
+    if tr:
+        v = tr["notes"]["step_ratio"]
+        add(f"training step with saves every {tr['notes']['every']} steps vs without", v, "<= 1.02", v <= 1.02)
     if res:
         for other in ("torch.save", "dcp", "dcp_async", "dcp_async_fresh"):
             o = _row(rows, other)

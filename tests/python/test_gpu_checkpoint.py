@@ -1,0 +1,88 @@
+"""GPU checkpointing (runs on a machine with CUDA; skipped here with the reason)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import resilient
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def rand(shape, dtype, device):
+    if dtype == torch.bool:
+        return torch.rand(shape, device=device) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, device=device).to(dtype)
+    return torch.randint(-100, 100, shape, device=device).to(dtype)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "overlap"])
+def test_gpu_round_trip_bit_exact(tmp_path, mode):
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    state = {}
+    for d in devices:
+        for dt in DTYPES:
+            state[f"{d}/{dt}"] = rand((1031, 257), dt, d)
+        base = torch.randn(64, 48, device=d)
+        state[f"{d}/view_t"] = base.t()
+        state[f"{d}/view_strided"] = base[::3, 1::2]
+        state[f"{d}/0d"] = torch.tensor(3.5, device=d)
+        state[f"{d}/empty"] = torch.empty(0, 7, device=d)
+    expected = {k: v.clone() for k, v in state.items()}
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        h = ckpt.save(1, state, mode=mode)
+        h.wait_snapshot()
+        for t in state.values():
+            if t.numel() and t.dtype != torch.bool:
+                t.add_(1)  # changed after the snapshot fence
+        h.wait()
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.load(out) == 1
+        cpu = {k: torch.zeros_like(v, device="cpu") for k, v in state.items()}
+        assert ckpt.load(cpu) == 1
+    for k, v in expected.items():
+        assert out[k].device == v.device
+        assert torch.equal(bits(out[k]), bits(v)), k
+        assert torch.equal(bits(cpu[k]), bits(v)), k
+
+
+def test_overlap_mode_in_a_training_loop_holds_the_saved_step(tmp_path):
+    """optimizer.step() every iteration, overlapped saves at random steps with random extra work:
+    every checkpoint equals a copy of the parameters taken at its step."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    copies = {}
+    with resilient.Checkpointer(tmp_path, keep=100) as ckpt:
+        ckpt.attach(opt)
+        handles = []
+        for step in range(60):
+            x = torch.randn(256, 512, device="cuda")
+            loss = model(x).pow(2).mean()
+            if rng.random() < 0.3:
+                copies[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                handles.append(ckpt.save(step, {"model": model}, mode="overlap"))
+            for _ in range(rng.randrange(3)):
+                torch.matmul(x, x.t())  # random extra work on the stream
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        for h in handles:
+            h.wait()
+        assert len(copies) >= 5
+        for step, expected in copies.items():
+            fresh = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).cuda()
+            assert ckpt.load({"model": fresh}, step=step) == step
+            for k, v in fresh.state_dict().items():
+                assert torch.equal(v, expected[k]), (step, k)
