@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
+# Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train straggler
+#        comm recovery. Logs and JSON go to $OUT (default build/gpu-out).
+# Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu-out}
+mkdir -p "$OUT"
+LIBDIR=/opt/deps/usr/lib/x86_64-linux-gnu
+export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
+export LD_LIBRARY_PATH=$LIBDIR:${LD_LIBRARY_PATH:-}
+log() { echo "[gpu_run $(date +%T)] $*"; }
+
+unpack() {
+  mkdir -p /opt/deps
+  for f in .devdeps/*.deb; do dpkg -x "$f" /opt/deps; done
+  pip install -q --no-index --no-deps .devdeps/wheels/*.whl 2>&1 | tail -n 2
+}
+
+build() {
+  unpack
+  log "configure"
+  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESILIENT_TESTS=ON \
+    -DCMAKE_PREFIX_PATH=/opt/deps/usr -DOPENSSL_ROOT_DIR=/opt/deps/usr \
+    -DCMAKE_INCLUDE_PATH=/opt/deps/usr/include -DCMAKE_LIBRARY_PATH=$LIBDIR \
+    -DGTest_DIR=$LIBDIR/cmake/GTest \
+    -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python)" \
+    >"$OUT/configure.log" 2>&1 || { tail -n 30 "$OUT/configure.log"; return 1; }
+  log "build"
+  cmake --build build/gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -m 20 -A 5 error "$OUT/build.log"; return 1; }
+  cp build/gpu/bindings/_C*.so python/resilient/
+  # Use the machine's own OpenSSL at run time (the carried one was only for linking).
+  rm -f $LIBDIR/libssl.so.3 $LIBDIR/libcrypto.so.3
+  python -c "import resilient._C, torch; print('built; torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+}
+
+run_tests() {
+  log "C++ tests"
+  ctest --test-dir build/gpu -j 8 --timeout 300 >"$OUT/ctest.log" 2>&1; tail -n 4 "$OUT/ctest.log"
+  grep -E "Failed|Not Run" "$OUT/ctest.log" | head -20
+  log "Python GPU and checkpoint tests"
+  python -m pytest -q -p no:cacheprovider tests/python/test_gpu_checkpoint.py tests/python/test_checkpoint.py \
+    tests/python/test_raw_io.py >"$OUT/pytest.log" 2>&1; tail -n 15 "$OUT/pytest.log"
+}
+
+bench() {  # $1: label, rest: bench arguments
+  local label=$1; shift
+  log "bench $label: $*"
+  python -m resilient bench --device cuda --dir /tmp/rbench --json "$@" >"$OUT/bench-$label.json" 2>"$OUT/bench-$label.err"
+  python - "$OUT/bench-$label.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{r['bytes']/2**30:.2f} GiB, {r['tensors']} tensors, {r['seconds']} s")
+for row in r["rows"]:
+    if not row["ok"]:
+        print(f"  {row['method']:<16} FAILED {row['error'][:160]}"); continue
+    f = lambda v: "-" if v is None else f"{v:.3f}"
+    notes = {k: v for k, v in row["notes"].items() if k != "traceback"}
+    print(f"  {row['method']:<16} ret {f(row['return_s'])} stall {f(row['stall_s'])} durable {f(row['durable_s'])} "
+          f"write {f(row['write_gbps'])} restore {f(row['restore_gbps'])} {notes}")
+for g in r["goals"]:
+    print(f"  goal {g['goal']}: {g['value']} target {g['target']} {'met' if g['met'] else 'MISSED'}")
+PY
+}
+
+for stage in "$@"; do
+  case $stage in
+    build) build || exit 1 ;;
+    test) run_tests ;;
+    bench) bench 8g --size 8GiB --tensors 256 --repeat 1 ;;
+    bench-big) bench 16g --size 16GiB --tensors 1000 --repeat 1
+               bench gpt1b --model gpt-1b --repeat 1 ;;
+    train) bench train --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train ;;
+    straggler) log "straggler overhead"
+               python benchmarks/straggler_overhead.py --device cuda >"$OUT/straggler.log" 2>&1; tail -n 15 "$OUT/straggler.log" ;;
+    comm) log "NCCL comm"; python scripts/gpu_comm_test.py --help >/dev/null 2>&1 && \
+          python scripts/gpu_comm_test.py >"$OUT/comm.json" 2>"$OUT/comm.err"; tail -n 30 "$OUT/comm.json" "$OUT/comm.err" ;;
+    recovery) log "recovery bench"; python scripts/gpu_recovery_bench.py --gpus "$(nvidia-smi -L | wc -l)" --out "$OUT" \
+          >"$OUT/recovery.log" 2>&1; tail -n 30 "$OUT/recovery.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
