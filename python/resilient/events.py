@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ENV_DIR = "RESILIENT_EVENTS_DIR"
 ENV_RANK = "RESILIENT_EVENTS_RANK"
@@ -34,16 +34,19 @@ EVENT_KINDS: dict[str, str] = {
     "load": "step (None: fresh start), skipped [[step, why]], seconds: restored a checkpoint",
     "step": "step: a training step finished (step = number of steps done)",
     "save_begin": "step: Checkpointer.save called",
-    "save_end": "step, ok, error, seconds, bytes: the save is durable (ok) or failed",
+    "save_end": "step, ok, error, seconds (save call to durable), stall_s (time save() blocked),"
+                " bytes: the save is durable (ok) or failed",
     "detected": "ranks, generation, source: this rank learned that ranks failed",
     "recovery_begin": "generation: in-job recovery started",
     "recovery_phase": "phase, seconds: one phase of in-job recovery finished",
-    "recovery_end": "generation, world_size, step: training resumes at step",
+    "recovery_end": "generation, world_size, step, seconds (failure to resumed), path: training"
+                    " resumes at step",
     "done": "step, digest: training finished; digest = sha256 of the final model state",
     "fatal": "message: the job cannot continue (the message is shown to the operator)",
 }
 
 _lock = threading.Lock()
+_listeners: list[Callable[[dict[str, Any]], None]] = []
 _fd: int | None = None
 _fd_path: str | None = None
 
@@ -61,12 +64,30 @@ def enabled() -> bool:
     return bool(os.environ.get(ENV_DIR))
 
 
+def add_listener(fn: Callable[[dict[str, Any]], None]) -> None:
+    """Calls `fn(record)` for every event emitted in this process (e.g. RankMetrics), whether
+    or not RESILIENT_EVENTS_DIR is set. Listener exceptions are swallowed."""
+    _listeners.append(fn)
+
+
+def remove_listener(fn: Callable[[dict[str, Any]], None]) -> None:
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
 def emit(kind: str, **fields: Any) -> None:
     """Appends one event. Never raises for I/O errors (events must not break training)."""
     directory = os.environ.get(ENV_DIR)
-    if not directory:
+    if not directory and not _listeners:
         return
     record = {"t": time.time(), "kind": kind, "rank": _rank(), "pid": os.getpid(), **fields}
+    for fn in list(_listeners):
+        try:
+            fn(record)
+        except Exception:  # noqa: BLE001 - observers must not break training
+            pass
+    if not directory:
+        return
     line = (json.dumps(record, default=str) + "\n").encode()
     path = os.path.join(directory, f"rank-{record['rank']}.jsonl")
     global _fd, _fd_path
@@ -130,4 +151,5 @@ class Tail:
         return new
 
 
-__all__ = ["ENV_DIR", "EVENT_KINDS", "Tail", "emit", "enabled", "read_events"]
+__all__ = ["ENV_DIR", "EVENT_KINDS", "Tail", "add_listener", "emit", "enabled", "read_events",
+           "remove_listener"]

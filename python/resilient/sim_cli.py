@@ -75,6 +75,15 @@ def add_detector_parser(sub: Any) -> None:
 _MODELS: dict[str, Callable[[Any], None]] = {"detector": add_detector_parser}
 
 
+def _add_ettr_parser(sub: Any) -> None:
+    from resilient.chaos.ettr import add_ettr_parser
+
+    add_ettr_parser(sub)
+
+
+_MODELS["ettr"] = _add_ettr_parser
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("sim", help="simulations at scale")
     models = p.add_subparsers(dest="model", required=True)

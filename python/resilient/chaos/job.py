@@ -22,6 +22,7 @@ import time
 
 EXIT_PEER_FAILED = 75  # EX_TEMPFAIL: a peer failed; restart me
 EXIT_NO_CHECKPOINT = 3  # checkpoints exist but none verifies
+EXIT_UNHEALTHY = 4  # the GPU health check failed: do not join
 
 
 def _model_digest(model) -> str:
@@ -64,6 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     attempt = int(os.environ.get("RESILIENT_CHAOS_ATTEMPT", "0"))
     events.emit("start", world_size=world, attempt=attempt)
     torch.set_num_threads(1)
+    from resilient import health
+
+    report = health.check()  # before joining (and before every rejoin: each attempt)
+    events.emit("health", available=report.available, healthy=report.healthy,
+                reason=report.reason, problems=report.problems)
+    if not report.healthy:
+        msg = f"rank {rank} failed its health check: {'; '.join(report.problems)}"
+        events.emit("fatal", message=msg)
+        print(msg, file=sys.stderr)
+        return EXIT_UNHEALTHY
+    metrics = None
+    if os.environ.get("RESILIENT_METRICS_PORT"):
+        from resilient.metrics import RankMetrics
+
+        metrics = RankMetrics(rank)
+        metrics.follow_events()
+        metrics.serve()
     host, port = os.environ["RESILIENT_CHAOS_STORE"].rsplit(":", 1)
     base = dist.TCPStore(host, int(port), world, is_master=False,
                          timeout=datetime.timedelta(seconds=30))
@@ -84,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         detector = FailureDetector(base, rank, world, job=f"chaos-{attempt}",
                                    on_failure=on_failure, hang_watchdog=False)
         detector.start()
+        if metrics is not None:
+            metrics.attach_detector(detector)
     events.emit("init_done", world_size=world)
 
     torch.manual_seed(args.seed)
@@ -107,18 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.close()
         ckpt = None
     model = torch.nn.parallel.DistributedDataParallel(net)
-    pending = None  # (step, handle, t_begin)
+    pending = None  # (step, handle, t_begin, stall_s)
 
     def finish_save(block: bool) -> None:
         nonlocal pending
         if pending is None or (not block and not pending[1].done()):
             return
-        step, handle, t_begin = pending
+        step, handle, t_begin, stall = pending
         pending = None
         try:
             handle.wait(60)
             st = handle.stats()
             events.emit("save_end", step=step, ok=True, seconds=time.time() - t_begin,
+                        stall_s=stall, durable_s=st.get("durable_s"),
                         bytes=int(st.get("bytes", 0)))
         except (OSError, TimeoutError, RuntimeError) as e:
             events.emit("save_end", step=step, ok=False, error=str(e),
@@ -143,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 finish_save(block=True)  # one save in flight at a time
                 events.emit("save_begin", step=done)
                 try:
-                    pending = (done, ckpt.save(done, state), time.time())
+                    t_save = time.time()
+                    handle = ckpt.save(done, state)
+                    stall = time.time() - t_save
+                    pending = (done, handle, t_save, stall)
                 except OSError as e:
                     events.emit("save_end", step=done, ok=False, error=str(e), seconds=0.0)
     if ckpt is not None:

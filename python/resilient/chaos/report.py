@@ -31,6 +31,7 @@ class Incident:
 @dataclass
 class RunReport:
     name: str
+    expected: str
     outcome: str
     message: str
     recovery_path: str
@@ -152,6 +153,9 @@ def analyze(res: RunResult, reference_digest: str | None = None,
         bit_exact = done[-1].get("digest") == reference_digest
         if not bit_exact:
             violations.append("final model differs from the fault-free run")
+    for e in tl:
+        if e["kind"] == "fault_missed":
+            violations.append(f"{e['describe']} was not injected: {e['why']}")
     if plan.expect == "recovered" and res.outcome != "finished":
         violations.append(f"expected recovery, got {res.outcome}: {res.message}")
     if plan.expect == "unrecoverable" and res.outcome != "unrecoverable":
@@ -163,7 +167,7 @@ def analyze(res: RunResult, reference_digest: str | None = None,
     wall = max(1e-9, t_end - t_start)
     ettr = min(1.0, plan.steps * base_step_s / wall) if res.outcome == "finished" else 0.0
     return RunReport(
-        name=plan.name, outcome=res.outcome, message=res.message,
+        name=plan.name, expected=plan.expect, outcome=res.outcome, message=res.message,
         recovery_path=res.recovery_path, wall_s=wall, steps=plan.steps, incidents=incidents,
         written=len(saves_ok), failed_saves=len(saves_bad), verified=len(res.verified),
         skipped=len(skipped), loaded_corrupt=loaded_corrupt, lost_committed=lost_committed,
@@ -175,8 +179,11 @@ def aggregate(reports: list[RunReport]) -> dict[str, Any]:
     run = [r for r in reports if r.outcome != "skipped"]
     wall = sum(r.wall_s for r in run)
     rank_inc = [i for r in run for i in r.incidents if i.fault in RANK_FAULTS]
+    # automatic recovery is asked of the faults a plan declares recoverable
+    recoverable = [i for r in run if r.expected == "recovered" for i in r.incidents
+                   if i.fault in RANK_FAULTS]
     det_inc = [i for r in run for i in r.incidents if i.fault != "slow"]
-    recovered = [i for i in rank_inc if i.recovered_s is not None]
+    recovered = [i for i in recoverable if i.recovered_s is not None]
     mttr = statistics.mean(i.recovered_s for i in recovered) if recovered else 0.0
     mtbf = wall / len(rank_inc) if rank_inc else float("inf")
     return {
@@ -188,7 +195,8 @@ def aggregate(reports: list[RunReport]) -> dict[str, Any]:
         "availability": mtbf / (mtbf + mttr) if rank_inc else 1.0,
         "detection_coverage": (sum(i.detected_s is not None for i in det_inc) / len(det_inc)
                                if det_inc else 1.0),
-        "auto_recovery_rate": len(recovered) / len(rank_inc) if rank_inc else 1.0,
+        "auto_recovery_rate": len(recovered) / len(recoverable) if recoverable else 1.0,
+        "unrecoverable_runs": sum(r.outcome == "unrecoverable" for r in run),
         "violations": sum(len(r.violations) for r in reports),
     }
 

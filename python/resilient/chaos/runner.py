@@ -144,7 +144,12 @@ class Runner:
         return time.time() - self._t0 >= (f.at_time or 0.0)
 
     def _inject(self, f: Fault) -> None:
-        pid = self._procs[f.rank].pid if f.rank in self._procs else None
+        proc = self._procs.get(f.rank)
+        pid = proc.pid if proc is not None else None
+        if f.type in RANK_FAULTS + ("slow",) and (proc is None or proc.poll() is not None):
+            self._note("fault_missed", fault=f.type, target=f.rank, describe=f.describe(),
+                       why="the rank had already exited")
+            return
         info: dict[str, Any] = {"fault": f.type, "target": f.rank, "step": self._max_step,
                                 "describe": f.describe()}
         now = time.monotonic()
