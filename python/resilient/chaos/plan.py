@@ -74,6 +74,7 @@ class Plan:
     timeout: float = 120.0
     hang_timeout: float = 20.0  # no step progress for this long: the runner declares a failure
     compare: bool = True  # compare the final model with a fault-free run of the same size
+    adapter: str = ""  # "ddp_recovery": the in-job recovery example (see adapters.py)
 
     def validate(self) -> None:
         if self.ranks < 1 or self.steps < 1 or self.ckpt_every < 1:

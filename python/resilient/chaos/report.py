@@ -45,7 +45,7 @@ class RunReport:
     loaded_corrupt: bool
     lost_committed: bool
     bit_exact: bool | None
-    ettr: float
+    ettr: float | None
     step_s: float
     violations: list[str]
 
@@ -89,7 +89,21 @@ def analyze(res: RunResult, reference_digest: str | None = None,
     for f in faults:
         inc = Incident(fault=f["fault"], target=f.get("target"), t_fault=f["t"] - t_start)
         t_f = f["t"]
-        if f["fault"] in RANK_FAULTS:
+        in_job = _first(tl, t_f, lambda e: e["kind"] == "recovery_end")
+        relaunch_after = _first(tl, t_f, lambda e: e["kind"] == "launch")
+        if f["fault"] in RANK_FAULTS and in_job and (
+                relaunch_after is None or in_job["t"] < relaunch_after["t"]):
+            # recovered in place by the job's recovery loop
+            sig = _first(tl, t_f, lambda e: e["kind"] == "detected")
+            if sig:
+                inc.detected_s, inc.detected_by = sig["t"] - t_f, sig.get("source", "detected")
+            for e in tl:
+                if e["kind"] == "recovery_phase" and t_f <= e["t"] <= in_job["t"]:
+                    inc.phases[e["phase"]] = inc.phases.get(e["phase"], 0.0) + e["seconds"]
+            inc.recovered_s = in_job["t"] - t_f
+            inc.steps_lost = int(in_job.get("steps_lost") or 0)
+            inc.loaded_step = in_job.get("step")
+        elif f["fault"] in RANK_FAULTS:
             sig = _first(tl, t_f, lambda e: e["kind"] in ("detected", "runner_detected"))
             if sig:
                 inc.detected_s = sig["t"] - t_f
@@ -165,7 +179,10 @@ def analyze(res: RunResult, reference_digest: str | None = None,
                 and inc.recovered_s is None and res.outcome == "finished"):
             violations.append(f"{inc.fault} on rank {inc.target}: no recovery measured")
     wall = max(1e-9, t_end - t_start)
-    ettr = min(1.0, plan.steps * base_step_s / wall) if res.outcome == "finished" else 0.0
+    ettr: float | None = 0.0
+    if res.outcome == "finished":
+        # no step events (an adapter's job): not measured
+        ettr = min(1.0, plan.steps * base_step_s / wall) if base_step_s > 0 else None
     return RunReport(
         name=plan.name, expected=plan.expect, outcome=res.outcome, message=res.message,
         recovery_path=res.recovery_path, wall_s=wall, steps=plan.steps, incidents=incidents,
@@ -219,7 +236,8 @@ def table(reports: list[RunReport]) -> str:
             "/".join(f"{d:.2f}" for d in det) or "-", "/".join(f"{x:.2f}" for x in rec) or "-",
             " ".join(f"{k[:4]}={v:.2f}" for k, v in phases.items()) or "-",
             str(sum(i.steps_lost for i in inc)), f"{r.written}/{r.verified}/{r.skipped}",
-            {None: "-", True: "yes", False: "NO"}[r.bit_exact], f"{r.ettr:.2f}",
+            {None: "-", True: "yes", False: "NO"}[r.bit_exact],
+            "-" if r.ettr is None else f"{r.ettr:.2f}",
             "yes" if not r.violations else "NO"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c)
               for i, c in enumerate(cols)]

@@ -336,7 +336,13 @@ class Runner:
 
 
 def run_plan(plan: Plan, run_dir: str | Path | None = None, verbose: bool = False) -> RunResult:
-    """Runs one plan (see Runner)."""
+    """Runs one plan (see Runner; plans with an adapter run through resilient.chaos.adapters)."""
+    if plan.adapter == "ddp_recovery":
+        from resilient.chaos.adapters import run_ddp_recovery
+
+        return run_ddp_recovery(plan, run_dir)
+    if plan.adapter:
+        raise ValueError(f"unknown adapter {plan.adapter!r}")
     return Runner(plan, run_dir, verbose).run()
 
 
