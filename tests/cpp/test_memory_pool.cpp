@@ -169,22 +169,24 @@ TEST(HostPool, ReserveAndTrim) {
 std::atomic<int> g_allocs{0}, g_frees{0};
 bool g_fail_alloc = false;
 
-int fake_host_alloc(void** p, size_t n, unsigned) {
+// The pool pins aligned memory with cudaHostRegister (cudaHostAlloc may return addresses that
+// are not 4 KiB aligned, which O_DIRECT rejects); the fake checks the alignment it is given.
+int fake_host_register(void* p, size_t n, unsigned) {
   if (g_fail_alloc) return detail::kCudaErrorMemoryAllocation;
+  if (reinterpret_cast<uintptr_t>(p) % 4096 != 0 || n % 4096 != 0) return 1;
   ++g_allocs;
-  return ::posix_memalign(p, 4096, n) == 0 ? 0 : detail::kCudaErrorMemoryAllocation;
+  return 0;
 }
-int fake_free_host(void* p) {
+int fake_host_unregister(void*) {
   ++g_frees;
-  std::free(p);
   return 0;
 }
 const char* fake_error_string(int) { return "fake error"; }
 
 CudaRuntime::Table fake_table() {
   CudaRuntime::Table t;
-  t.host_alloc = fake_host_alloc;
-  t.free_host = fake_free_host;
+  t.host_register = fake_host_register;
+  t.host_unregister = fake_host_unregister;
   t.get_error_string = fake_error_string;
   return t;
 }

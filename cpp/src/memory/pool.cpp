@@ -95,31 +95,35 @@ Result<std::byte*> HostPool::allocate_slab() {
                   std::string("RESILIENT_PIN_MEMORY=on but CUDA is unusable: ") +
                       CudaRuntime::unavailable_reason());
   }
+  // Aligned memory pinned with cudaHostRegister rather than cudaHostAlloc: cudaHostAlloc may
+  // sub-allocate and return addresses that are not 4 KiB aligned, which O_DIRECT rejects.
   void* p = nullptr;
-  if (cuda_ != nullptr) {
-    RESILIENT_RETURN_IF_ERROR(cuda_->host_alloc(&p, slab_bytes_));
-  } else {
-    int rc = ::posix_memalign(&p, kAlign, slab_bytes_);
-    if (rc != 0) {
-      return Status(StatusCode::kResourceExhausted,
-                    "cannot allocate a host slab of " + std::to_string(slab_bytes_) + " bytes")
-          .with_errno(rc);
-    }
-    ::madvise(p, slab_bytes_, MADV_HUGEPAGE);  // fewer TLB misses in the snapshot memcpy
+  int rc = ::posix_memalign(&p, kAlign, slab_bytes_);
+  if (rc != 0) {
+    return Status(StatusCode::kResourceExhausted,
+                  "cannot allocate a host slab of " + std::to_string(slab_bytes_) + " bytes")
+        .with_errno(rc);
   }
+  ::madvise(p, slab_bytes_, MADV_HUGEPAGE);  // fewer TLB misses in the snapshot memcpy
   // Fault the pages in now, so the first checkpoint's copy does not pay for it.
   auto* bytes = static_cast<std::byte*>(p);
   for (uint64_t off = 0; off < slab_bytes_; off += kAlign) bytes[off] = std::byte{0};
+  if (cuda_ != nullptr) {
+    Status st = cuda_->host_register(p, slab_bytes_);
+    if (!st.ok()) {
+      std::free(p);
+      return st;
+    }
+  }
   return bytes;
 }
 
 void HostPool::free_slab(std::byte* data) {
   if (cuda_ != nullptr) {
-    Status st = cuda_->host_free(data);
-    if (!st.ok()) RESILIENT_LOG(kWarn, "freeing a pinned slab: " << st.to_string());
-  } else {
-    std::free(data);
+    Status st = cuda_->host_unregister(data);
+    if (!st.ok()) RESILIENT_LOG(kWarn, "unpinning a host slab: " << st.to_string());
   }
+  std::free(data);
 }
 
 Result<Slab> HostPool::acquire(Duration timeout) {

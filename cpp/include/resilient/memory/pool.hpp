@@ -1,6 +1,6 @@
 #pragma once
 // A pool of fixed-size host slabs, 4 KiB aligned for O_DIRECT, reused across checkpoints. Slabs
-// are pinned with cudaHostAlloc when CUDA is usable (pinning costs ~0.65 s per GiB, so the pool
+// are pinned (cudaHostRegister) when CUDA is usable (pinning costs ~0.65 s per GiB, so the pool
 // never frees them between saves), plain aligned memory otherwise. The total is bounded by a
 // budget; acquire() waits for a release when the budget is reached.
 
