@@ -200,6 +200,23 @@ void register_checkpoint(pyb::module_& m) {
              throw_if_error(s);
            }, pyb::arg("timeout") = pyb::none());
 
+  m.def("commit_shards", [](const std::string& root, int64_t step, int world_size, const std::string& save_id) {
+    Status s;
+    {
+      pyb::gil_scoped_release release;
+      s = commit_shards(root, step, world_size, save_id);
+    }
+    throw_if_error(s);
+  }, pyb::arg("root"), pyb::arg("step"), pyb::arg("world_size"), pyb::arg("save_id"),
+     "Merges the rank-<r>.json shard manifests of a multi-rank save and commits the step.");
+  m.def("apply_retention", [](const std::string& root, int keep) {
+    Result<std::vector<int64_t>> r = Status(StatusCode::kInternal, "unset");
+    {
+      pyb::gil_scoped_release release;
+      r = apply_retention(root, keep);
+    }
+    return unwrap(std::move(r));
+  }, pyb::arg("root"), pyb::arg("keep"), "Deletes committed steps beyond the newest `keep`.");
   m.def("read_latest", [](const std::string& root) { return read_latest(root); });
   m.def("committed_steps", [](const std::string& root) { return unwrap(committed_steps(root)); });
 }

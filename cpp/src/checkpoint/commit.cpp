@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <set>
 #include <cerrno>
 #include <sys/stat.h>
 
@@ -113,6 +114,55 @@ Status commit_step(const std::string& root, const Manifest& manifest) {
     RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(root + "/" + kLatestName, step_dir_name(manifest.step) + "\n"));
   }
   return ok_status();
+}
+
+Status commit_shards(const std::string& root, int64_t step, int world_size, const std::string& save_id) {
+  if (world_size < 1) return Status(StatusCode::kInvalidArgument, "world_size must be >= 1");
+  const std::string tmp = tmp_dir_path(root, step);
+  Manifest merged;
+  merged.step = step;
+  merged.world_size = world_size;
+  merged.values = {{"format", "resilient.sharded/1"}, {"save_id", save_id}, {"ranks", nlohmann::json::array()}};
+  std::set<std::string> names;
+  std::vector<uint64_t> sizes;
+  for (int r = 0; r < world_size; ++r) {
+    const std::string path = tmp + "/rank-" + std::to_string(r) + ".json";
+    auto text = io::read_small_file(path, kMaxManifestBytes);
+    if (!text.ok()) {
+      return Status(text.status()).prepend("rank " + std::to_string(r) + " left no shard manifest for step " +
+                                           std::to_string(step));
+    }
+    RESILIENT_ASSIGN_OR_RETURN(Manifest m, parse_manifest(*text, path));
+    const nlohmann::json* id = m.values.is_object() && m.values.contains("save_id") ? &m.values["save_id"] : nullptr;
+    if (m.step != step || m.shards.size() != 1 || m.shards[0].rank != r || id == nullptr || *id != save_id) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "shard manifest of rank " + std::to_string(r) + " belongs to another save of step " +
+                        std::to_string(step))
+          .with_path(path);
+    }
+    struct stat st;
+    const std::string data = tmp + "/" + m.shards[0].file;
+    if (::stat(data.c_str(), &st) != 0) return Status::from_errno(errno, "stat", data);
+    if (static_cast<uint64_t>(st.st_size) != m.shards[0].bytes) {
+      return Status(StatusCode::kCorrupt, "shard file size differs from its manifest").with_path(data);
+    }
+    const auto shard = static_cast<uint32_t>(merged.shards.size());
+    merged.shards.push_back(m.shards[0]);
+    sizes.push_back(static_cast<uint64_t>(st.st_size));
+    for (auto& t : m.tensors) {
+      if (!names.insert(t.name).second) {
+        return Status(StatusCode::kInvalidArgument,
+                      "tensor '" + t.name + "' is saved by more than one rank (rank " + std::to_string(r) + ")");
+      }
+      t.shard = shard;
+      merged.tensors.push_back(std::move(t));
+    }
+    if (r == 0) merged.meta = m.meta;
+    merged.values["ranks"].push_back(std::move(m.values));
+  }
+  RESILIENT_RETURN_IF_ERROR(check_extents(merged, sizes));
+  merged.meta["world_size"] = world_size;
+  return commit_step(root, merged);
 }
 
 Result<std::vector<int64_t>> committed_steps(const std::string& root) {

@@ -1,0 +1,21 @@
+"""Sharded, fully parallel checkpoints for torch.distributed jobs (DDP, Megatron-style TP x DP)."""
+
+from __future__ import annotations
+
+from resilient.distributed.checkpointer import (
+    CheckpointCommitError,
+    DistributedCheckpointer,
+    DistSaveHandle,
+    default_store,
+    read_global,
+)
+from resilient.distributed.plan import ShardSpec
+
+__all__ = [
+    "CheckpointCommitError",
+    "DistSaveHandle",
+    "DistributedCheckpointer",
+    "ShardSpec",
+    "default_store",
+    "read_global",
+]

@@ -1,0 +1,189 @@
+"""A few lines around a training loop: periodic async checkpoints and exact resume.
+
+    from resilient.training import CheckpointManager, ResumableSampler
+
+    sampler = ResumableSampler(DistributedSampler(dataset, seed=0))
+    loader = DataLoader(dataset, batch_size=8, sampler=sampler)
+    ckpt = CheckpointManager("/ckpt", {"model": model, "optim": opt, "sched": sched},
+                             rank_state={"sampler": sampler}, every=100)
+    step = ckpt.restore()              # 0 on a fresh start; RNG, sampler, model ... restored
+    for batch in forever(loader):      # or any loop
+        ...train one step...
+        step += 1
+        ckpt.step(step)                # saves asynchronously every `every` steps
+        if step == total: break
+    ckpt.close()                       # waits for the last save to commit
+
+Under torch.distributed (torchrun, torch.multiprocessing) with more than one rank, saves are
+sharded across ranks (DistributedCheckpointer); otherwise the single-process Checkpointer is used.
+RNG streams (Python, NumPy, torch CPU and CUDA) are saved per rank unless rng=False.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from resilient.checkpoint import Checkpointer
+from resilient.distributed import DistributedCheckpointer, ShardSpec
+
+log = logging.getLogger("resilient.training")
+
+
+class RNGState:
+    """Stateful view of the process's random number generators: Python's ``random``, NumPy's
+    global generator, torch's CPU generator and every CUDA device's generator (when present)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state(
+            (kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+        )
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+class ResumableSampler(Sampler):
+    """Wraps a sampler (e.g. DistributedSampler) and remembers the epoch and how many indices of
+    it were consumed, so that a resumed run continues mid-epoch with the same order. The epoch
+    advances by itself when an epoch is exhausted: do not call set_epoch() in the loop. Exact with
+    DataLoader(num_workers=0); with workers, prefetched indices count as consumed."""
+
+    def __init__(self, sampler: Any, epoch: int = 0):
+        self.sampler = sampler
+        self.epoch = epoch
+        self.consumed = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def __iter__(self) -> Iterator[int]:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        it = iter(self.sampler)
+        for _ in range(self.consumed):
+            next(it)
+        for index in it:
+            self.consumed += 1
+            yield index
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+def forever(loader: Any) -> Iterator[Any]:
+    """Yields batches from `loader` epoch after epoch (pair with ResumableSampler)."""
+    while True:
+        yield from loader
+
+
+class CheckpointManager:
+    """Periodic asynchronous checkpoints and exact resume for a training loop.
+
+    Args:
+        root: checkpoint directory (shared by all ranks).
+        state: what data-parallel replicas share: modules (DDP or not), optimizers, schedulers,
+            tensors, plain values. Under DDP it is written once in total, split across ranks.
+        rank_state: per-rank state (a ResumableSampler, custom counters); RNG streams are added
+            as "rng" unless rng=False.
+        every: save when step % every == 0 (step() calls); 0 disables periodic saves.
+        keep: committed checkpoints kept.
+        specs: ShardSpec per tensor name for tensor-parallel shards (see docs/training.md).
+        options: further DistributedCheckpointer / Checkpointer options.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        state: dict[str, Any],
+        rank_state: dict[str, Any] | None = None,
+        *,
+        every: int = 100,
+        keep: int = 3,
+        rng: bool = True,
+        specs: dict[str, ShardSpec] | None = None,
+        **options: Any,
+    ):
+        self.state = state
+        self.rank_state = dict(rank_state or {})
+        if rng:
+            self.rank_state.setdefault("rng", RNGState())
+        self.every = every
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if self.distributed:
+            self._ckpt: Any = DistributedCheckpointer(root, keep=keep, specs=specs, **options)
+        else:
+            if specs:
+                raise ValueError("specs (tensor-parallel shards) need torch.distributed")
+            self._ckpt = Checkpointer(root, keep=keep, **options)
+        self._pending: Any = None
+
+    def restore(self, step: int | None = None) -> int:
+        """Loads the newest checkpoint (or `step`) into the state; returns its step, 0 if none."""
+        if self.distributed:
+            got = self._ckpt.load(self.state, self.rank_state, step=step)
+        else:
+            got = self._ckpt.load({"state": self.state, "rank": self.rank_state}, step=step)
+        if got is not None:
+            log.info("resumed from checkpoint step %d", got)
+        return got or 0
+
+    def step(self, step: int) -> Any:
+        """Call once per training step; saves (asynchronously) when step % every == 0."""
+        if self.every > 0 and step > 0 and step % self.every == 0:
+            return self.save(step)
+        return None
+
+    def save(self, step: int) -> Any:
+        """Saves now; returns the handle. Raises the previous save's error, if it failed."""
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            pending.wait(0)
+        if self.distributed:
+            handle = self._ckpt.save(step, self.state, self.rank_state)
+        else:
+            handle = self._ckpt.save(step, {"state": self.state, "rank": self.rank_state})
+        self._pending = handle
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until every save so far is committed; raises the first failure."""
+        self._ckpt.wait(timeout)
+        self._pending = None
+
+    def close(self, timeout: float | None = None) -> None:
+        self._ckpt.close(timeout)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
