@@ -85,6 +85,18 @@ def inject_fault(a: argparse.Namespace, store: Any, rec: Any) -> None:
             os.kill(os.getpid(), sig)
 
 
+def hold_for_spares(a: argparse.Namespace, rec: Any) -> None:
+    """At --join-step, members wait (bounded) until the --spares joiners asked to join, so that
+    the admission at the end of that step includes them whatever their start-up time."""
+    from resilient.recovery.join import tickets_taken
+
+    if a.spares and rec.step == a.join_step and rec.initial_rank < a.world:
+        deadline = time.monotonic() + 120
+        with rec.detector.section("recovery"):  # waiting is not a training hang
+            while tickets_taken(rec) < a.spares and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
 def skew_state(a: argparse.Namespace, rec: Any) -> None:
     """Test hook (--skew-rank): before the restore, this survivor pretends its all-reduce
     finished before the peer died: one step ahead, with different parameters."""
@@ -115,7 +127,8 @@ def worker(a: argparse.Namespace) -> int:
     model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     cfg = RecoveryConfig.from_env(policy=a.policy, min_world=a.min_world,
-                                  mismatch_source=a.mismatch_source)
+                                  mismatch_source=a.mismatch_source,
+                                  join_check_every=1 if a.spares else 0)
     ckpt = None
     if a.checkpoint_dir:
         from resilient import Checkpointer
@@ -127,6 +140,7 @@ def worker(a: argparse.Namespace) -> int:
                    detector_options={"heartbeat_interval_s": a.heartbeat})
     rec.fault_hooks["step_start"].append(lambda r: inject_fault(a, store, r))
     rec.fault_hooks["before_restore"].append(lambda r: skew_state(a, r))
+    rec.fault_hooks["step_start"].append(lambda r: hold_for_spares(a, r))
     loss_fn = torch.nn.functional.mse_loss
     losses: list[float] = []
 
@@ -140,8 +154,11 @@ def worker(a: argparse.Namespace) -> int:
     report: dict[str, Any] = {"rank": a.rank}
     code = 0
     try:
-        with rec:
-            rec.run(step_loss, 0, a.steps)
+        rec.start(join=a.join)
+        try:
+            rec.run(step_loss, None if a.join else 0, a.steps)
+        finally:
+            rec.close()
     except RecoveryStopped as e:
         print(f"rank {a.rank}: training stopped: {e}", file=sys.stderr, flush=True)
         report["stopped"] = str(e)
@@ -205,7 +222,9 @@ def launch(a: argparse.Namespace) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + worker_args(a)
     with LocalJob(cmd, a.world, out) as job:
         job.spawn()
-        live = [r for r in range(a.world) if r not in faulted]
+        spares = list(range(a.world, a.world + a.spares))
+        job.spawn(spares, ["--join"])
+        live = [r for r in range(a.world) if r not in faulted] + spares
         codes = job.wait(live, a.timeout)
         t_fault = job.fault_time()
         reports = {r: job.report(r) for r in live}
@@ -253,7 +272,7 @@ def worker_args(a: argparse.Namespace) -> list[str]:
     keys = ("steps", "kill_rank", "kill_step", "stop_rank", "stop_step", "min_world", "policy",
             "backend", "global_batch", "micro_batch", "lr", "checkpoint_dir",
             "checkpoint_every", "heartbeat", "mode", "restart_generation", "skew_rank",
-            "mismatch_source")
+            "mismatch_source", "spares", "join_step")
     args = []
     for k in keys:
         v = getattr(a, k)
@@ -287,6 +306,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-generation", type=int, default=1)
     p.add_argument("--skew-rank", type=int, default=-1,
                    help="test hook: this survivor is one step ahead at the restore")
+    p.add_argument("--spares", type=int, default=0,
+                   help="start this many extra ranks that join the running job")
+    p.add_argument("--join-step", type=int, default=0,
+                   help="members wait for the spares at this step (they are admitted after it)")
+    p.add_argument("--join", action="store_true", help="worker: join as a spare (launcher sets)")
     p.add_argument("--mismatch-source", default="storage", choices=("storage", "peer"))
     p.add_argument("--timeout", type=float, default=120.0, help="launcher: seconds to wait")
     return p.parse_args(argv)

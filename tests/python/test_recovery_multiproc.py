@@ -125,3 +125,23 @@ def test_survivors_at_different_steps_take_the_most_advanced_peer(tmp_path: Path
     reps = check_survivors(tmp_path, res, [0, 1, 3])
     restored = [e for e in reps[0]["timeline"] if e["kind"] == "restored"][0]
     assert restored["source"] == "peer" and restored["step"] == 6
+
+
+@pytest.mark.timeout(150)
+def test_spare_joins_after_a_kill_and_receives_state_from_a_peer(tmp_path: Path) -> None:
+    """Rank 1 dies at step 4; a spare started with the job is admitted at step 8 at the latest
+    (members wait for its ticket there), receives the state by broadcast and trains on: 4 ranks
+    again, identical parameters, equal to the failure-free run (keep_batch)."""
+    code, res, out = run_example(tmp_path, "--kill-rank", "1", "--kill-step", "4",
+                                 "--spares", "1", "--join-step", "8", timeout=140)
+    assert code == 0, out
+    assert res["survivors"] == [0, 2, 3, 4] and res["params_equal"], res
+    reps = reports(tmp_path, [0, 2, 3, 4])
+    for rep in reps.values():
+        assert rep["step"] == STEPS and rep["world_size"] == 4
+    spare = reps[4]["timeline"]
+    assert [e["kind"] for e in spare][:3] == ["join_requested", "rebuilt", "restored"]
+    assert spare[2]["source"] == "peer" and spare[2]["step"] > 0
+    assert any(e["kind"] == "join_admitted" for e in reps[0]["timeline"])
+    ref = reference_params(STEPS)
+    assert torch.allclose(torch.tensor(reps[4]["params"]), ref, atol=1e-5)

@@ -115,3 +115,10 @@ def test_phases_split_a_recovery_from_the_fault_time() -> None:
     assert phases([], t_fault=t) == {}
     assert len(json.loads(tl.to_json())) == len(kinds)
     assert len(tl.recoveries()) == 1
+
+
+def test_detector_generation_record_parses_ranges() -> None:
+    from resilient.recovery.join import parse_generation_record
+
+    assert parse_generation_record("g=3;live=0,2-4,7;removed=1:0:,5:2:step") == (3, [0, 2, 3, 4, 7])
+    assert parse_generation_record("g=9;live=;removed=") == (9, [])

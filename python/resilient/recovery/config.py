@@ -34,6 +34,10 @@ class RecoveryConfig:
     prefer_shrink: bool = True
     #: seconds between polls of an in-flight collective
     poll_interval_s: float = 0.0005
+    #: admit waiting spare/restarted ranks every this many steps (0: never)
+    join_check_every: int = 0
+    #: seconds a joining rank waits to be admitted
+    join_timeout_s: float = 300.0
 
     def set(self, name: str, value: Any) -> None:
         """Sets field ``name``, converting ``value`` to its type.
@@ -63,10 +67,12 @@ class RecoveryConfig:
         if self.mismatch_source not in MISMATCH_SOURCES:
             raise ValueError(f"mismatch_source {self.mismatch_source!r} not one of "
                              f"{MISMATCH_SOURCES}")
+        if self.join_check_every < 0:
+            raise ValueError("join_check_every must be >= 0")
         if self.min_world < 1:
             raise ValueError("min_world must be >= 1")
         for name in ("agree_timeout_s", "group_timeout_s", "collective_timeout_s",
-                     "poll_interval_s"):
+                     "poll_interval_s", "join_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 

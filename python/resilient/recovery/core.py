@@ -47,6 +47,7 @@ from resilient.comm.process_group import (
 )
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.events import Timeline
+from resilient.recovery.join import JOIN_BASE, join_as_spare, maybe_admit
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
 
 log = logging.getLogger("resilient.recovery")
@@ -131,19 +132,36 @@ class Recovery:
         self._pending_cause: str | None = None
         self._min_generation = 1
         self._awaiting_first = False
-        self._job = job
+        self.job = job or "default"
+        self.admitted = 0  #: joiners admitted so far (the same on every member)
+        self.join_epoch = 0  #: admissions so far (part of the group generation)
         self._detector_options = detector_options
         self.detector = detector
+        self._polled_detector = False  # a joiner's detector has no callbacks: poll it
 
     # ---- lifecycle ----
-    def start(self) -> Recovery:
-        """Starts the detector and creates the first process group and DDP wrapper."""
+    def start(self, join: bool = False) -> Recovery:
+        """Starts the detector and creates the first process group and DDP wrapper.
+
+        With ``join=True`` this process is a spare or restarted rank: it waits (up to
+        ``join_timeout_s``) until the running job admits it, then receives the state from a
+        live peer (see resilient.recovery.join); ``self.step`` is then the job's step.
+        """
+        if join:
+            join_as_spare(self, self.config.join_timeout_s)
+            self._polled_detector = True
+            self.timeline.add("started", world_size=self.world_size, joined=True)
+            return self
         if self.detector is None:
             from resilient.detect import FailureDetector
 
             self.detector = FailureDetector(
-                self.store, self.initial_rank, self.initial_world, job=self._job,
+                self.store, self.initial_rank, self.initial_world, job=self.job,
                 options=self._detector_options)
+        if getattr(self.detector, "_agent", None) is None:
+            # A recovery (e.g. a rendezvous waiting for a slow rank) is not a training hang.
+            self.detector.set_watchdog_option("recovery_section_limit_s",
+                                              3 * self.config.group_timeout_s)
         self.detector.on_failure = self._on_failure
         self.detector.on_evicted = self._on_evicted
         if getattr(self.detector, "_agent", None) is None:
@@ -172,18 +190,20 @@ class Recovery:
         self.close()
 
     # ---- the loop ----
-    def run(self, loss_fn: LossFn, start: int, end: int) -> int:
+    def run(self, loss_fn: LossFn, start: int | None, end: int) -> int:
         """Runs steps ``start`` .. ``end - 1``, recovering from failures; returns the number of
         completed steps (``end``).
 
         ``loss_fn(step, mb)`` computes the mean loss of micro-batch ``mb`` of ``step`` through
         ``self.model`` (samples ``mb.slice`` of the step's global batch); this calls backward,
-        the gradient all-reduce and ``optimizer.step``.
+        the gradient all-reduce and ``optimizer.step``. ``start=None`` continues from
+        ``self.step`` (a joiner's received step).
 
         Raises:
             RecoveryStopped: too few ranks, this rank was evicted, or too many recoveries.
         """
-        self.step = start
+        if start is not None:
+            self.step = start
         while self.step < end:
             try:
                 self._run_hooks("step_start")
@@ -195,14 +215,27 @@ class Recovery:
                 self.step += 1
                 self.detector.step(self.step)
                 self._maybe_checkpoint()
+                maybe_admit(self)
             except RecoveryStopped:
                 raise
             except Exception as exc:  # noqa: BLE001 -- classified below, re-raised if not ours
-                cause = self._failure_cause(exc)
-                if cause is None:
-                    raise
-                self._recover(cause, exc)
+                self._recover_until_done(exc)
         return self.step
+
+    def _recover_until_done(self, exc: BaseException) -> None:
+        """Recovers from ``exc``; a failure during the recovery starts the next one."""
+        while True:
+            cause = self._failure_cause(exc)
+            if cause is None:
+                raise exc
+            try:
+                with self.detector.section("recovery"):  # not a hang while we rebuild
+                    self._recover(cause, exc)
+                return
+            except RecoveryStopped:
+                raise
+            except Exception as again:  # noqa: BLE001 -- classified on the next iteration
+                exc = again
 
     def _train_step(self, loss_fn: LossFn, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
@@ -228,7 +261,7 @@ class Recovery:
             if self._evicted.is_set():
                 self._pending_cause = "evicted"
                 raise PeerFailure("evicted")
-            if self._verdict.is_set() and self._members_failed():
+            if (self._verdict.is_set() or self._polled_detector) and self._members_failed():
                 self._pending_cause = "verdict"
                 raise PeerFailure("verdict")
             if time.monotonic() > deadline:
@@ -269,9 +302,13 @@ class Recovery:
         self.timeline.add("evicted", generation=generation)
         self._evicted.set()
 
+    def _watched(self) -> set[int]:
+        """Members the detector watches (joiners are outside its fixed world)."""
+        return {m for m in self.members if m < JOIN_BASE}
+
     def _members_failed(self) -> bool:
         gen, live = self.detector.generation
-        return gen >= self._min_generation and not set(self.members) <= set(live)
+        return gen >= self._min_generation and not self._watched() <= set(live)
 
     def _failure_cause(self, exc: BaseException) -> str | None:
         cause, self._pending_cause = self._pending_cause, None
@@ -296,7 +333,7 @@ class Recovery:
             raise RecoveryStopped(self._stop(f"more than {self.config.max_recoveries} recoveries"))
         while True:
             gen, live = self._agree()
-            survivors = [m for m in self.members if m in live]
+            survivors = [m for m in self.members if m in live or m >= JOIN_BASE]
             if self.initial_rank not in survivors:
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
             decision = self._decide(len(survivors))
@@ -323,9 +360,9 @@ class Recovery:
         deadline = time.monotonic() + self.config.agree_timeout_s
         while True:
             gen, live = self.detector.generation
-            if gen >= self._min_generation and not set(self.members) <= set(live):
+            if gen >= self._min_generation and not self._watched() <= set(live):
                 self._verdict.clear()
-                removed = [m for m in self.members if m not in live]
+                removed = [m for m in self._watched() if m not in live]
                 self.timeline.add("agreed", generation=gen, removed=removed, members=list(live))
                 return gen, list(live)
             if self._evicted.is_set():
@@ -396,6 +433,7 @@ class Recovery:
         if self.rank != src:
             self.optimizer.load_state_dict(objs[0]["optimizer"])
             self.extra_state.update(objs[0]["extra"])
+            self.step = objs[0]["step"]
 
     def _apply(self, decision: Decision) -> None:
         self.plan = decision.plan  # type: ignore[assignment]

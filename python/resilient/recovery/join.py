@@ -1,0 +1,160 @@
+"""Spare or restarted ranks joining a running job and receiving its state from a live peer.
+
+Protocol (keys under ``resilient/recovery/<job>/join/`` in the job's store):
+
+1. A joiner takes a ticket: ``t = add("tickets", 1) - 1``, then waits for ``ticket/<t>``.
+2. Every ``join_check_every`` steps each member reads ``tickets`` and proposes it with
+   ``compare_set("admit/<step>", "", n)``: the first member to reach the step decides for all, so
+   every member admits the same joiners at the same step whatever it read itself.
+3. Members and joiners create the group of generation ``1000 * g + epoch`` (``g``: the detector
+   generation, ``epoch``: how many admissions so far, so it never collides with a failure
+   rebuild's ``1000 * g``); the new rank 0 publishes ``ticket/<t>`` (generation, rank, size,
+   members) before joining, joiners take the ranks after the members.
+4. Group rank 0 broadcasts model, optimizer, extra state and step (``Recovery.broadcast_state``);
+   everyone re-wraps DDP and applies the policy for the larger world.
+
+Joiners are not in the failure detector's world (it has a fixed size): they follow its decided
+generations through the store (:class:`JoinerDetector`), but nobody watches them, so a joiner
+that dies is found only through a collective error, and then no verdict comes: the survivors
+stop when ``agree_timeout_s`` passes. Their ids are ``JOIN_BASE + ticket``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from resilient.comm.process_group import abort_process_group, join_process_group
+
+JOIN_BASE = 1 << 20
+
+
+def parse_generation_record(text: str) -> tuple[int, list[int]]:
+    """(number, live ranks) of a detector generation record
+    ``g=<n>;live=<a-b,c,...>;removed=...`` (format of resilient::detect::Generation)."""
+    parts = dict(p.split("=", 1) for p in text.split(";"))
+    live: list[int] = []
+    for item in filter(None, parts["live"].split(",")):
+        lo, _, hi = item.partition("-")
+        live += range(int(lo), int(hi or lo) + 1)
+    return int(parts["g"]), live
+
+
+class JoinerDetector:
+    """Stands in for the detector on a joiner, which is outside the detector's fixed world: it
+    follows the decided generations in the store (``<prefix>/gen/<g>``, at most every
+    ``interval_s``), so a joiner sees the same verdicts as the members, a little later."""
+
+    def __init__(self, store: Any, job: str, generation: int, live: list[int],
+                 interval_s: float = 0.05) -> None:
+        self._store, self._prefix = store, f"resilient/detect/{job}/gen/"
+        self._generation, self._live = generation, list(live)
+        self._interval, self._next = interval_s, 0.0
+
+    @property
+    def generation(self) -> tuple:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self._interval
+            while self._store.check([self._prefix + str(self._generation + 1)]):
+                text = bytes(self._store.get(self._prefix + str(self._generation + 1))).decode()
+                self._generation, self._live = parse_generation_record(text)
+        return (self._generation, self._live)
+
+    def step(self, n: int) -> None:
+        """No hang watchdog on a joiner."""
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """No hang watchdog on a joiner."""
+        yield
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+
+def _key(rec: Any, name: str) -> str:
+    return f"resilient/recovery/{rec.job}/join/{name}"
+
+
+def tickets_taken(rec: Any) -> int:
+    """How many joiners have asked to join so far (admitted or waiting)."""
+    return int(rec.store.add(_key(rec, "tickets"), 0))
+
+
+def maybe_admit(rec: Any) -> bool:
+    """Member side, at a step boundary: admits waiting joiners (see the module docstring).
+    Returns True if the group grew."""
+    every = rec.config.join_check_every
+    if every <= 0 or rec.step % every:
+        return False
+    pending = int(rec.store.add(_key(rec, "tickets"), 0))
+    decided = rec.store.compare_set(_key(rec, f"admit/{rec.step}"), "", str(pending))
+    upto = int(bytes(decided).decode())
+    if upto <= rec.admitted:
+        return False
+    tickets = list(range(rec.admitted, upto))
+    rec.timeline.add("join_admitted", joiners=[JOIN_BASE + t for t in tickets], step=rec.step)
+    rec.join_epoch += 1
+    rec.admitted = upto
+    members = rec.members + [JOIN_BASE + t for t in tickets]
+    group_gen = 1000 * rec.generation + rec.join_epoch
+    if rec.rank == 0:
+        det_generation, live = rec.detector.generation
+        for i, t in enumerate(tickets):
+            rec.store.set(_key(rec, f"ticket/{t}"), json.dumps({
+                "group_generation": group_gen, "rank": rec.world_size + i,
+                "world_size": len(members), "members": members, "generation": rec.generation,
+                "detector": [det_generation, sorted(live)],
+                "join_epoch": rec.join_epoch, "admitted": upto}))
+    _regroup(rec, group_gen, rec.rank, members)
+    return True
+
+
+def join_as_spare(rec: Any, timeout_s: float) -> None:
+    """Joiner side: takes a ticket, waits to be admitted, joins and receives the state."""
+    ticket = int(rec.store.add(_key(rec, "tickets"), 1)) - 1
+    rec.timeline.add("join_requested", ticket=ticket)
+    key = _key(rec, f"ticket/{ticket}")
+    try:
+        rec.store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # torch's DistStoreError on timeout
+        raise TimeoutError(f"not admitted to the job within {timeout_s}s") from e
+    info = json.loads(bytes(rec.store.get(key)).decode())
+    rec.initial_rank = JOIN_BASE + ticket
+    rec.generation, rec.join_epoch, rec.admitted = (
+        info["generation"], info["join_epoch"], info["admitted"])
+    det_generation, live = info["detector"]
+    rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live)
+    _regroup(rec, info["group_generation"], info["rank"], info["members"])
+
+
+def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
+    t0 = time.monotonic()
+    if rec._group is not None:
+        rec._retired.append(rec._group)
+    if dist.is_initialized():
+        abort_process_group()  # healthy, but a joiner forces a fresh group (reinit path)
+    rec.model = None
+    group = join_process_group(
+        rec.store, generation=group_gen, rank=rank, world_size=len(members),
+        backend=rec.backend, timeout=timedelta(seconds=rec.config.group_timeout_s),
+        device_id=rec._device if rec._device.type == "cuda" else None)
+    rec._group, rec.members, rec.rank, rec.world_size = group, list(members), rank, len(members)
+    rec.timeline.add("rebuilt", method="join", generation=rec.generation, rank=rank,
+                     world_size=len(members), seconds=time.monotonic() - t0)
+    rec.broadcast_state(0)
+    rec.optimizer.zero_grad(set_to_none=False)
+    rec._wrap(init_sync=False)
+    rec.timeline.add("restored", source="peer", step=rec.step)
+    rec._apply(rec._decide(len(members)))
+
+
+__all__ = ["JOIN_BASE", "JoinerDetector", "join_as_spare", "maybe_admit",
+           "parse_generation_record", "tickets_taken"]
