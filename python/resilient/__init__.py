@@ -30,6 +30,9 @@ _LAZY = {
     "SaveHandle": "resilient.checkpoint",
     "FailureDetector": "resilient.detect",
     "StragglerMonitor": "resilient.straggler",
+    "Recovery": "resilient.recovery",
+    "RecoveryConfig": "resilient.recovery",
+    "RecoveryStopped": "resilient.recovery",
 }
 __all__ += list(_LAZY)
 
