@@ -1,5 +1,5 @@
-"""The built-in chaos job: a small deterministic CPU DDP training run (gloo) that checkpoints with
-the Checkpointer, watches its peers with the FailureDetector and reports events.
+"""The built-in chaos job: a small deterministic CPU data-parallel training run (gloo) that
+checkpoints with the Checkpointer, watches its peers with the FailureDetector and reports events.
 
 Run by `resilient chaos` when no job command is given (one process per rank, ``python -m
 resilient.chaos.job``). It resumes from the newest checkpoint that verifies; when a peer fails it
@@ -126,7 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         ckpt.close()
         ckpt = None
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    params = list(net.parameters())
+
+    def average_gradients() -> None:
+        # Data parallelism with one fixed-layout all_reduce rather than DDP's buckets: DDP
+        # re-buckets after its first iteration, which changes how the reduction is chunked, so
+        # a run resumed from a checkpoint (a new first iteration) would sum in another order and
+        # be bit-exact with a fault-free run only on 2 ranks.
+        flat = torch.cat([q.grad.reshape(-1) for q in params])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for q in params:
+            n = q.numel()
+            q.grad.copy_(flat[offset:offset + n].view_as(q))
+            offset += n
     pending = None  # (step, handle, t_begin, stall_s)
 
     def finish_save(block: bool) -> None:
@@ -148,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start_step, args.steps):
         x, y = _batch(args.seed, step, rank, world, 8, args.dim)
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(net(x), y)
         loss.backward()
+        average_gradients()
         opt.step()
         if args.step_ms > 0:
             time.sleep(args.step_ms / 1000)

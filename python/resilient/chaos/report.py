@@ -139,6 +139,9 @@ def analyze(res: RunResult, reference_digest: str | None = None,
         elif f["fault"] == "corrupt" and f.get("corrupted_step") is not None:
             skip = _first(tl, t_f, lambda e, s=f["corrupted_step"]: e["kind"] == "load"
                           and s in [x for x, _ in (e.get("skipped") or [])])
+            if skip is None:  # no older step verified either: the job stopped on it
+                skip = _first(tl, t_f, lambda e: e["kind"] == "fatal"
+                              and "checksum" in str(e.get("message", "")))
             if skip:
                 inc.detected_s, inc.detected_by = skip["t"] - t_f, "checksum on load"
         incidents.append(inc)
@@ -170,9 +173,11 @@ def analyze(res: RunResult, reference_digest: str | None = None,
     for e in tl:
         if e["kind"] == "fault_missed":
             violations.append(f"{e['describe']} was not injected: {e['why']}")
-    if plan.expect == "recovered" and res.outcome != "finished":
+    if res.outcome == "skipped":
+        violations = []  # not run (e.g. no root for a partition): reported, not a failure
+    elif plan.expect == "recovered" and res.outcome != "finished":
         violations.append(f"expected recovery, got {res.outcome}: {res.message}")
-    if plan.expect == "unrecoverable" and res.outcome != "unrecoverable":
+    if plan.expect == "unrecoverable" and res.outcome not in ("unrecoverable", "skipped"):
         violations.append(f"expected an unrecoverable failure, got {res.outcome}")
     for inc in incidents:
         if (plan.expect == "recovered" and inc.fault in RANK_FAULTS
