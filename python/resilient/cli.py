@@ -18,7 +18,7 @@ _SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in _SUBCOMMANDS.items():
+    for _name, module_name in _SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:

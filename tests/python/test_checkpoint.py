@@ -20,8 +20,19 @@ import torch
 import resilient
 from resilient import CorruptCheckpointError, VersionMismatchError
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def rand(shape, dtype, gen):
@@ -42,7 +53,11 @@ def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
     state = {}
     for dt in DTYPES:
         name = str(dt).removeprefix("torch.")
-        state[name] = {"0d": rand((), dt, gen), "empty": rand((0, 3), dt, gen), "big": rand((257, 33), dt, gen)}
+        state[name] = {
+            "0d": rand((), dt, gen),
+            "empty": rand((0, 3), dt, gen),
+            "big": rand((257, 33), dt, gen),
+        }
     base = torch.randn(8, 6, generator=gen)
     state["views"] = {"t": base.t(), "strided": base[::2, 1::2], "narrow": base[2:5]}
     expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
@@ -64,16 +79,33 @@ def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
 
 def test_plain_values_round_trip_with_their_types(tmp_path):
     values = {
-        "int": 7, "neg": -3, "big": 2**80, "float": 0.1, "nan": math.nan, "inf": -math.inf, "str": "héllo",
-        "none": None, "bool": True, "list": [1, [2, 3]], "tuple": (1, (2, "x")), "bytes": b"\x00\xff",
-        "intkeys": {0: "a", 5: {"k": (1,)}}, "dollar": {"$tensor": "not a tensor"},
-        "np": np.arange(6, dtype=np.int32).reshape(2, 3), "npscalar": np.float32(1.5),
+        "int": 7,
+        "neg": -3,
+        "big": 2**80,
+        "float": 0.1,
+        "nan": math.nan,
+        "inf": -math.inf,
+        "str": "héllo",
+        "none": None,
+        "bool": True,
+        "list": [1, [2, 3]],
+        "tuple": (1, (2, "x")),
+        "bytes": b"\x00\xff",
+        "intkeys": {0: "a", 5: {"k": (1,)}},
+        "dollar": {"$tensor": "not a tensor"},
+        "np": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "npscalar": np.float32(1.5),
     }
     with resilient.Checkpointer(tmp_path) as ckpt:
         ckpt.save(3, values).wait()
         out: dict = {}
         assert ckpt.load(out) == 3
-    assert out["big"] == 2**80 and out["float"] == 0.1 and math.isnan(out["nan"]) and out["inf"] == -math.inf
+    assert (
+        out["big"] == 2**80
+        and out["float"] == 0.1
+        and math.isnan(out["nan"])
+        and out["inf"] == -math.inf
+    )
     assert out["tuple"] == (1, (2, "x")) and isinstance(out["tuple"][1], tuple)
     assert out["list"] == [1, [2, 3]] and out["bytes"] == b"\x00\xff"
     assert out["intkeys"] == {0: "a", 5: {"k": (1,)}}
@@ -275,8 +307,10 @@ WRITER = textwrap.dedent("""
 def test_kill_9_during_saves_never_leaves_a_corrupt_latest(tmp_path):
     """A process saving in a loop is killed at random moments; what is committed always loads."""
     rng = np.random.default_rng(0)
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    for _trial in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
         try:
             first = proc.stdout.readline()  # at least one committed step
             assert first.strip(), "writer produced no checkpoint"
@@ -288,4 +322,6 @@ def test_kill_9_during_saves_never_leaves_a_corrupt_latest(tmp_path):
             state = {"w": torch.zeros(1 << 20)}
             step = ckpt.load(state)
             assert step is not None and ckpt.last_load.skipped == []
-            assert state["step"] == step and torch.equal(state["w"], torch.full((1 << 20,), float(step)))
+            assert state["step"] == step and torch.equal(
+                state["w"], torch.full((1 << 20,), float(step))
+            )

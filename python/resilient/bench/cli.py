@@ -13,29 +13,57 @@ from typing import Any
 
 from resilient import _C
 
-ALL_METHODS = ["raw", "resilient", "resilient_overlap", "torch.save", "dcp", "dcp_async", "dcp_async_fresh"]
+ALL_METHODS = [
+    "raw",
+    "resilient",
+    "resilient_overlap",
+    "torch.save",
+    "dcp",
+    "dcp_async",
+    "dcp_async_fresh",
+]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="checkpoint/restore benchmark (and `bench straggler`)",
-                       description=__doc__)
-    p.add_argument("--size", default="256MiB", help="synthetic state size, e.g. 4GiB (default 256MiB)")
+    p = sub.add_parser(
+        "bench", help="checkpoint/restore benchmark (and `bench straggler`)", description=__doc__
+    )
+    p.add_argument(
+        "--size", default="256MiB", help="synthetic state size, e.g. 4GiB (default 256MiB)"
+    )
     p.add_argument("--tensors", type=int, default=64, help="number of synthetic tensors")
-    p.add_argument("--model", default=None, help="use a named model's parameter shapes (gpt-125m, gpt-1b...)")
+    p.add_argument(
+        "--model", default=None, help="use a named model's parameter shapes (gpt-125m, gpt-1b...)"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of " + ",".join(ALL_METHODS))
-    p.add_argument("--dir", default="./resilient-bench", help="scratch directory on the storage to test (removed after)")
+    p.add_argument(
+        "--methods",
+        default=",".join(ALL_METHODS),
+        help="comma-separated subset of " + ",".join(ALL_METHODS),
+    )
+    p.add_argument(
+        "--dir",
+        default="./resilient-bench",
+        help="scratch directory on the storage to test (removed after)",
+    )
     p.add_argument("--request-bytes", default="16MiB")
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--zstd-level", type=int, default=0)
-    p.add_argument("--train", action="store_true",
-                   help="also measure a small transformer training loop with and without overlapped saves (CUDA)")
-    p.add_argument("--repeat", type=int, default=3, help="measured repetitions per method (median reported)")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="also time a small transformer training loop with and without overlapped saves (CUDA)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=3, help="measured repetitions per method (median reported)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
     kinds = p.add_subparsers(dest="kind")
-    s = kinds.add_parser("straggler", help="straggler detection timeline (see docs/straggler.md)", add_help=False)
+    s = kinds.add_parser(
+        "straggler", help="straggler detection timeline (see docs/straggler.md)", add_help=False
+    )
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=run_straggler)
 
@@ -66,13 +94,19 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown methods {sorted(unknown)}", file=sys.stderr)
         return 2
-    shapes = model_shapes(args.model) if args.model else synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
+    shapes = (
+        model_shapes(args.model)
+        if args.model
+        else synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
+    )
     state = make_state(shapes, dtype, args.device)
     nbytes = state_bytes(state)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     quiet = args.json
-    progress(f"{nbytes / 2**30:.2f} GiB in {len(state)} tensors on {args.device}, scratch {root}", quiet)
+    progress(
+        f"{nbytes / 2**30:.2f} GiB in {len(state)} tensors on {args.device}, scratch {root}", quiet
+    )
     request_bytes = _C.parse_bytes(args.request_bytes)
     rows = []
     started = time.time()
@@ -87,16 +121,25 @@ def run(args: argparse.Namespace) -> int:
             if name == "raw":
                 fn = lambda d=d: m.raw_row(nbytes, d, request_bytes, args.queue_depth, args.repeat)  # noqa: E731
             elif name.startswith("resilient"):
-                opts = {"request_bytes": request_bytes, "queue_depth": args.queue_depth, "zstd_level": args.zstd_level}
+                opts = {
+                    "request_bytes": request_bytes,
+                    "queue_depth": args.queue_depth,
+                    "zstd_level": args.zstd_level,
+                }
                 mode = "overlap" if name == "resilient_overlap" else "blocking"
-                fn = lambda d=d, mo=mode: m.resilient_row(state, nbytes, d, args.device, opts, args.repeat, mo)  # noqa: E731
+
+                def fn(d=d, mo=mode, opts=opts):
+                    return m.resilient_row(state, nbytes, d, args.device, opts, args.repeat, mo)  # noqa: E731
             elif name == "torch.save":
                 fn = lambda d=d: m.torch_save_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
             elif name == "dcp":
                 fn = lambda d=d: m.dcp_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
             else:
                 reuse = name == "dcp_async"
-                fn = lambda d=d, r=reuse: m.dcp_async_row(state, nbytes, d, args.device, args.repeat, r)  # noqa: E731
+
+                def fn(d=d, r=reuse):
+                    return m.dcp_async_row(state, nbytes, d, args.device, args.repeat, r)  # noqa: E731
+
             rows.append(m.run_guarded(name, fn))
             shutil.rmtree(d, ignore_errors=True)
         if args.train:
@@ -105,13 +148,24 @@ def run(args: argparse.Namespace) -> int:
             progress("training loop with and without overlapped saves", quiet)
             d = root / "train"
             d.mkdir(parents=True, exist_ok=True)
-            rows.append(m.run_guarded("train_overlap", lambda: train_row(d, args.device, progress_fn=lambda s: progress(s, quiet))))
+            rows.append(
+                m.run_guarded(
+                    "train_overlap",
+                    lambda: train_row(d, args.device, progress_fn=lambda s: progress(s, quiet)),
+                )
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
-        "bytes": nbytes, "tensors": len(state), "dtype": args.dtype, "device": args.device,
-        "model": args.model, "host": platform.node(), "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
+        "bytes": nbytes,
+        "tensors": len(state),
+        "dtype": args.dtype,
+        "device": args.device,
+        "model": args.model,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seconds": round(time.time() - started, 1),
         "rows": [r.to_dict() for r in rows],
     }
     result["goals"] = goals(result["rows"], args.device)
@@ -150,15 +204,23 @@ def goals(rows: list[dict], device: str) -> list[dict[str, Any]]:
     tr = _row(rows, "train_overlap")
     if tr:
         v = tr["notes"]["step_ratio"]
-        add(f"training step with saves every {tr['notes']['every']} steps vs without", v, "<= 1.02", v <= 1.02)
+        add(
+            f"training step with saves every {tr['notes']['every']} steps vs without",
+            v,
+            "<= 1.02",
+            v <= 1.02,
+        )
     if res:
         for other in ("torch.save", "dcp", "dcp_async", "dcp_async_fresh"):
             o = _row(rows, other)
             if not o:
                 continue
-            ahead = (res["stall_s"] < o["stall_s"] and res["durable_s"] < o["durable_s"]
-                     and (res["write_gbps"] or 0) > (o["write_gbps"] or 0)
-                     and (res["restore_gbps"] or 0) > (o["restore_gbps"] or 0))
+            ahead = (
+                res["stall_s"] < o["stall_s"]
+                and res["durable_s"] < o["durable_s"]
+                and (res["write_gbps"] or 0) > (o["write_gbps"] or 0)
+                and (res["restore_gbps"] or 0) > (o["restore_gbps"] or 0)
+            )
             add(f"ahead of {other} (stall, durable, write, restore)", None, "all four", ahead)
     return out
 
@@ -172,8 +234,10 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def print_table(result: dict) -> None:
-    print(f"resilient bench: {result['bytes'] / 2**30:.2f} GiB in {result['tensors']} tensors "
-          f"({result['dtype']}, {result['device']}), torch {result['torch']}, {result['date']}")
+    print(
+        f"resilient bench: {result['bytes'] / 2**30:.2f} GiB in {result['tensors']} tensors "
+        f"({result['dtype']}, {result['device']}), torch {result['torch']}, {result['date']}"
+    )
     cols = ["method", "return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps"]
     print(" ".join(f"{c:>13}" for c in cols) + "  notes")
     for r in result["rows"]:
@@ -181,7 +245,11 @@ def print_table(result: dict) -> None:
             print(f"{r['method']:>13} FAILED: {r['error']}")
             continue
         notes = {k: v for k, v in r["notes"].items() if k != "traceback"}
-        print(" ".join(f"{_fmt(r[c]):>13}" for c in cols) + "  " + ", ".join(f"{k}={_fmt(v, 2)}" for k, v in notes.items()))
+        print(
+            " ".join(f"{_fmt(r[c]):>13}" for c in cols)
+            + "  "
+            + ", ".join(f"{k}={_fmt(v, 2)}" for k, v in notes.items())
+        )
     print("goals (this run):")
     for g in result["goals"]:
         mark = "met" if g["met"] else "MISSED"

@@ -100,8 +100,10 @@ def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
             off += n
 
     copy()  # warm
-    rows = [Row("memcpy", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
-            for s, _ in (_timed(copy) for _ in range(repeat))]
+    rows = [
+        Row("memcpy", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
+        for s, _ in (_timed(copy) for _ in range(repeat))
+    ]
     return median_row(rows)
 
 
@@ -113,13 +115,15 @@ def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
         off = 0
         for t in state.values():
             n = t.numel() * t.element_size()
-            host[off:off + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+            host[off : off + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
             off += n
         torch.cuda.synchronize()
 
     copy()
-    rows = [Row("d2h_limit", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
-            for s, _ in (_timed(copy) for _ in range(repeat))]
+    rows = [
+        Row("d2h_limit", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
+        for s, _ in (_timed(copy) for _ in range(repeat))
+    ]
     return median_row(rows)
 
 
@@ -132,14 +136,27 @@ def raw_row(nbytes: int, root: Path, request_bytes: int, queue_depth: int, repea
         how = drop_cache(path)
         r = _C.raw_read(str(path), request_bytes=request_bytes, queue_depth=queue_depth)
         path.unlink()
-        rows.append(Row("raw", durable_s=w["seconds"], write_gbps=_gbps(nbytes, w["seconds"]),
-                        restore_gbps=_gbps(nbytes, r["seconds"]),
-                        notes={"engine": w["engine"], "direct": w["direct"], "cache": how}))
+        rows.append(
+            Row(
+                "raw",
+                durable_s=w["seconds"],
+                write_gbps=_gbps(nbytes, w["seconds"]),
+                restore_gbps=_gbps(nbytes, r["seconds"]),
+                notes={"engine": w["engine"], "direct": w["direct"], "cache": how},
+            )
+        )
     return median_row(rows)
 
 
-def resilient_row(state, nbytes, root: Path, device: str, options: dict[str, Any], repeat: int,
-                  mode: str = "blocking") -> Row:
+def resilient_row(
+    state,
+    nbytes,
+    root: Path,
+    device: str,
+    options: dict[str, Any],
+    repeat: int,
+    mode: str = "blocking",
+) -> Row:
     """resilient's Checkpointer. In "overlap" mode the stall is the time until wait_snapshot()
     returns when called at once (the device-to-host copies are done); a training loop would
     overlap it with its next forward and backward."""
@@ -148,7 +165,9 @@ def resilient_row(state, nbytes, root: Path, device: str, options: dict[str, Any
     name = "resilient" if mode == "blocking" else f"resilient_{mode}"
     rows = []
     with Checkpointer(root, keep=1, **options) as ckpt:
-        ckpt.save(0, state, mode=mode).wait()  # warm-up: the pool's buffers are allocated once, then reused
+        ckpt.save(
+            0, state, mode=mode
+        ).wait()  # warm-up: the pool's buffers are allocated once, then reused
         for step in range(1, repeat + 1):
             ckpt.wait()  # retention of the previous step finishes before anything is timed
             _sync_device(device)
@@ -162,10 +181,17 @@ def resilient_row(state, nbytes, root: Path, device: str, options: dict[str, Any
             how = drop_cache(root)
             _sync_device(device)
             restore, _ = _timed(lambda s=step: (ckpt.load(state, step=s), _sync_device(device)))
-            rows.append(Row(name, return_s=ret, stall_s=stall, durable_s=durable,
-                            write_gbps=_gbps(nbytes, durable - stall), restore_gbps=_gbps(nbytes, restore),
-                            notes={"io": ckpt.io_backend, "cache": how,
-                                   "pinned": ckpt._native.pool_pinned}))
+            rows.append(
+                Row(
+                    name,
+                    return_s=ret,
+                    stall_s=stall,
+                    durable_s=durable,
+                    write_gbps=_gbps(nbytes, durable - stall),
+                    restore_gbps=_gbps(nbytes, restore),
+                    notes={"io": ckpt.io_backend, "cache": how, "pinned": ckpt._native.pool_pinned},
+                )
+            )
     return median_row(rows)
 
 
@@ -184,9 +210,17 @@ def torch_save_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
         durable, _ = _timed(save)
         how = drop_cache(path)
         restore, _ = _timed(lambda: torch.load(path, map_location=device, weights_only=True))
-        rows.append(Row("torch.save", return_s=durable, stall_s=durable, durable_s=durable,
-                        write_gbps=_gbps(nbytes, durable), restore_gbps=_gbps(nbytes, restore),
-                        notes={"cache": how}))
+        rows.append(
+            Row(
+                "torch.save",
+                return_s=durable,
+                stall_s=durable,
+                durable_s=durable,
+                write_gbps=_gbps(nbytes, durable),
+                restore_gbps=_gbps(nbytes, restore),
+                notes={"cache": how},
+            )
+        )
     return median_row(rows)
 
 
@@ -203,11 +237,21 @@ def dcp_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
     for i in range(1, repeat + 1):
         durable, d = _timed(lambda i=i: save(i))
         how = drop_cache(d)
-        restore, _ = _timed(lambda: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device)))
+        restore, _ = _timed(
+            lambda d=d: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device))
+        )
         shutil.rmtree(d)
-        rows.append(Row("dcp", return_s=durable, stall_s=durable, durable_s=durable,
-                        write_gbps=_gbps(nbytes, durable), restore_gbps=_gbps(nbytes, restore),
-                        notes={"cache": how}))
+        rows.append(
+            Row(
+                "dcp",
+                return_s=durable,
+                stall_s=durable,
+                durable_s=durable,
+                write_gbps=_gbps(nbytes, durable),
+                restore_gbps=_gbps(nbytes, restore),
+                notes={"cache": how},
+            )
+        )
     return median_row(rows)
 
 
@@ -219,8 +263,14 @@ def _stager(device: str, notes: dict[str, Any]) -> Any:
         return None
     cuda = device == "cuda"
     notes["stager"] = f"DefaultStager(pinned={cuda}, async staging)"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=cuda))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=cuda,
+        )
+    )
 
 
 def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_stager: bool) -> Row:
@@ -251,8 +301,14 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
         finally:
             if stager is not None and not reuse_stager and hasattr(stager, "close"):
                 stager.close()
-        return Row(name, return_s=ret, stall_s=stall, durable_s=durable,
-                   write_gbps=_gbps(nbytes, durable - stall), notes=notes), d
+        return Row(
+            name,
+            return_s=ret,
+            stall_s=stall,
+            durable_s=durable,
+            write_gbps=_gbps(nbytes, durable - stall),
+            notes=notes,
+        ), d
 
     try:
         shutil.rmtree(save(0)[1])  # warm-up
@@ -260,7 +316,12 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
         for i in range(1, repeat + 1):
             row, d = save(i)
             how = drop_cache(d)
-            restore, _ = _timed(lambda: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device)))
+            restore, _ = _timed(
+                lambda d=d: (
+                    dcp.load(state, checkpoint_id=str(d), no_dist=True),
+                    _sync_device(device),
+                )
+            )
             shutil.rmtree(d)
             row.restore_gbps = _gbps(nbytes, restore)
             row.notes = {**notes, "cache": how}
@@ -276,5 +337,9 @@ def run_guarded(name: str, fn: Callable[[], Row]) -> Row:
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result
-        return Row(name, ok=False, error=f"{type(e).__name__}: {e}",
-                   notes={"traceback": traceback.format_exc(limit=3)})
+        return Row(
+            name,
+            ok=False,
+            error=f"{type(e).__name__}: {e}",
+            notes={"traceback": traceback.format_exc(limit=3)},
+        )

@@ -21,19 +21,29 @@ def model_shapes(name: str) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, h), "pos.weight": (2048, h)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "ln1.weight": (h,), p + "ln1.bias": (h,),
-            p + "attn.qkv.weight": (3 * h, h), p + "attn.qkv.bias": (3 * h,),
-            p + "attn.proj.weight": (h, h), p + "attn.proj.bias": (h,),
-            p + "ln2.weight": (h,), p + "ln2.bias": (h,),
-            p + "mlp.fc1.weight": (ffn, h), p + "mlp.fc1.bias": (ffn,),
-            p + "mlp.fc2.weight": (h, ffn), p + "mlp.fc2.bias": (h,),
-        })
+        shapes.update(
+            {
+                p + "ln1.weight": (h,),
+                p + "ln1.bias": (h,),
+                p + "attn.qkv.weight": (3 * h, h),
+                p + "attn.qkv.bias": (3 * h,),
+                p + "attn.proj.weight": (h, h),
+                p + "attn.proj.bias": (h,),
+                p + "ln2.weight": (h,),
+                p + "ln2.bias": (h,),
+                p + "mlp.fc1.weight": (ffn, h),
+                p + "mlp.fc1.bias": (ffn,),
+                p + "mlp.fc2.weight": (h, ffn),
+                p + "mlp.fc2.bias": (h,),
+            }
+        )
     shapes.update({"ln_f.weight": (h,), "ln_f.bias": (h,)})
     return shapes
 
 
-def synthetic_shapes(total_bytes: int, count: int, dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
+def synthetic_shapes(
+    total_bytes: int, count: int, dtype: torch.dtype
+) -> dict[str, tuple[int, ...]]:
     """`count` 1-D tensors whose sizes spread over two orders of magnitude and sum to about
     `total_bytes` (real state mixes large matrices with small vectors)."""
     if count < 1 or total_bytes < count:
@@ -46,7 +56,9 @@ def synthetic_shapes(total_bytes: int, count: int, dtype: torch.dtype) -> dict[s
     return {f"t{i:05d}": (int(n),) for i, n in enumerate(numels)}
 
 
-def make_state(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def make_state(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
     """Allocates and fills the tensors (random-ish bytes, so compression has no free ride)."""
     state = {}
     for name, shape in shapes.items():

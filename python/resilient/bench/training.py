@@ -15,8 +15,9 @@ from resilient.bench.methods import Row
 
 
 def _model(device: str) -> torch.nn.Module:
-    layer = torch.nn.TransformerEncoderLayer(d_model=1024, nhead=16, dim_feedforward=4096,
-                                             batch_first=True, dropout=0.0)
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=1024, nhead=16, dim_feedforward=4096, batch_first=True, dropout=0.0
+    )
     return torch.nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).to(device)
 
 
@@ -36,7 +37,7 @@ def _steps(model, opt, x, n: int, on_step: Callable[[int], None] | None = None) 
     return (time.perf_counter() - t0) / n
 
 
-def train_row(root: Path, device: str, steps: int = 200, progress_fn=print) -> Row:
+def train_row(root: Path, device: str, steps: int = 300, progress_fn=print) -> Row:
     from resilient.checkpoint import Checkpointer
 
     if device != "cuda":
@@ -49,30 +50,53 @@ def train_row(root: Path, device: str, steps: int = 200, progress_fn=print) -> R
     state = {"model": model, "optim": opt}
     with Checkpointer(root, keep=2) as ckpt:
         ckpt.attach(opt)
-        # How long a checkpoint takes to become durable decides the smallest interval.
-        ckpt.save(0, state).wait()
-        h = ckpt.save(1, state, mode="overlap")
-        h.wait()
-        durable = h.stats()["durable_s"]
+        ckpt.save(0, state).wait()  # allocates the pool once
         base = _steps(model, opt, x, steps)
-        every = max(1, math.ceil(durable * 1.25 / base))
-        progress_fn(f"step {base * 1e3:.1f} ms, checkpoint durable in {durable:.2f} s: saving every {every} steps")
+        # The smallest interval: how many training steps pass while one checkpoint becomes
+        # durable with training running, plus a 25% margin.
+        h = ckpt.save(1, state, mode="overlap")
+        pilot = 0
+        while not h.done():
+            _steps(model, opt, x, 1)
+            pilot += 1
+        h.wait()
+        every = max(1, math.ceil(pilot * 1.25))
+        progress_fn(
+            f"step {base * 1e3:.1f} ms; a checkpoint became durable within {pilot} steps: "
+            f"saving every {every} steps"
+        )
         pending: list = []
+        late = 0
 
         def maybe_save(i: int) -> None:
+            nonlocal late
             if i % every == every - 1:
                 if pending and not pending[-1].done():
-                    raise RuntimeError("previous checkpoint not durable before the next one: interval too small")
+                    late += (
+                        1  # the disk is slower than the interval: wait (counted in the step time)
+                    )
+                    pending[-1].wait()
                 pending.append(ckpt.save(100 + i, state, mode="overlap"))
 
         with_saves = _steps(model, opt, x, steps, maybe_save)
-        for h in pending:
-            h.wait()
-        nbytes = h.stats()["bytes"]
+        for p in pending:
+            p.wait()
+        stats = pending[-1].stats() if pending else h.stats()
         base2 = _steps(model, opt, x, steps)  # bracket: the baseline before and after
     baseline = min(base, base2)
-    return Row("train_overlap", notes={
-        "every": every, "step_s": baseline, "step_with_saves_s": with_saves, "step_ratio": with_saves / baseline,
-        "checkpoints": len(pending), "checkpoint_bytes": nbytes, "durable_s": durable,
-        "params": sum(p.numel() for p in model.parameters()),
-    })
+    return Row(
+        "train_overlap",
+        notes={
+            "every": every,
+            "step_s": baseline,
+            "step_with_saves_s": with_saves,
+            "step_ratio": with_saves / baseline,
+            "checkpoints": len(pending),
+            "late_checkpoints": late,
+            "checkpoint_bytes": stats["bytes"],
+            "durable_s": stats["durable_s"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "baseline_before_s": base,
+            "baseline_after_s": base2,
+        },
+    )
