@@ -122,3 +122,28 @@ def test_detector_generation_record_parses_ranges() -> None:
 
     assert parse_generation_record("g=3;live=0,2-4,7;removed=1:0:,5:2:step") == (3, [0, 2, 3, 4, 7])
     assert parse_generation_record("g=9;live=;removed=") == (9, [])
+
+
+def test_timeline_forwards_to_the_job_event_log() -> None:
+    from resilient import events as job_events
+
+    seen: list[dict] = []
+    job_events.add_listener(seen.append)
+    try:
+        tl = Timeline(rank=0)
+        tl.add("verdict", removed=[1], generation=1)
+        tl.add("failure_observed", cause="verdict", step=5)
+        for k in ("agreed", "rebuilt", "restored"):
+            tl.add(k)
+        tl.add("first_collective", step=5, generation=1, world_size=3)
+        tl.add("stopped", reason="too few")
+    finally:
+        job_events.remove_listener(seen.append)
+    kinds = [e["kind"] for e in seen]
+    assert kinds == ["detected", "recovery_begin", "recovery_phase", "recovery_phase",
+                     "recovery_phase", "recovery_phase", "recovery_end", "fatal"]
+    assert [e["phase"] for e in seen if e["kind"] == "recovery_phase"] == [
+        "agreement", "rebuild", "restore", "first_collective"]
+    end = seen[6]
+    assert end["world_size"] == 3 and end["path"] == "in_process" and end["seconds"] >= 0
+    assert seen[-1]["message"] == "too few"

@@ -291,7 +291,8 @@ class Recovery:
     def _first_collective_done(self) -> None:
         if self._awaiting_first:
             self._awaiting_first = False
-            self.timeline.add("first_collective", step=self.step, generation=self.generation)
+            self.timeline.add("first_collective", step=self.step, generation=self.generation,
+                              world_size=self.world_size)
 
     # ---- detector callbacks (dispatcher thread) ----
     def _on_failure(self, ranks: list, generation: int) -> None:

@@ -9,6 +9,11 @@ removed, members), ``rebuilt`` (method, rank, world_size), ``restored`` (source:
 storage, step), ``policy`` (message, accum_steps, lr_factor), ``first_collective`` (the first
 gradient all-reduce that completed on the new group), and ``stopped`` / ``evicted`` when the
 rank gives up. ``fault`` marks an injected fault (the chaos runner and the example write it).
+
+Each event is also forwarded to ``resilient.events`` (the chaos runner's JSON-lines log, a no-op
+unless ``RESILIENT_EVENTS_DIR`` is set or a listener is registered) in that module's vocabulary:
+``detected``, ``recovery_begin``, ``recovery_phase`` (phase, seconds), ``recovery_end``
+(seconds from failure to resumed) and ``fatal``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import threading
 import time
 from typing import Any
+
+from resilient import events as job_events
 
 PHASES = ("detection", "agreement", "rebuild", "restore", "first_collective")
 _PHASE_END = {"detection": "failure_observed", "agreement": "agreed", "rebuild": "rebuilt",
@@ -36,7 +43,11 @@ class Timeline:
         ev = {"kind": kind, "rank": self.rank, "time_mono": time.monotonic(),
               "time_wall": time.time(), **fields}
         with self._lock:
+            prev = self._events[-1] if self._events else None
+            begin = next((e for e in reversed(self._events)
+                          if e["kind"] == "failure_observed"), None)
             self._events.append(ev)
+        _forward(ev, prev, begin)
         return ev
 
     @property
@@ -61,6 +72,32 @@ class Timeline:
         if current:
             out.append(phases(current))
         return [r for r in out if r]
+
+
+_PHASE_OF = {"agreed": "agreement", "rebuilt": "rebuild", "restored": "restore",
+             "first_collective": "first_collective"}
+
+
+def _forward(ev: dict[str, Any], prev: dict[str, Any] | None,
+             begin: dict[str, Any] | None) -> None:
+    """Re-emits ``ev`` through resilient.events (see the module docstring)."""
+    kind = ev["kind"]
+    since = ev["time_mono"] - prev["time_mono"] if prev else 0.0
+    if kind == "verdict":
+        job_events.emit("detected", ranks=ev.get("removed"), generation=ev.get("generation"),
+                        source="detector")
+    elif kind == "failure_observed":
+        job_events.emit("recovery_begin", generation=None, cause=ev.get("cause"),
+                        step=ev.get("step"))
+    elif kind in _PHASE_OF:
+        job_events.emit("recovery_phase", phase=_PHASE_OF[kind], seconds=since)
+        if kind == "first_collective" and begin is not None:
+            job_events.emit("recovery_end", generation=ev.get("generation"),
+                            world_size=ev.get("world_size"), step=ev.get("step"),
+                            path="in_process",
+                            seconds=ev["time_mono"] - begin["time_mono"])
+    elif kind == "stopped":
+        job_events.emit("fatal", message=ev.get("reason"))
 
 
 def phases(events: list[dict[str, Any]], t_fault: float | None = None) -> dict[str, Any]:
