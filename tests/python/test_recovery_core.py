@@ -1,0 +1,135 @@
+"""Recovery's decisions in one process with fake collectives and a fake detector: how a polled
+collective ends (done, error, verdict, timeout, eviction), what counts as a peer failure, and
+agreement that never comes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from resilient.recovery import PeerFailure, Recovery, RecoveryConfig, RecoveryStopped  # noqa: E402
+
+
+class FakeDetector:
+    def __init__(self, world: int) -> None:
+        self.gen = (0, list(range(world)))
+        self.steps: list[int] = []
+
+    @property
+    def generation(self) -> tuple:
+        return self.gen
+
+    def step(self, n: int) -> None:
+        self.steps.append(n)
+
+
+class FakeWork:
+    def __init__(self, done_after_s: float | None, error: str = "") -> None:
+        self.t_done = None if done_after_s is None else time.monotonic() + done_after_s
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return self.t_done is not None and time.monotonic() >= self.t_done
+
+    def wait(self) -> None:
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def make(world: int = 4, **cfg: Any) -> Recovery:
+    model = torch.nn.Linear(2, 1)
+    rec = Recovery(None, 0, world, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   global_batch=8, micro_batch=2,
+                   config=RecoveryConfig.from_env(**cfg), detector=FakeDetector(world))
+    return rec
+
+
+def test_poll_returns_when_the_collective_completes() -> None:
+    rec = make()
+    rec._wait_work(FakeWork(0.01))
+    assert rec._pending_cause is None
+
+
+def test_poll_turns_a_backend_error_into_a_collective_error() -> None:
+    rec = make()
+    with pytest.raises(PeerFailure, match="collective_error.*Connection closed"):
+        rec._wait_work(FakeWork(0.0, "[gloo] Connection closed by peer"))
+    assert rec._failure_cause(RuntimeError("wrapped by DDP")) == "collective_error"
+    assert rec._pending_cause is None  # consumed
+
+
+def test_poll_stops_on_a_verdict_without_waiting_for_the_collective() -> None:
+    rec = make()
+    det = rec.detector
+
+    def verdict() -> None:
+        time.sleep(0.05)
+        det.gen = (1, [0, 2, 3])
+        rec._on_failure([1], 1)
+
+    threading.Thread(target=verdict).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure, match="verdict"):
+        rec._wait_work(FakeWork(None))  # never completes (a frozen peer)
+    assert time.monotonic() - t0 < 5
+    assert rec._failure_cause(RuntimeError("x")) == "verdict"
+
+
+def test_verdict_about_ranks_already_removed_is_ignored() -> None:
+    rec = make()
+    rec.members = [0, 2, 3]
+    rec.detector.gen = (1, [0, 2, 3])
+    rec._min_generation = 2
+    rec._on_failure([1], 1)
+    rec._wait_work(FakeWork(0.01))  # completes: the verdict concerns no current member
+
+
+def test_poll_times_out() -> None:
+    rec = make(collective_timeout_s=0.05)
+    with pytest.raises(PeerFailure, match="timeout"):
+        rec._wait_work(FakeWork(None))
+
+
+def test_eviction_stops_the_rank() -> None:
+    rec = make()
+    rec._on_evicted(3)
+    with pytest.raises(PeerFailure, match="evicted"):
+        rec._wait_work(FakeWork(None))
+    with pytest.raises(RecoveryStopped, match="removed from the job"):
+        rec._recover(rec._failure_cause(RuntimeError("x")), RuntimeError("x"))
+
+
+def test_unrelated_errors_are_not_failures() -> None:
+    rec = make()
+    assert rec._failure_cause(ValueError("shape mismatch in my model")) is None
+    assert rec._failure_cause(PeerFailure("timeout")) == "timeout"
+
+
+def test_collective_error_without_a_verdict_stops_after_the_agree_timeout() -> None:
+    rec = make(agree_timeout_s=0.1)
+    t0 = time.monotonic()
+    with pytest.raises(RecoveryStopped, match="detector removed no rank within 0.1s"):
+        rec._recover("collective_error", RuntimeError("connection reset"))
+    assert time.monotonic() - t0 < 5
+    assert [e["kind"] for e in rec.timeline.events] == ["failure_observed", "stopped"]
+
+
+def test_too_small_world_stops_before_any_rebuild() -> None:
+    rec = make(min_world=4)
+    rec.detector.gen = (1, [0, 1, 2])
+    with pytest.raises(RecoveryStopped, match="only 3 of 4 ranks remain"):
+        rec._recover("verdict", PeerFailure("verdict"))
+    kinds = [e["kind"] for e in rec.timeline.events]
+    assert kinds == ["failure_observed", "agreed", "stopped"]
+
+
+def test_max_recoveries() -> None:
+    rec = make(max_recoveries=1)
+    rec.recoveries = 1
+    with pytest.raises(RecoveryStopped, match="more than 1 recoveries"):
+        rec._recover("verdict", PeerFailure("verdict"))
