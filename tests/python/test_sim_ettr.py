@@ -64,7 +64,9 @@ def test_costs_measured_by_chaos(tmp_path):
     doc = {"runs": [{"incidents": [
         {"fault": "kill", "detected_s": 0.2, "recovered_s": 8.2},
         {"fault": "stop", "detected_s": 1.0, "recovered_s": 11.0},
-        {"fault": "eio", "detected_s": 0.1, "recovered_s": 0.0}]}]}
+        {"fault": "eio", "detected_s": 0.1, "recovered_s": 0.0}]},
+        {"recovery_path": "in-job", "incidents": [
+            {"fault": "kill", "detected_s": 0.05, "recovered_s": 0.07}]}]}
     p = tmp_path / "chaos.json"
     p.write_text(json.dumps(doc))
     det, rec = m.measured_restart_costs(str(p))

@@ -103,6 +103,8 @@ def measured_restart_costs(chaos_json: str) -> tuple[float, float]:
         doc = json.load(f)
     det, rec = [], []
     for run in doc["runs"]:
+        if run.get("recovery_path", "restart") != "restart":
+            continue
         for inc in run["incidents"]:
             if inc["fault"] in ("kill", "stop", "partition", "kill_during_save"):
                 if inc["detected_s"] is not None:
