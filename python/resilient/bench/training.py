@@ -52,17 +52,21 @@ def train_row(root: Path, device: str, steps: int = 300, progress_fn=print) -> R
         ckpt.attach(opt)
         ckpt.save(0, state).wait()  # allocates the pool once
         base = _steps(model, opt, x, steps)
-        # The smallest interval: how many training steps pass while one checkpoint becomes
-        # durable with training running, plus a 25% margin.
-        h = ckpt.save(1, state, mode="overlap")
-        pilot = 0
-        while not h.done():
-            _steps(model, opt, x, 1)
-            pilot += 1
-        h.wait()
-        every = max(1, math.ceil(pilot * 1.25))
+        # The smallest interval: how many training steps pass while a checkpoint becomes durable
+        # with training running, over three back-to-back checkpoints (the disk slows under
+        # sustained writes), plus a 30% margin.
+        counts = []
+        for k in range(3):
+            h = ckpt.save(1 + k, state, mode="overlap")
+            n = 0
+            while not h.done():
+                _steps(model, opt, x, 1)
+                n += 1
+            h.wait()
+            counts.append(n)
+        every = max(1, math.ceil(max(counts) * 1.3))
         progress_fn(
-            f"step {base * 1e3:.1f} ms; a checkpoint became durable within {pilot} steps: "
+            f"step {base * 1e3:.1f} ms; checkpoints became durable within {counts} steps: "
             f"saving every {every} steps"
         )
         pending: list = []
@@ -88,6 +92,7 @@ def train_row(root: Path, device: str, steps: int = 300, progress_fn=print) -> R
         "train_overlap",
         notes={
             "every": every,
+            "calibration_steps": counts,
             "step_s": baseline,
             "step_with_saves_s": with_saves,
             "step_ratio": with_saves / baseline,
