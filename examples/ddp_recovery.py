@@ -86,11 +86,13 @@ def inject_fault(a: argparse.Namespace, store: Any, rec: Any) -> None:
 
 
 def hold_for_spares(a: argparse.Namespace, rec: Any) -> None:
-    """At --join-step, members wait (bounded) until the --spares joiners asked to join, so that
-    the admission at the end of that step includes them whatever their start-up time."""
+    """Members check for joiners only when the step counter is a multiple of --join-step, and
+    before the step that reaches --join-step they wait (bounded) until the --spares joiners
+    asked to join: the spares are admitted exactly when --join-step steps are done, whatever
+    their start-up time."""
     from resilient.recovery.join import tickets_taken
 
-    if a.spares and rec.step == a.join_step and rec.initial_rank < a.world:
+    if a.spares and rec.step == a.join_step - 1 and rec.initial_rank < a.world:
         deadline = time.monotonic() + 120
         with rec.detector.section("recovery"):  # waiting is not a training hang
             while tickets_taken(rec) < a.spares and time.monotonic() < deadline:
@@ -128,7 +130,7 @@ def worker(a: argparse.Namespace) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     cfg = RecoveryConfig.from_env(policy=a.policy, min_world=a.min_world,
                                   mismatch_source=a.mismatch_source,
-                                  join_check_every=1 if a.spares else 0)
+                                  join_check_every=a.join_step if a.spares else 0)
     ckpt = None
     if a.checkpoint_dir:
         from resilient import Checkpointer
@@ -308,8 +310,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="test hook: this survivor is one step ahead at the restore")
     p.add_argument("--spares", type=int, default=0,
                    help="start this many extra ranks that join the running job")
-    p.add_argument("--join-step", type=int, default=0,
-                   help="members wait for the spares at this step (they are admitted after it)")
+    p.add_argument("--join-step", type=int, default=1,
+                   help="the spares are admitted when this many steps are done (>= 1)")
     p.add_argument("--join", action="store_true", help="worker: join as a spare (launcher sets)")
     p.add_argument("--mismatch-source", default="storage", choices=("storage", "peer"))
     p.add_argument("--timeout", type=float, default=120.0, help="launcher: seconds to wait")

@@ -128,12 +128,16 @@ def test_survivors_at_different_steps_take_the_most_advanced_peer(tmp_path: Path
 
 
 @pytest.mark.timeout(150)
-def test_spare_joins_after_a_kill_and_receives_state_from_a_peer(tmp_path: Path) -> None:
-    """Rank 1 dies at step 4; a spare started with the job is admitted at step 8 at the latest
-    (members wait for its ticket there), receives the state by broadcast and trains on: 4 ranks
-    again, identical parameters, equal to the failure-free run (keep_batch)."""
-    code, res, out = run_example(tmp_path, "--kill-rank", "1", "--kill-step", "4",
-                                 "--spares", "1", "--join-step", "8", timeout=140)
+@pytest.mark.parametrize(("kill_step", "join_step"), [(4, 8), (9, 3)],
+                         ids=["kill-then-join", "join-then-kill"])
+def test_spare_joins_and_receives_state_from_a_peer(tmp_path: Path, kill_step: int,
+                                                    join_step: int) -> None:
+    """A spare started with the job is admitted when join_step steps are done; rank 1 dies at
+    kill_step (before: the spare replaces it; after: the spare, outside the detector's world,
+    must follow the verdict through the store). The spare receives the state by broadcast;
+    everyone ends with identical parameters, equal to the failure-free run (keep_batch)."""
+    code, res, out = run_example(tmp_path, "--kill-rank", "1", "--kill-step", str(kill_step),
+                                 "--spares", "1", "--join-step", str(join_step), timeout=140)
     assert code == 0, out
     assert res["survivors"] == [0, 2, 3, 4] and res["params_equal"], res
     reps = reports(tmp_path, [0, 2, 3, 4])
@@ -141,7 +145,12 @@ def test_spare_joins_after_a_kill_and_receives_state_from_a_peer(tmp_path: Path)
         assert rep["step"] == STEPS and rep["world_size"] == 4
     spare = reps[4]["timeline"]
     assert [e["kind"] for e in spare][:3] == ["join_requested", "rebuilt", "restored"]
-    assert spare[2]["source"] == "peer" and spare[2]["step"] > 0
-    assert any(e["kind"] == "join_admitted" for e in reps[0]["timeline"])
+    assert spare[2]["source"] == "peer" and spare[2]["step"] == join_step
+    admitted = [e for e in reps[0]["timeline"] if e["kind"] == "join_admitted"]
+    assert [e["step"] for e in admitted] == [join_step]
+    if kill_step < join_step:
+        assert not any(e["kind"] == "failure_observed" for e in spare)
+    else:
+        assert any(e["kind"] == "agreed" and e["removed"] == [1] for e in spare)
     ref = reference_params(STEPS)
     assert torch.allclose(torch.tensor(reps[4]["params"]), ref, atol=1e-5)
