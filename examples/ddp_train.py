@@ -81,6 +81,10 @@ def train(args: argparse.Namespace) -> None:
         every=args.save_every,
     )
     step = ckpt.restore()
+    if args.resave:  # e.g. after restoring onto a different number of ranks
+        ckpt.save(step)
+        ckpt.close(120)
+        return
     losses = {}
     batches = forever(loader)
     while step < args.steps:
@@ -130,6 +134,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--out", default="")
+    p.add_argument("--resave", action="store_true", help="restore, save the same step, exit")
     p.add_argument("--nproc", type=int, default=0, help="spawn N processes (without torchrun)")
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -72,6 +72,7 @@ class DistSaveHandle:
         self._native = native
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._observed = False  # the error was raised to the caller
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -81,6 +82,7 @@ class DistSaveHandle:
         if not self._event.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
         if self._error is not None:
+            self._observed = True
             raise self._error
 
     def local_stats(self) -> dict[str, float]:
@@ -137,7 +139,11 @@ class DistributedCheckpointer:
         self.specs = dict(specs or {})
         self.timeout = float(timeout)
         self.split_bytes = int(split_bytes)
-        self._group = group if group is not None else dist.new_group(backend="gloo")
+        self._group = (
+            group
+            if group is not None
+            else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        )
         self._store = store if store is not None else default_store()
         self._local = Checkpointer(
             self.root,
@@ -153,6 +159,7 @@ class DistributedCheckpointer:
         self._seq = 0
         self._plan_key: Any = None
         self._plan: list = []
+        self._failed: list[DistSaveHandle] = []
         self._queue: queue.Queue[DistSaveHandle | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._commit_loop, name="resilient-commit", daemon=True
@@ -259,8 +266,8 @@ class DistributedCheckpointer:
                     f"checkpoint of step {handle.step} was not committed: {error}"
                 )
             )
-            if exc is not None and self._last_error is None:
-                self._last_error = exc
+            if exc is not None:
+                self._failed.append(handle)
             handle._finish(exc)
 
     def _commit(self, handle: DistSaveHandle) -> str | None:
@@ -305,16 +312,16 @@ class DistributedCheckpointer:
         return "ok"
 
     def wait(self, timeout: float | None = None) -> None:
-        """Waits for this rank's saves in flight to be committed; raises the first failure."""
+        """Waits for this rank's saves in flight to be committed; raises the first failure not
+        already raised by its handle's wait()."""
         done = threading.Event()
         self._queue.put(_Marker(done))  # type: ignore[arg-type]
         if not done.wait(timeout):
             raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
-        if self._last_error is not None:
-            err, self._last_error = self._last_error, None
-            raise err
-
-    _last_error: BaseException | None = None
+        failed, self._failed = [h for h in self._failed if not h._observed], []
+        if failed:
+            failed[0]._observed = True
+            raise failed[0]._error
 
     # -- loading --------------------------------------------------------------------------
     def steps(self) -> list[int]:

@@ -111,7 +111,8 @@ def plan_writes(
         split_bytes: a tensor at least this large, with dim 0 >= holders, is split along dim 0
             across all its holders; smaller tensors go whole to the least-loaded holder.
     Returns:
-        This rank's pieces. Deterministic: a pure function of the arguments.
+        This rank's pieces. Deterministic: a pure function of the arguments. The bytes written
+        by any two holders differ by less than split_bytes (plus a row per split tensor).
     """
     holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     info: dict[tuple[str, tuple[int, ...]], Held] = {}
