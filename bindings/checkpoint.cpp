@@ -34,6 +34,7 @@ TensorSpec to_spec(const pyb::dict& d) {
 
 pyb::dict stats_dict(const SaveStats& s) {
   pyb::dict d;
+  d["issue_s"] = s.issue_s;
   d["snapshot_s"] = s.snapshot_s;
   d["written_s"] = s.written_s;
   d["durable_s"] = s.durable_s;

@@ -63,7 +63,9 @@ class LoadReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
-def tensor_descriptor(name: str, t: torch.Tensor, keep: list[torch.Tensor]) -> dict[str, Any]:
+def tensor_descriptor(
+    name: str, t: torch.Tensor, keep: list[torch.Tensor], streams: dict | None = None
+) -> dict[str, Any]:
     """The buffer descriptor the native engine reads: pointer, bytes, dtype, shape, device."""
     if t.is_sparse or t.device.type == "meta":
         raise TypeError(f"tensor {name!r}: {t.layout} / {t.device.type} tensors cannot be saved")
@@ -89,7 +91,10 @@ def tensor_descriptor(name: str, t: torch.Tensor, keep: list[torch.Tensor]) -> d
         # The engine copies on its own stream, ordered after the stream that produced the tensor;
         # `keep` holds a reference so the caching allocator cannot reuse the memory meanwhile.
         desc["device"] = t.device.index
-        desc["stream"] = torch.cuda.current_stream(t.device).cuda_stream
+        streams = {} if streams is None else streams  # one lookup per device and save
+        if t.device.index not in streams:
+            streams[t.device.index] = torch.cuda.current_stream(t.device).cuda_stream
+        desc["stream"] = streams[t.device.index]
     return desc
 
 
@@ -152,7 +157,8 @@ class Checkpointer:
         self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
         enc = encode(state)
         keep: list[torch.Tensor] = []
-        descs = [tensor_descriptor(name, t, keep) for name, t in enc.tensors.items()]
+        streams: dict = {}
+        descs = [tensor_descriptor(name, t, keep, streams) for name, t in enc.tensors.items()]
         values = json.dumps({"format": _VALUES_FORMAT, "state": enc.doc}, allow_nan=False)
         native = self._native.save(int(step), descs, values, True, mode)
         handle = SaveHandle(native, int(step), keep if mode == "overlap" else None)

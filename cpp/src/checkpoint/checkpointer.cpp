@@ -100,6 +100,7 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<c
   const TimePoint start = SteadyClock::instance().now();
   auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
   if (!staging.ok()) return Status(staging.status()).prepend("saving step " + std::to_string(step));
+  const double issue_s = to_seconds(SteadyClock::instance().now() - start);
   auto handle = std::make_shared<SaveHandle>(step, staging->copies);
   if (mode == SaveMode::kBlocking) {
     Status copied = handle->wait_snapshot(options_.timeout);
@@ -107,7 +108,7 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<c
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
+    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start, issue_s,
                          to_seconds(SteadyClock::instance().now() - start)});
     pending_.push_back(handle);
   }
@@ -146,6 +147,7 @@ void Checkpointer::writer_loop() {
       busy_ = true;
     }
     SaveStats stats;
+    stats.issue_s = job.issue_s;
     stats.snapshot_s = job.snapshot_s;
     Status s = write_job(job, stats);
     if (!s.ok()) {

@@ -165,9 +165,8 @@ def resilient_row(
     name = "resilient" if mode == "blocking" else f"resilient_{mode}"
     rows = []
     with Checkpointer(root, keep=1, **options) as ckpt:
-        ckpt.save(
-            0, state, mode=mode
-        ).wait()  # warm-up: the pool's buffers are allocated once, then reused
+        # Warm-up: the pool's buffers are allocated once, then reused.
+        ckpt.save(0, state, mode=mode).wait()
         for step in range(1, repeat + 1):
             ckpt.wait()  # retention of the previous step finishes before anything is timed
             _sync_device(device)
@@ -177,7 +176,8 @@ def resilient_row(
             h.wait_snapshot()
             stall = time.perf_counter() - t0
             h.wait()
-            durable = h.stats()["durable_s"]
+            st = h.stats()
+            durable = st["durable_s"]
             how = drop_cache(root)
             _sync_device(device)
             restore, _ = _timed(lambda s=step: (ckpt.load(state, step=s), _sync_device(device)))
@@ -189,7 +189,13 @@ def resilient_row(
                     durable_s=durable,
                     write_gbps=_gbps(nbytes, durable - stall),
                     restore_gbps=_gbps(nbytes, restore),
-                    notes={"io": ckpt.io_backend, "cache": how, "pinned": ckpt._native.pool_pinned},
+                    notes={
+                        "io": ckpt.io_backend,
+                        "cache": how,
+                        "pinned": ckpt._native.pool_pinned,
+                        "native_issue_s": st["issue_s"],
+                        "python_s": ret - st["snapshot_s"],
+                    },
                 )
             )
     return median_row(rows)

@@ -5,6 +5,7 @@ is durable before the next begins)."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,7 +38,7 @@ def _steps(model, opt, x, n: int, on_step: Callable[[int], None] | None = None) 
     return (time.perf_counter() - t0) / n
 
 
-def train_row(root: Path, device: str, steps: int = 300, progress_fn=print) -> Row:
+def train_row(root: Path, device: str, steps: int = 100, rounds: int = 7, progress_fn=print) -> Row:
     from resilient.checkpoint import Checkpointer
 
     if device != "cuda":
@@ -69,39 +70,38 @@ def train_row(root: Path, device: str, steps: int = 300, progress_fn=print) -> R
             f"step {base * 1e3:.1f} ms; checkpoints became durable within {counts} steps: "
             f"saving every {every} steps"
         )
-        pending: list = []
+        # Interleaved blocks of `every` steps, without and with one overlapped save at the
+        # start of the block, so clock and thermal drift hit both sides alike.
         late = 0
-
-        def maybe_save(i: int) -> None:
-            nonlocal late
-            if i % every == every - 1:
-                if pending and not pending[-1].done():
-                    late += (
-                        1  # the disk is slower than the interval: wait (counted in the step time)
-                    )
-                    pending[-1].wait()
-                pending.append(ckpt.save(100 + i, state, mode="overlap"))
-
-        with_saves = _steps(model, opt, x, steps, maybe_save)
-        for p in pending:
-            p.wait()
-        stats = pending[-1].stats() if pending else h.stats()
-        base2 = _steps(model, opt, x, steps)  # bracket: the baseline before and after
-    baseline = min(base, base2)
+        without: list[float] = []
+        with_save: list[float] = []
+        h = None
+        for r in range(rounds):
+            without.append(_steps(model, opt, x, every))
+            if h is not None and not h.done():
+                late += 1  # the disk is slower than the interval: wait (counted in the step time)
+            t0 = time.perf_counter()
+            if h is not None:
+                h.wait()
+            h = ckpt.save(100 + r, state, mode="overlap")
+            _steps(model, opt, x, every)
+            with_save.append((time.perf_counter() - t0) / every)  # the save call counts too
+        h.wait()
+        stats = h.stats()
+    base = statistics.median(without)
+    with_saves = statistics.median(with_save)
     return Row(
         "train_overlap",
         notes={
             "every": every,
             "calibration_steps": counts,
-            "step_s": baseline,
+            "step_s": base,
             "step_with_saves_s": with_saves,
-            "step_ratio": with_saves / baseline,
-            "checkpoints": len(pending),
+            "step_ratio": with_saves / base,
+            "rounds": rounds,
             "late_checkpoints": late,
             "checkpoint_bytes": stats["bytes"],
             "durable_s": stats["durable_s"],
             "params": sum(p.numel() for p in model.parameters()),
-            "baseline_before_s": base,
-            "baseline_after_s": base2,
         },
     )

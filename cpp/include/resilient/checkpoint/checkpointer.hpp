@@ -52,7 +52,8 @@ enum class SaveMode {
 
 /// What a save measured, in seconds since save() was called.
 struct SaveStats {
-  double snapshot_s = 0;  // until the caller's tensors were free to change
+  double issue_s = 0;     // until every copy was issued (host copies done, device copies queued)
+  double snapshot_s = 0;  // until save() returned (blocking mode: device copies complete too)
   double written_s = 0;   // data file durable
   double durable_s = 0;   // committed (manifest, rename, fsyncs)
   uint64_t bytes = 0;     // tensor bytes
@@ -118,6 +119,7 @@ class Checkpointer {
     bool commit;
     std::shared_ptr<SaveHandle> handle;
     TimePoint started;
+    double issue_s;
     double snapshot_s;
   };
   explicit Checkpointer(CheckpointOptions options);
