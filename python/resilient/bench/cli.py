@@ -59,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--repeat", type=int, default=3, help="measured repetitions per method (median reported)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="N > 1: N CPU processes; sharded save vs every rank writing everything vs DCP",
+    )
     p.set_defaults(func=run)
     kinds = p.add_subparsers(dest="kind")
     s = kinds.add_parser(
@@ -80,6 +86,10 @@ def progress(msg: str, quiet: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.world_size > 1:
+        from resilient.bench.world import run_world_bench
+
+        return run_world_bench(args)
     import torch
 
     from resilient.bench import methods as m

@@ -470,7 +470,10 @@ class _Wanted:
 
     def __init__(self, name: str, target: Any, dtype: str, shape: tuple[int, ...], copies: list):
         self.name, self.target, self.copies = name, target, copies
-        self.out = torch.empty(shape, dtype=dtype_from_name(dtype))
+        if isinstance(target, torch.Tensor):
+            self.out = target  # assembled in place
+        else:
+            self.out = torch.empty(shape, dtype=dtype_from_name(dtype))
 
     def result(self) -> Any:
         if isinstance(self.target, torch.Tensor):
@@ -500,27 +503,45 @@ class _Reader:
 
     def run(self) -> None:
         buffers: dict[str, torch.Tensor] = {}
+        direct: set[int] = set()
+        for i, w in enumerate(self._wanted):
+            if len(w.copies) == 1 and self._is_whole(w):
+                c = w.copies[0]
+                t = w.out
+                if c.entry not in buffers and t.device.type == "cpu" and t.is_contiguous():
+                    buffers[c.entry] = t  # read straight into the destination
+                    direct.add(i)
         for w in self._wanted:
             for c in w.copies:
                 if c.entry not in buffers:
                     e = self._entries[c.entry]
-                    buffers[c.entry] = torch.empty(
-                        tuple(e["shape"]), dtype=dtype_from_name(e["dtype"])
-                    )
+                    shape, dtype = tuple(e["shape"]), dtype_from_name(e["dtype"])
+                    buffers[c.entry] = torch.empty(shape, dtype=dtype)
         targets = [
             {"name": n, "ptr": b.data_ptr(), "nbytes": self._entries[n]["nbytes"], "device": -1}
             for n, b in buffers.items()
         ]
         self._local._native.read(self._manifest, targets)
         with torch.no_grad():
-            for w in self._wanted:
+            for i, w in enumerate(self._wanted):
+                if i in direct:
+                    continue
                 for c in w.copies:
                     src = buffers[c.entry][tuple(slice(a, b) for a, b in c.src)]
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
-                if isinstance(w.target, torch.Tensor):
-                    w.target.copy_(w.out)
-                elif _is_ndarray(w.target):
+                if _is_ndarray(w.target):
                     w.target[...] = w.out.numpy()
+
+    def _is_whole(self, w: _Wanted) -> bool:
+        """True when the one copy moves a whole saved piece onto the whole target."""
+        c = w.copies[0]
+        e = self._entries[c.entry]
+        target = w.out
+        if _is_ndarray(w.target) or dtype_name(target.dtype) != e["dtype"]:
+            return False
+        whole_src = all(a == 0 and b == n for (a, b), n in zip(c.src, e["shape"]))
+        whole_dst = all(a == 0 and b == n for (a, b), n in zip(c.dst, target.shape))
+        return whole_src and whole_dst and list(target.shape) == list(e["shape"])
 
 
 def read_global(root: str | os.PathLike, step: int | None = None) -> dict[str, torch.Tensor]:

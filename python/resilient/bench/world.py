@@ -1,0 +1,165 @@
+"""`resilient bench --world-size N`: N CPU processes (gloo) holding the same replicated state,
+as DDP ranks do. Compares, in one run:
+
+- ``sharded``: resilient's DistributedCheckpointer, every rank writing ~1/N, one global commit;
+- ``every_rank``: every rank writes the whole state with its own Checkpointer (N copies);
+- ``dcp``: torch.distributed.checkpoint save/load (deduplicated across ranks by its planner).
+
+Save time runs from a barrier until every rank's save is committed (durable); restore time from a
+barrier until every rank holds the whole state again, after dropping the page cache where allowed.
+Write bandwidth is bytes written to storage / save time; restore bandwidth is bytes delivered to
+all ranks (N x state) / restore time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+WORLD_METHODS = ["sharded", "every_rank", "dcp"]
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from resilient import _C
+    from resilient.bench.methods import drop_cache
+    from resilient.bench.shapes import make_state, synthetic_shapes
+    from resilient.checkpoint import Checkpointer
+    from resilient.distributed import DistributedCheckpointer
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    dtype = getattr(torch, args.dtype)
+    shapes = synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
+    state = make_state(shapes, dtype, "cpu")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    root = Path(args.dir)
+    rows: dict[str, Any] = {}
+    methods = [m for m in args.world_methods.split(",") if m]
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def cold(path: Path) -> None:
+        if rank == 0:
+            drop_cache(path)
+        dist.barrier()
+
+    for method in methods:
+        d = root / method
+        saves, loads, written = [], [], 0
+        for i in range(args.repeat):
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+            dist.barrier()
+            if method == "sharded":
+                ck = DistributedCheckpointer(d, keep=1)
+                saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
+                cold(d)
+                loads.append(timed(lambda ck=ck: ck.load(state)))
+                ck.close()
+            elif method == "every_rank":
+                ck = Checkpointer(d / f"rank{rank}", keep=1)
+                saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
+                cold(d)
+                loads.append(timed(lambda ck=ck: ck.load(state)))
+                ck.close()
+            else:
+                import torch.distributed.checkpoint as dcp
+
+                saves.append(timed(lambda d=d: dcp.save(state, checkpoint_id=str(d))))
+                cold(d)
+                loads.append(timed(lambda d=d: dcp.load(state, checkpoint_id=str(d))))
+            if rank == 0:
+                written = _dir_bytes(d)
+        save_s, load_s = statistics.median(saves), statistics.median(loads)
+        rows[method] = {
+            "method": method,
+            "state_bytes": nbytes,
+            "written_bytes": written,
+            "save_s": round(save_s, 4),
+            "write_gbps": round(written / save_s / 1e9, 3),
+            "restore_s": round(load_s, 4),
+            "restore_gbps": round(world * nbytes / load_s / 1e9, 3),
+        }
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(list(rows.values())))
+
+
+def run_world_bench(args: argparse.Namespace) -> int:
+    """Runs the multi-process comparison and prints a table (or JSON with --json)."""
+    import torch.multiprocessing as mp
+
+    world = int(args.world_size)
+    if not hasattr(args, "world_methods"):
+        args.world_methods = ",".join(WORLD_METHODS)
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / "world-results.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    load_before = os.getloadavg()
+    started = time.time()
+    try:
+        mp.start_processes(
+            _worker, args=(world, port, args, str(out)), nprocs=world, start_method="spawn"
+        )
+        rows = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "world_size": world,
+        "size": args.size,
+        "tensors": args.tensors,
+        "dtype": args.dtype,
+        "cpus": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.time() - started, 1),
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(
+        f"world size {world}, state {args.size} ({args.tensors} tensors, {args.dtype}) per rank, "
+        f"{result['cpus']} CPUs, load average {result['loadavg_before']} -> "
+        f"{result['loadavg_after']}",
+        file=sys.stdout,
+    )
+    print(
+        f"{'method':<12}{'written MiB':>12}{'save s':>9}{'write GB/s':>12}"
+        f"{'restore s':>11}{'restore GB/s':>14}"
+    )
+    for r in rows:
+        print(
+            f"{r['method']:<12}{r['written_bytes'] / 2**20:>12.1f}{r['save_s']:>9.3f}"
+            f"{r['write_gbps']:>12.3f}{r['restore_s']:>11.3f}{r['restore_gbps']:>14.3f}"
+        )
+    return 0
