@@ -9,11 +9,11 @@
 //   checkpoint and print it
 // Prints "step S checksum C loss L" (C: sum of all parameters in float64, as
 // %a).
+#include <torch/torch.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-
-#include <torch/torch.h>
 
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/torch/checkpoint.hpp"
@@ -25,9 +25,7 @@ struct Net : torch::nn::Module {
     fc1 = register_module("fc1", torch::nn::Linear(8, 16));
     fc2 = register_module("fc2", torch::nn::Linear(16, 1));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    return fc2->forward(torch::relu(fc1->forward(x)));
-  }
+  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::relu(fc1->forward(x))); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
@@ -43,7 +41,7 @@ int fail(const resilient::Status &s) {
   return 1;
 }
 
-} // namespace
+}  // namespace
 
 int main(int argc, char **argv) {
   if (argc < 3) {
@@ -61,8 +59,7 @@ int main(int argc, char **argv) {
 
   auto options = resilient::checkpoint::CheckpointOptions::from_env(root);
   auto ckpt = resilient::checkpoint::Checkpointer::create(options);
-  if (!ckpt.ok())
-    return fail(ckpt.status());
+  if (!ckpt.ok()) return fail(ckpt.status());
   int64_t step = 0;
   auto loaded = resilient::torch_adapter::load(**ckpt, state);
   if (loaded.ok()) {
@@ -71,8 +68,8 @@ int main(int argc, char **argv) {
     return fail(loaded.status());
   }
   if (print_only) {
-    std::printf("step %lld checksum %a tensors %zu\n",
-                static_cast<long long>(step), checksum(net), tensors.size());
+    std::printf("step %lld checksum %a tensors %zu\n", static_cast<long long>(step), checksum(net),
+                tensors.size());
     return 0;
   }
   // Synthetic regression data; the batch depends only on the step, so a resumed
@@ -93,11 +90,9 @@ int main(int argc, char **argv) {
   state.values["step"] = step;
   tensors["data_weight"] = w;
   auto handle = resilient::torch_adapter::save(**ckpt, step, state);
-  if (!handle.ok())
-    return fail(handle.status());
-  if (auto s = (*handle)->wait(std::chrono::seconds(120)); !s.ok())
-    return fail(s);
-  std::printf("step %lld checksum %a loss %a\n", static_cast<long long>(step),
-              checksum(net), loss_value);
+  if (!handle.ok()) return fail(handle.status());
+  if (auto s = (*handle)->wait(std::chrono::seconds(120)); !s.ok()) return fail(s);
+  std::printf("step %lld checksum %a loss %a\n", static_cast<long long>(step), checksum(net),
+              loss_value);
   return 0;
 }

@@ -35,8 +35,7 @@ const std::vector<std::pair<torch::ScalarType, const char *>> &dtype_table() {
 
 std::optional<torch::ScalarType> dtype_from_name(const std::string &name) {
   for (const auto &[t, n] : dtype_table()) {
-    if (name == n)
-      return t;
+    if (name == n) return t;
   }
   return std::nullopt;
 }
@@ -46,18 +45,15 @@ torch::Tensor host_contiguous(const torch::Tensor &t) {
   return t.detach().to(torch::kCPU).contiguous();
 }
 
-Status add_spec(const std::string &name, const torch::Tensor &t,
-                std::vector<torch::Tensor> &keep,
+Status add_spec(const std::string &name, const torch::Tensor &t, std::vector<torch::Tensor> &keep,
                 std::vector<TensorSpec> &specs) {
   if (!t.defined())
-    return Status(StatusCode::kInvalidArgument,
-                  "tensor '" + name + "' is undefined");
+    return Status(StatusCode::kInvalidArgument, "tensor '" + name + "' is undefined");
   std::string dtype = dtype_name(t.scalar_type());
   if (dtype.empty()) {
-    return Status(StatusCode::kInvalidArgument,
-                  "tensor '" + name + "': dtype " +
-                      std::string(c10::toString(t.scalar_type())) +
-                      " is not supported");
+    return Status(StatusCode::kInvalidArgument, "tensor '" + name + "': dtype " +
+                                                    std::string(c10::toString(t.scalar_type())) +
+                                                    " is not supported");
   }
   torch::Tensor h = host_contiguous(t);
   keep.push_back(h);
@@ -71,13 +67,10 @@ Status add_spec(const std::string &name, const torch::Tensor &t,
   return ok_status();
 }
 
-std::vector<std::pair<std::string, torch::Tensor>>
-module_tensors(torch::nn::Module &m) {
+std::vector<std::pair<std::string, torch::Tensor>> module_tensors(torch::nn::Module &m) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto &p : m.named_parameters(true))
-    out.emplace_back(p.key(), p.value());
-  for (const auto &b : m.named_buffers(true))
-    out.emplace_back(b.key(), b.value());
+  for (const auto &p : m.named_parameters(true)) out.emplace_back(p.key(), p.value());
+  for (const auto &b : m.named_buffers(true)) out.emplace_back(b.key(), b.value());
   return out;
 }
 
@@ -90,25 +83,23 @@ const TensorEntry *find_entry(const Manifest &m, const std::string &name) {
 // The stored tensor name a {"$tensor": name} reference points at; "" when `ref`
 // is not one.
 std::string tensor_ref(const json &ref) {
-  if (ref.is_object() && ref.size() == 1 && ref.contains("$tensor") &&
-      ref["$tensor"].is_string()) {
+  if (ref.is_object() && ref.size() == 1 && ref.contains("$tensor") && ref["$tensor"].is_string()) {
     return ref["$tensor"].get<std::string>();
   }
   return "";
 }
 
-} // namespace
+}  // namespace
 
 std::string dtype_name(torch::ScalarType t) {
   for (const auto &[type, name] : dtype_table()) {
-    if (type == t)
-      return name;
+    if (type == t) return name;
   }
   return "";
 }
 
-Result<std::shared_ptr<checkpoint::SaveHandle>>
-save(Checkpointer &ckpt, int64_t step, TrainState &state) {
+Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t step,
+                                                     TrainState &state) {
   std::vector<torch::Tensor> keep;
   std::vector<TensorSpec> specs;
   json doc = json::object();
@@ -134,45 +125,38 @@ save(Checkpointer &ckpt, int64_t step, TrainState &state) {
   return ckpt.save(step, specs, std::move(values), true);
 }
 
-Result<int64_t> load(Checkpointer &ckpt, TrainState &state,
-                     std::optional<int64_t> step) {
+Result<int64_t> load(Checkpointer &ckpt, TrainState &state, std::optional<int64_t> step) {
   if (!step) {
     RESILIENT_ASSIGN_OR_RETURN(auto steps, ckpt.steps());
     if (steps.empty())
-      return Status(StatusCode::kNotFound,
-                    "no checkpoint in " + ckpt.options().root);
+      return Status(StatusCode::kNotFound, "no checkpoint in " + ckpt.options().root);
     step = steps.back();
   }
   RESILIENT_ASSIGN_OR_RETURN(Manifest m, ckpt.manifest(*step));
   if (!m.values.is_object() || m.values.value("format", "") != kValuesFormat ||
       !m.values.contains("state")) {
-    return Status(StatusCode::kVersionMismatch,
-                  "step " + std::to_string(*step) + ": values are not " +
-                      std::string(kValuesFormat));
+    return Status(
+        StatusCode::kVersionMismatch,
+        "step " + std::to_string(*step) + ": values are not " + std::string(kValuesFormat));
   }
   const json &doc = m.values["state"];
   std::vector<ReadTarget> targets;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>>
-      copy_back; // (destination, staging)
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copy_back;  // (destination, staging)
   auto want = [&](const std::string &stored, torch::Tensor dst) -> Status {
     const TensorEntry *e = find_entry(m, stored);
     if (e == nullptr)
-      return Status(StatusCode::kNotFound,
-                    "tensor '" + stored + "' is not in the checkpoint");
-    if (e->dtype != dtype_name(dst.scalar_type()) ||
-        e->shape != dst.sizes().vec()) {
+      return Status(StatusCode::kNotFound, "tensor '" + stored + "' is not in the checkpoint");
+    if (e->dtype != dtype_name(dst.scalar_type()) || e->shape != dst.sizes().vec()) {
       return Status(StatusCode::kInvalidArgument,
-                    "tensor '" + stored + "': checkpoint has " + e->dtype +
-                        json(e->shape).dump() + ", the target has " +
-                        dtype_name(dst.scalar_type()) +
+                    "tensor '" + stored + "': checkpoint has " + e->dtype + json(e->shape).dump() +
+                        ", the target has " + dtype_name(dst.scalar_type()) +
                         json(dst.sizes().vec()).dump());
     }
     torch::Tensor into = dst;
     if (!dst.device().is_cpu() || !dst.is_contiguous()) {
-      into = torch::empty(dst.sizes(),
-                          dst.options()
-                              .device(torch::kCPU)
-                              .memory_format(c10::MemoryFormat::Contiguous));
+      into = torch::empty(
+          dst.sizes(),
+          dst.options().device(torch::kCPU).memory_format(c10::MemoryFormat::Contiguous));
       copy_back.emplace_back(dst, into);
     }
     targets.push_back(ReadTarget{stored, into.data_ptr(), e->nbytes, -1});
@@ -180,8 +164,8 @@ Result<int64_t> load(Checkpointer &ckpt, TrainState &state,
   };
   if (state.model != nullptr) {
     if (!doc.contains("model") || !doc["model"].contains("$stateful")) {
-      return Status(StatusCode::kNotFound, "step " + std::to_string(*step) +
-                                               " has no \"model\" state");
+      return Status(StatusCode::kNotFound,
+                    "step " + std::to_string(*step) + " has no \"model\" state");
     }
     const json &sd = doc["model"]["$stateful"];
     for (auto &[name, t] : module_tensors(*state.model)) {
@@ -192,22 +176,18 @@ Result<int64_t> load(Checkpointer &ckpt, TrainState &state,
       RESILIENT_RETURN_IF_ERROR(want(stored, t.detach()));
     }
   }
-  if (state.tensors != nullptr && doc.contains("tensors") &&
-      doc["tensors"].is_object()) {
+  if (state.tensors != nullptr && doc.contains("tensors") && doc["tensors"].is_object()) {
     for (const auto &[name, ref] : doc["tensors"].items()) {
       std::string stored = tensor_ref(ref);
       const TensorEntry *e = stored.empty() ? nullptr : find_entry(m, stored);
       if (e == nullptr)
-        return Status(StatusCode::kCorrupt,
-                      "tensor reference '" + name + "' is malformed");
+        return Status(StatusCode::kCorrupt, "tensor reference '" + name + "' is malformed");
       auto it = state.tensors->find(name);
       if (it == state.tensors->end() || !it->second.defined()) {
         auto dtype = dtype_from_name(e->dtype);
         if (!dtype)
-          return Status(StatusCode::kInvalidArgument,
-                        "tensor '" + name + "': dtype " + e->dtype);
-        (*state.tensors)[name] =
-            torch::empty(e->shape, torch::TensorOptions().dtype(*dtype));
+          return Status(StatusCode::kInvalidArgument, "tensor '" + name + "': dtype " + e->dtype);
+        (*state.tensors)[name] = torch::empty(e->shape, torch::TensorOptions().dtype(*dtype));
       }
       RESILIENT_RETURN_IF_ERROR(want(stored, (*state.tensors)[name].detach()));
     }
@@ -215,12 +195,10 @@ Result<int64_t> load(Checkpointer &ckpt, TrainState &state,
   RESILIENT_RETURN_IF_ERROR(ckpt.read(m, targets));
   {
     torch::NoGradGuard no_grad;
-    for (auto &[dst, staging] : copy_back)
-      dst.copy_(staging);
+    for (auto &[dst, staging] : copy_back) dst.copy_(staging);
   }
-  if (doc.contains("values"))
-    state.values = doc["values"];
+  if (doc.contains("values")) state.values = doc["values"];
   return *step;
 }
 
-} // namespace resilient::torch_adapter
+}  // namespace resilient::torch_adapter

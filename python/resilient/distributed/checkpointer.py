@@ -111,8 +111,10 @@ class DistributedCheckpointer:
             applies to tensors below it whose shape matches (optimizer state of a sharded param).
         group: a gloo process group over all ranks for planning; default: a new one.
         store: a torch.distributed Store shared by all ranks; default: the default group's.
-        timeout: seconds a save may take from snapshot to commit, and a load's collectives.
-        split_bytes: replicated tensors at least this large are split by rows across replicas.
+        timeout: seconds a save may take from snapshot to commit, and the planning group's
+            collectives (default 600, RESILIENT_DIST_TIMEOUT_S).
+        split_bytes: replicated tensors at least this large are split by rows across replicas
+            (default 1 MiB, RESILIENT_DIST_SPLIT_BYTES).
         options: Checkpointer options (zstd_level, io_uring, pool_bytes ...).
     """
 
@@ -124,8 +126,8 @@ class DistributedCheckpointer:
         specs: dict[str, ShardSpec] | None = None,
         group: Any = None,
         store: Any = None,
-        timeout: float = 600.0,
-        split_bytes: int = 1 << 20,
+        timeout: float | None = None,
+        split_bytes: int | None = None,
         **options: Any,
     ):
         if not dist.is_initialized():
@@ -137,6 +139,10 @@ class DistributedCheckpointer:
         self.world_size = dist.get_world_size()
         self.keep = keep
         self.specs = dict(specs or {})
+        if timeout is None:
+            timeout = float(os.environ.get("RESILIENT_DIST_TIMEOUT_S", "600"))
+        if split_bytes is None:
+            split_bytes = _C.parse_bytes(os.environ.get("RESILIENT_DIST_SPLIT_BYTES", "1MiB"))
         self.timeout = float(timeout)
         self.split_bytes = int(split_bytes)
         self._group = (

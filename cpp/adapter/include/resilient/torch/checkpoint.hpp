@@ -13,14 +13,14 @@
 // Only CPU tensors are supported here (GPU tensors are copied to the CPU
 // first).
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-
-#include <nlohmann/json.hpp>
-#include <torch/torch.h>
 
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/common/status.hpp"
@@ -40,8 +40,8 @@ struct TrainState {
 /// again. Errors: kInvalidArgument (unsupported dtype, undefined tensor), those
 /// of Checkpointer::save. Thread safety: as Checkpointer::save (one caller at a
 /// time).
-Result<std::shared_ptr<checkpoint::SaveHandle>>
-save(checkpoint::Checkpointer &ckpt, int64_t step, TrainState &state);
+Result<std::shared_ptr<checkpoint::SaveHandle>> save(checkpoint::Checkpointer &ckpt, int64_t step,
+                                                     TrainState &state);
 
 /// Loads `step` (or the newest committed step) into `state` in place:
 /// parameters and buffers by name (dtype and shape must match: kInvalidArgument
@@ -55,4 +55,4 @@ Result<int64_t> load(checkpoint::Checkpointer &ckpt, TrainState &state,
 /// unsupported.
 std::string dtype_name(torch::ScalarType t);
 
-} // namespace resilient::torch_adapter
+}  // namespace resilient::torch_adapter
