@@ -73,6 +73,7 @@ for stage in "$@"; do
                bench gpt1b --model gpt-1b --repeat 1 ;;
     train) bench train --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train ;;
     gpt) bench gpt1b --model gpt-1b --repeat 1 ;;
+    profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"
                python benchmarks/straggler_overhead.py --device cuda >"$OUT/straggler.log" 2>&1; tail -n 15 "$OUT/straggler.log" ;;
     comm) log "NCCL comm"; python scripts/gpu_comm_test.py --help >/dev/null 2>&1 && \

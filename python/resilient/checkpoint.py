@@ -63,38 +63,47 @@ class LoadReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def tensor_descriptor(
     name: str, t: torch.Tensor, keep: list[torch.Tensor], streams: dict | None = None
 ) -> dict[str, Any]:
-    """The buffer descriptor the native engine reads: pointer, bytes, dtype, shape, device."""
-    if t.is_sparse or t.device.type == "meta":
-        raise TypeError(f"tensor {name!r}: {t.layout} / {t.device.type} tensors cannot be saved")
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.device.type not in ("cpu", "cuda"):
-        raise TypeError(f"tensor {name!r}: device {t.device} is not supported")
+    """The buffer descriptor the native engine reads: pointer, bytes, dtype, shape, device.
+
+    Called once per tensor inside save(), so the common case (a dense, contiguous CPU or CUDA
+    tensor) takes as few calls into torch as possible.
+    """
+    device = t.device
+    if t.layout != torch.strided or device.type not in ("cpu", "cuda"):
+        raise TypeError(f"tensor {name!r}: {t.layout} tensors on {device} cannot be saved")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     keep.append(t)
+    dtype = t.dtype
+    dname = _DTYPE_NAMES.get(dtype)
+    if dname is None:
+        dname = _DTYPE_NAMES[dtype] = dtype_name(dtype)
     desc = {
         "name": name,
-        "dtype": dtype_name(t.dtype),
-        "shape": list(t.shape),
+        "dtype": dname,
+        "shape": t.shape,
         "ptr": t.data_ptr(),
-        "nbytes": t.numel() * t.element_size(),
+        "nbytes": t.nbytes,
         "device": -1,
     }
-    if t.device.type == "cuda":
+    if device.type == "cuda":
         # The engine copies on its own stream, ordered after the stream that produced the tensor;
         # `keep` holds a reference so the caching allocator cannot reuse the memory meanwhile.
-        desc["device"] = t.device.index
+        index = device.index
+        desc["device"] = index
         streams = {} if streams is None else streams  # one lookup per device and save
-        if t.device.index not in streams:
-            streams[t.device.index] = torch.cuda.current_stream(t.device).cuda_stream
-        desc["stream"] = streams[t.device.index]
+        stream = streams.get(index)
+        if stream is None:
+            stream = streams[index] = torch.cuda.current_stream(device).cuda_stream
+        desc["stream"] = stream
     return desc
 
 

@@ -176,6 +176,15 @@ void Checkpointer::writer_loop() {
 Status Checkpointer::write_job(Job& job, SaveStats& stats) {
   const std::string tmp = tmp_dir_path(options_.root, job.step);
   RESILIENT_RETURN_IF_ERROR(job.commit ? prepare_tmp_dir(options_.root, job.step) : io::make_dirs(tmp));
+  // Register the pool's slabs as io_uring fixed buffers (saves pinning pages per request);
+  // again whenever the pool allocated or freed slabs since the last registration.
+  if (pool_->epoch() != registered_epoch_) {
+    std::vector<iovec> iov;
+    for (auto [p, n] : pool_->slabs()) iov.push_back(iovec{p, n});
+    Status r = engine_->register_buffers(iov);
+    if (!r.ok()) log_once("ckpt-register-buffers", LogLevel::kInfo, "fixed buffers not registered: " + r.to_string());
+    registered_epoch_ = pool_->epoch();
+  }
   const std::string file = shard_file_name(options_.rank);
   PersistOptions po;
   po.zstd_level = options_.zstd_level;

@@ -38,6 +38,36 @@ def _steps(model, opt, x, n: int, on_step: Callable[[int], None] | None = None) 
     return (time.perf_counter() - t0) / n
 
 
+def _diagnose(ckpt, model, opt, x, state) -> dict:
+    """Where a save's cost lands: the save call, the fence before optimizer.step(), and the
+    first steps after the save (each synchronised, so only for diagnosis)."""
+    fence: list[float] = []
+    wait = ckpt.wait_snapshot
+
+    def timed_wait(timeout=None):
+        t0 = time.perf_counter()
+        wait(timeout)
+        fence.append(time.perf_counter() - t0)
+
+    ckpt.wait_snapshot = timed_wait
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = ckpt.save(999_999, state, mode="overlap")
+        call = time.perf_counter() - t0
+        steps = [_steps(model, opt, x, 1) for _ in range(8)]
+        h.wait()
+        after = [_steps(model, opt, x, 1) for _ in range(4)]
+    finally:
+        ckpt.wait_snapshot = wait
+    return {
+        "diag_save_call_ms": call * 1e3,
+        "diag_fence_ms": sum(fence) * 1e3,
+        "diag_steps_after_save_ms": [round(v * 1e3, 2) for v in steps],
+        "diag_steps_idle_ms": [round(v * 1e3, 2) for v in after],
+    }
+
+
 def train_row(root: Path, device: str, steps: int = 100, rounds: int = 7, progress_fn=print) -> Row:
     from resilient.checkpoint import Checkpointer
 
@@ -88,6 +118,7 @@ def train_row(root: Path, device: str, steps: int = 100, rounds: int = 7, progre
             with_save.append((time.perf_counter() - t0) / every)  # the save call counts too
         h.wait()
         stats = h.stats()
+        diag = _diagnose(ckpt, model, opt, x, state)
     base = statistics.median(without)
     with_saves = statistics.median(with_save)
     return Row(
@@ -103,5 +134,6 @@ def train_row(root: Path, device: str, steps: int = 100, rounds: int = 7, progre
             "checkpoint_bytes": stats["bytes"],
             "durable_s": stats["durable_s"],
             "params": sum(p.numel() for p in model.parameters()),
+            **diag,
         },
     )

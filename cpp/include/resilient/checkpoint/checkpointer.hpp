@@ -131,6 +131,7 @@ class Checkpointer {
   std::unique_ptr<ThreadPool> workers_;
   std::unique_ptr<DeviceStreams> streams_;
   std::unique_ptr<io::IoEngine> engine_;  // used by the writer thread only
+  uint64_t registered_epoch_ = ~0ull;     // pool epoch of the engine's fixed-buffer registration
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
