@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--mode", default="overlap")
     args = ap.parse_args()
     state = make_state(model_shapes(args.model), torch.bfloat16, args.device)
-    with Checkpointer(tempfile.mkdtemp(dir="."), keep=1) as ckpt:
+    with tempfile.TemporaryDirectory(dir=".") as root, Checkpointer(root, keep=1) as ckpt:
         ckpt.save(0, state, mode=args.mode).wait()
         for i in range(3):
             t0 = time.perf_counter()
