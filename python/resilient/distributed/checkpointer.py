@@ -508,46 +508,49 @@ class _Reader:
         return w
 
     def run(self) -> None:
-        buffers: dict[str, torch.Tensor] = {}
-        direct: set[int] = set()
+        ptrs: dict[str, int] = {}  # entry -> where it is read to
+        direct: set[tuple[int, int]] = set()  # (wanted, copy) read straight into the target
         for i, w in enumerate(self._wanted):
-            if len(w.copies) == 1 and self._is_whole(w):
-                c = w.copies[0]
-                t = w.out
-                if c.entry not in buffers and t.device.type == "cpu" and t.is_contiguous():
-                    buffers[c.entry] = t  # read straight into the destination
-                    direct.add(i)
+            t = w.out
+            if t.device.type != "cpu" or not t.is_contiguous():
+                continue
+            for j, c in enumerate(w.copies):
+                if c.entry not in ptrs and self._lands_whole(c, t):
+                    offset = c.dst[0][0] * t.stride(0) * t.element_size() if c.dst else 0
+                    ptrs[c.entry] = t.data_ptr() + offset
+                    direct.add((i, j))
+        buffers: dict[str, torch.Tensor] = {}
         for w in self._wanted:
             for c in w.copies:
-                if c.entry not in buffers:
+                if c.entry not in ptrs and c.entry not in buffers:
                     e = self._entries[c.entry]
                     shape, dtype = tuple(e["shape"]), dtype_from_name(e["dtype"])
                     buffers[c.entry] = torch.empty(shape, dtype=dtype)
+                    ptrs[c.entry] = buffers[c.entry].data_ptr()
         targets = [
-            {"name": n, "ptr": b.data_ptr(), "nbytes": self._entries[n]["nbytes"], "device": -1}
-            for n, b in buffers.items()
+            {"name": n, "ptr": p, "nbytes": self._entries[n]["nbytes"], "device": -1}
+            for n, p in ptrs.items()
         ]
         self._local._native.read(self._manifest, targets)
         with torch.no_grad():
             for i, w in enumerate(self._wanted):
-                if i in direct:
-                    continue
-                for c in w.copies:
+                for j, c in enumerate(w.copies):
+                    if (i, j) in direct:
+                        continue
+                    # Each saved piece belongs to one tensor, so it is read once, here.
                     src = buffers[c.entry][tuple(slice(a, b) for a, b in c.src)]
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
                 if _is_ndarray(w.target):
                     w.target[...] = w.out.numpy()
 
-    def _is_whole(self, w: _Wanted) -> bool:
-        """True when the one copy moves a whole saved piece onto the whole target."""
-        c = w.copies[0]
+    def _lands_whole(self, c: Any, t: torch.Tensor) -> bool:
+        """True when copy `c` moves a whole saved piece onto whole rows of `t` (contiguous)."""
         e = self._entries[c.entry]
-        target = w.out
-        if _is_ndarray(w.target) or dtype_name(target.dtype) != e["dtype"]:
+        if e["dtype"] != dtype_name(t.dtype):
             return False
         whole_src = all(a == 0 and b == n for (a, b), n in zip(c.src, e["shape"]))
-        whole_dst = all(a == 0 and b == n for (a, b), n in zip(c.dst, target.shape))
-        return whole_src and whole_dst and list(target.shape) == list(e["shape"])
+        full_rows = all(a == 0 and b == n for (a, b), n in zip(c.dst[1:], t.shape[1:]))
+        return whole_src and full_rows
 
 
 def read_global(root: str | os.PathLike, step: int | None = None) -> dict[str, torch.Tensor]:
