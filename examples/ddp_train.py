@@ -71,7 +71,12 @@ def train(args: argparse.Namespace) -> None:
     # find_unused_parameters=True keeps DDP's gradient buckets fixed for the whole run. Without it
     # DDP re-buckets after its first iteration, so the first step after a restart sums gradients
     # in a different layout (and float order) than the uninterrupted run: equal, but not bitwise.
-    model = DDP(TinyLM(), find_unused_parameters=True)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    ids = [device.index] if device.type == "cuda" else None
+    model = DDP(TinyLM().to(device), device_ids=ids, find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     ckpt = CheckpointManager(
@@ -90,7 +95,7 @@ def train(args: argparse.Namespace) -> None:
     while step < args.steps:
         (seq,) = next(batches)
         shift = random.randint(0, 2) + int(np.random.randint(0, 2))  # exercises Python/NumPy RNG
-        seq = torch.roll(seq, shifts=shift, dims=1)
+        seq = torch.roll(seq, shifts=shift, dims=1).to(device)
         logits = model(seq[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
         opt.zero_grad()
@@ -110,16 +115,20 @@ def train(args: argparse.Namespace) -> None:
     ckpt.close(120)
     if rank == 0 and args.out:
         params = {
-            n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()[:16]
+            n: hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest()[:16]
             for n, p in model.module.state_dict().items()
         }
         with open(args.out, "w") as f:
             json.dump({"losses": {k: v.hex() for k, v in losses.items()}, "params": params}, f)
 
 
+def _backend(args: argparse.Namespace) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        _backend(args), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         train(args)
@@ -136,10 +145,13 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--resave", action="store_true", help="restore, save the same step, exit")
     p.add_argument("--nproc", type=int, default=0, help="spawn N processes (without torchrun)")
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
+        dist.init_process_group(_backend(args))
         try:
             train(args)
         finally:

@@ -33,6 +33,11 @@ _LAZY = {
     "Recovery": "resilient.recovery",
     "RecoveryConfig": "resilient.recovery",
     "RecoveryStopped": "resilient.recovery",
+    "CheckpointManager": "resilient.training",
+    "RNGState": "resilient.training",
+    "ResumableSampler": "resilient.training",
+    "DistributedCheckpointer": "resilient.distributed",
+    "ShardSpec": "resilient.distributed",
 }
 __all__ += list(_LAZY)
 

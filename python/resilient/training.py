@@ -67,12 +67,15 @@ class ResumableSampler(Sampler):
     """Wraps a sampler (e.g. DistributedSampler) and remembers the epoch and how many indices of
     it were consumed, so that a resumed run continues mid-epoch with the same order. The epoch
     advances by itself when an epoch is exhausted: do not call set_epoch() in the loop. Exact with
-    DataLoader(num_workers=0); with workers, prefetched indices count as consumed."""
+    DataLoader(num_workers=0); with workers, prefetched indices count as consumed. A sampler with
+    its own ``generator`` (RandomSampler(generator=...)) has that generator saved too; one that
+    draws from the global RNG at each epoch's start is not exactly resumable."""
 
     def __init__(self, sampler: Any, epoch: int = 0):
         self.sampler = sampler
         self.epoch = epoch
         self.consumed = 0
+        self._gen_state: torch.Tensor | None = None  # the inner generator at this epoch's start
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -81,9 +84,18 @@ class ResumableSampler(Sampler):
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 
+    def _generator(self) -> torch.Generator | None:
+        gen = getattr(self.sampler, "generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
     def __iter__(self) -> Iterator[int]:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
+        gen = self._generator()
+        if gen is not None:
+            if self._gen_state is not None and self.consumed:
+                gen.set_state(self._gen_state)  # resuming: replay this epoch's permutation
+            self._gen_state = gen.get_state()
         it = iter(self.sampler)
         for _ in range(self.consumed):
             next(it)
@@ -92,11 +104,23 @@ class ResumableSampler(Sampler):
             yield index
         self.epoch, self.consumed = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed}
+        gen = self._generator()
+        if gen is not None:
+            # A sampler with its own generator (RandomSampler) draws each epoch's order from it:
+            # keep its state at the start of the current epoch (or now, between epochs).
+            state["generator"] = self._gen_state if self.consumed else gen.get_state()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        gen = self._generator()
+        if gen is not None and "generator" in state:
+            if self.consumed:
+                self._gen_state = state["generator"].clone()
+            else:
+                gen.set_state(state["generator"])
 
 
 def forever(loader: Any) -> Iterator[Any]:
