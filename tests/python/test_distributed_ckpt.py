@@ -1,5 +1,6 @@
 """DistributedCheckpointer across 2 gloo processes: balanced shards, per-rank state, a failing
-rank (no commit, error on every rank, previous step intact), retention and a shape mismatch.
+rank (no commit, error on every rank, previous step intact), retention, the redistributing
+restore, and a shape mismatch.
 
 The scenario runs in child processes started by this file's __main__ (a subprocess with its own
 session, killed as a group on timeout), so no test can leave processes behind.
@@ -62,6 +63,14 @@ def _scenario(rank: int, root: str) -> dict:
 
     ckpt.save(3, state, mine).wait(60)
     ckpt.save(4, state, mine).wait(60)
+
+    # The same step restored with the storage read once and the pieces broadcast.
+    ckpt.restore = "redistribute"
+    state["w"].zero_()
+    mine["x"].zero_()
+    assert ckpt.load(state, mine) == 4
+    assert torch.equal(state["w"], big) and torch.equal(mine["x"], torch.full((3,), float(rank)))
+    ckpt.restore = "direct"
     out["steps_after_retention"] = ckpt.steps()
     out["leftovers"] = sorted(n for n in os.listdir(root) if n.startswith("."))
 
@@ -71,6 +80,14 @@ def _scenario(rank: int, root: str) -> dict:
         out["mismatch"] = "loaded"
     except ValueError as e:
         out["mismatch"] = str(e)
+    # Only rank 1 is wrong: with the collective read, rank 0 must hear it, not hang.
+    ckpt.restore = "redistribute"
+    one_wrong = wrong if rank == 1 else state
+    try:
+        ckpt.load(one_wrong, mine)
+        out["mismatch_redistribute"] = "loaded"
+    except ValueError as e:
+        out["mismatch_redistribute"] = str(e)
     ckpt.close(60)
     return out
 
@@ -123,6 +140,7 @@ def test_two_rank_sharded_checkpoints(tmp_path):
         assert r["steps_after_retention"] == [3, 4]
         assert r["leftovers"] == []
         assert "'w'" in r["mismatch"] and "[512, 1024]" in r["mismatch"], r["mismatch"]
+        assert "'w'" in r["mismatch_redistribute"], r["mismatch_redistribute"]
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 as DDP ranks do. Compares, in one run:
 
 - ``sharded``: resilient's DistributedCheckpointer, every rank writing ~1/N, one global commit;
+  restore: every rank reads what it needs from the shared directory;
+- ``sharded_redist``: the same save; restore reads each shard once and broadcasts it (gloo);
 - ``every_rank``: every rank writes the whole state with its own Checkpointer (N copies);
 - ``dcp``: torch.distributed.checkpoint save/load (deduplicated across ranks by its planner).
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORLD_METHODS = ["sharded", "every_rank", "dcp"]
+WORLD_METHODS = ["sharded", "sharded_redist", "every_rank", "dcp"]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -73,8 +75,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
             dist.barrier()
-            if method == "sharded":
-                ck = DistributedCheckpointer(d, keep=1)
+            if method.startswith("sharded"):
+                mode = "redistribute" if method == "sharded_redist" else "direct"
+                ck = DistributedCheckpointer(d, keep=1, restore=mode)
                 saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
                 loads.append(timed(lambda ck=ck: ck.load(state)))
@@ -154,12 +157,12 @@ def run_world_bench(args: argparse.Namespace) -> int:
         file=sys.stdout,
     )
     print(
-        f"{'method':<12}{'written MiB':>12}{'save s':>9}{'write GB/s':>12}"
+        f"{'method':<16}{'written MiB':>12}{'save s':>9}{'write GB/s':>12}"
         f"{'restore s':>11}{'restore GB/s':>14}"
     )
     for r in rows:
         print(
-            f"{r['method']:<12}{r['written_bytes'] / 2**20:>12.1f}{r['save_s']:>9.3f}"
+            f"{r['method']:<16}{r['written_bytes'] / 2**20:>12.1f}{r['save_s']:>9.3f}"
             f"{r['write_gbps']:>12.3f}{r['restore_s']:>11.3f}{r['restore_gbps']:>14.3f}"
         )
     return 0

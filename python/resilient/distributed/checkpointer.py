@@ -115,6 +115,9 @@ class DistributedCheckpointer:
             collectives (default 600, RESILIENT_DIST_TIMEOUT_S).
         split_bytes: replicated tensors at least this large are split by rows across replicas
             (default 1 MiB, RESILIENT_DIST_SPLIT_BYTES).
+        restore: "direct" (default, RESILIENT_DIST_RESTORE): every rank reads the pieces it needs
+            from the shared directory; "redistribute": rank r reads the shards of saved ranks
+            s with s % world == r and broadcasts them over the gloo group (storage read once).
         options: Checkpointer options (zstd_level, io_uring, pool_bytes ...).
     """
 
@@ -128,6 +131,7 @@ class DistributedCheckpointer:
         store: Any = None,
         timeout: float | None = None,
         split_bytes: int | None = None,
+        restore: str | None = None,
         **options: Any,
     ):
         if not dist.is_initialized():
@@ -145,6 +149,9 @@ class DistributedCheckpointer:
             split_bytes = _C.parse_bytes(os.environ.get("RESILIENT_DIST_SPLIT_BYTES", "1MiB"))
         self.timeout = float(timeout)
         self.split_bytes = int(split_bytes)
+        self.restore = restore or os.environ.get("RESILIENT_DIST_RESTORE", "direct")
+        if self.restore not in ("direct", "redistribute"):
+            raise ValueError(f"restore must be 'direct' or 'redistribute', not {self.restore!r}")
         self._group = (
             group
             if group is not None
@@ -305,6 +312,10 @@ class DistributedCheckpointer:
                 )
             if report != "ok":
                 errors.append(report.removeprefix("error: "))
+            try:  # keep the job's store small over thousands of saves
+                self._store.delete_key(f"{prefix}/rank{r}")
+            except Exception:
+                pass
         if errors:
             return "error: " + "; ".join(errors)
         try:
@@ -399,27 +410,36 @@ class DistributedCheckpointer:
                     )
                 )
         reader = _Reader(self._local, manifest, entries)
-        resolved = self._plan_state(mine["state"], state, saved, reader)
-        if rank_state is not None:
-            src = self.rank
-            if src >= len(ranks) or ranks[src].get("rank_state") is None:
-                raise ValueError(
-                    f"rank {self.rank}: step {step} (world size {len(ranks)}) has no "
-                    "per-rank state for this rank"
-                )
-            rdoc = ranks[src]["rank_state"]
-            rlive = tensor_paths(rdoc, rank_state)
-            rresolved = {}
-            for name in rlive:
-                e = entries.get(f"R{src}/{name}")
-                if e is None:
-                    raise CorruptCheckpointError(
-                        f"step {step}: per-rank tensor {name!r} of rank {src} missing"
+        failure: BaseException | None = None
+        try:
+            resolved = self._plan_state(mine["state"], state, saved, reader)
+            if rank_state is not None:
+                src = self.rank
+                if src >= len(ranks) or ranks[src].get("rank_state") is None:
+                    raise ValueError(
+                        f"rank {self.rank}: step {step} (world size {len(ranks)}) has no "
+                        "per-rank state for this rank"
                     )
-                shape = tuple(e["shape"])
-                s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
-                rresolved[name] = reader.want(name, rlive[name], e["dtype"], shape, None, [s])
-        reader.run()
+                rdoc = ranks[src]["rank_state"]
+                rlive = tensor_paths(rdoc, rank_state)
+                rresolved = {}
+                for name in rlive:
+                    e = entries.get(f"R{src}/{name}")
+                    if e is None:
+                        raise CorruptCheckpointError(
+                            f"step {step}: per-rank tensor {name!r} of rank {src} missing"
+                        )
+                    shape = tuple(e["shape"])
+                    s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
+                    rresolved[name] = reader.want(name, rlive[name], e["dtype"], shape, None, [s])
+        except Exception as e:
+            if self.restore != "redistribute":
+                raise
+            failure = e  # the other ranks must hear it before the collective read
+        if self.restore == "redistribute":
+            reader.run_redistributed(self._group, self.rank, self.world_size, failure)
+        else:
+            reader.run()
         restored = decode(mine["state"], lambda kind, name: resolved[name].result())
         _merge(state, restored)
         if rank_state is not None:
@@ -538,6 +558,65 @@ class _Reader:
                     if (i, j) in direct:
                         continue
                     # Each saved piece belongs to one tensor, so it is read once, here.
+                    src = buffers[c.entry][tuple(slice(a, b) for a, b in c.src)]
+                    w.out[tuple(slice(a, b) for a, b in c.dst)] = src
+                if _is_ndarray(w.target):
+                    w.target[...] = w.out.numpy()
+
+    def run_redistributed(
+        self, group: Any, rank: int, world: int, failure: BaseException | None
+    ) -> None:
+        """Collective: the shards of saved rank s are read by rank s % world into one flat
+        buffer, broadcast over `group`, and every rank copies what it needs from them."""
+        skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
+        report: Any = sorted({c.entry for w in self._wanted for c in w.copies})
+        if failure is not None:
+            report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, report, group=group)
+        if failure is not None:
+            raise failure
+        bad = [g for g in gathered if isinstance(g, tuple)]
+        if bad:
+            error_type = CorruptCheckpointError if bad[0][0] else ValueError
+            raise error_type(f"loading failed on another rank: {bad[0][1]}")
+        union = sorted(set().union(*gathered))
+        where: dict[str, tuple[int, int]] = {}
+        sizes = [0] * world
+        for name in union:
+            owner = self._entries[name]["rank"] % world
+            where[name] = (owner, sizes[owner])
+            sizes[owner] += (self._entries[name]["nbytes"] + 63) // 64 * 64
+        flats = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        mine = [
+            {"name": n, "ptr": flats[rank].data_ptr() + off, "nbytes": self._entries[n]["nbytes"]}
+            for n, (owner, off) in where.items()
+            if owner == rank
+        ]
+        error = None
+        try:
+            self._local._native.read(self._manifest, mine)
+        except Exception as e:
+            error = e
+        status: list[Any] = [None] * world
+        mine_status = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+        dist.all_gather_object(status, mine_status, group=group)
+        if error is not None:
+            raise error
+        failed = [x for x in status if x is not None]
+        if failed:
+            raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
+        for owner, flat in enumerate(flats):
+            if flat.numel():
+                dist.broadcast(flat, src=owner, group=group)
+        buffers = {}
+        for name, (owner, off) in where.items():
+            e = self._entries[name]
+            raw = flats[owner][off : off + e["nbytes"]]
+            buffers[name] = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
+        with torch.no_grad():
+            for w in self._wanted:
+                for c in w.copies:
                     src = buffers[c.entry][tuple(slice(a, b) for a, b in c.src)]
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
                 if _is_ndarray(w.target):
