@@ -14,6 +14,7 @@ CheckpointOptions CheckpointOptions::from_env(std::string root) {
   o.zstd_level = static_cast<int>(env_int("RESILIENT_ZSTD_LEVEL", o.zstd_level));
   o.copy_threads = static_cast<int>(env_int("RESILIENT_COPY_THREADS", o.copy_threads));
   o.restore_threads = static_cast<int>(env_int("RESILIENT_RESTORE_THREADS", o.restore_threads));
+  o.background_nice = static_cast<int>(env_int("RESILIENT_BACKGROUND_NICE", o.background_nice));
   o.timeout = from_seconds(env_double("RESILIENT_CKPT_TIMEOUT_S", to_seconds(o.timeout)));
   o.io = io::IoOptions::from_env();
   o.pool = memory::PoolOptions::from_env();
@@ -28,6 +29,7 @@ Status CheckpointOptions::validate() const {
   if (zstd_level < 0 || zstd_level > 22) return bad("zstd_level must be in [0, 22]");
   if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
   if (restore_threads < 1 || restore_threads > 256) return bad("restore_threads must be in [1, 256]");
+  if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
   if (timeout <= Duration::zero()) return bad("timeout must be positive");
   return io.validate();
 }
@@ -77,9 +79,13 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
   c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
   c->workers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads));
+  c->hashers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads), c->options_.background_nice);
   c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get());
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
-  c->writer_ = std::thread([p = c.get()] { p->writer_loop(); });
+  c->writer_ = std::thread([p = c.get()] {
+    lower_thread_priority(p->options_.background_nice);
+    p->writer_loop();
+  });
   return c;
 }
 
@@ -190,7 +196,7 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
   po.zstd_level = options_.zstd_level;
   po.direct = options_.io.direct;
   po.timeout = options_.timeout;
-  RESILIENT_ASSIGN_OR_RETURN(uint64_t size, persist_shard(job.staging, tmp + "/" + file, po, *engine_, *workers_));
+  RESILIENT_ASSIGN_OR_RETURN(uint64_t size, persist_shard(job.staging, tmp + "/" + file, po, *engine_, *hashers_));
   stats.written_s = to_seconds(SteadyClock::instance().now() - job.started);
   Manifest m;
   m.step = job.step;

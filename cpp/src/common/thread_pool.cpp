@@ -1,5 +1,9 @@
 #include "resilient/common/thread_pool.hpp"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <exception>
 
@@ -7,10 +11,19 @@
 
 namespace resilient {
 
-ThreadPool::ThreadPool(size_t threads) {
+void lower_thread_priority(int nice) {
+  if (nice > 0) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice);
+}
+
+ThreadPool::ThreadPool(size_t threads, int nice) {
   if (threads == 0) threads = 1;
   workers_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  for (size_t i = 0; i < threads; ++i) {
+    workers_.emplace_back([this, nice] {
+      lower_thread_priority(nice);
+      run();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

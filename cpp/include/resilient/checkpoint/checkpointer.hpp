@@ -34,6 +34,7 @@ struct CheckpointOptions {
   int zstd_level = 0;                 // RESILIENT_ZSTD_LEVEL: 0 = no compression
   int copy_threads = 4;               // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
   int restore_threads = 4;            // RESILIENT_RESTORE_THREADS
+  int background_nice = 10;          // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
   io::IoOptions io;
   memory::PoolOptions pool;
@@ -128,7 +129,8 @@ class Checkpointer {
 
   CheckpointOptions options_;
   std::unique_ptr<memory::HostPool> pool_;
-  std::unique_ptr<ThreadPool> workers_;
+  std::unique_ptr<ThreadPool> workers_;  // snapshot copies (the caller waits on them)
+  std::unique_ptr<ThreadPool> hashers_;  // checksums and compression in the background
   std::unique_ptr<DeviceStreams> streams_;
   std::unique_ptr<io::IoEngine> engine_;  // used by the writer thread only
   uint64_t registered_epoch_ = ~0ull;     // pool epoch of the engine's fixed-buffer registration

@@ -15,7 +15,9 @@ namespace resilient {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(size_t threads);
+  /// `nice` > 0 lowers the workers' scheduling priority (setpriority on each thread), for
+  /// background work that must not slow the training thread when cores are contended.
+  explicit ThreadPool(size_t threads, int nice = 0);
   /// Finishes queued tasks, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -47,6 +49,9 @@ class ThreadPool {
   bool stop_ = false;
   std::vector<std::thread> workers_;
 };
+
+/// Lowers the calling thread's scheduling priority by `nice` (no-op for nice <= 0).
+void lower_thread_priority(int nice);
 
 /// The process-wide default pool, created on first use.
 ThreadPool& default_thread_pool();
