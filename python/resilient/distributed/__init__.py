@@ -7,9 +7,9 @@ from resilient.distributed.checkpointer import (
     DistributedCheckpointer,
     DistSaveHandle,
     default_store,
-    read_global,
 )
 from resilient.distributed.plan import ShardSpec
+from resilient.distributed.restore import read_global
 
 __all__ = [
     "CheckpointCommitError",
