@@ -69,3 +69,29 @@ def test_stale_missing_duplicate_and_truncated_shards_do_not_commit(tmp_path):
     save_rank(tmp_path, 1, 2, 3, "new", ["r1/a"])
     _C.commit_shards(str(tmp_path), 3, 2, "new")
     assert _C.committed_steps(str(tmp_path)) == [3]
+
+
+def test_coordinator_gives_up_on_a_silent_rank(tmp_path):
+    """Rank 0's coordination step with an in-memory store: rank 1 never reports."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from resilient.distributed.checkpointer import DistributedCheckpointer, DistSaveHandle
+
+    ck = object.__new__(DistributedCheckpointer)  # only the coordinator's fields
+    ck.root, ck.rank, ck.world_size, ck.keep, ck.timeout = str(tmp_path), 0, 2, 1, 0.3
+    ck._store = dist.HashStore()
+    save_rank(tmp_path, 0, 2, 5, "x-1", ["r0/a"])
+    ck._store.set("resilient/ckpt/x-1/rank0", "ok")
+    result = ck._coordinate(
+        DistSaveHandle(5, None, "x-1"), "resilient/ckpt/x-1", timedelta(seconds=0.3)
+    )
+    assert result.startswith("error: rank 1 did not report within 0.3 s"), result
+    assert _C.committed_steps(str(tmp_path)) == []
+    ck._store.set("resilient/ckpt/x-2/rank0", "error: rank 0: OSError: disk full")
+    ck._store.set("resilient/ckpt/x-2/rank1", "ok")
+    result = ck._coordinate(
+        DistSaveHandle(5, None, "x-2"), "resilient/ckpt/x-2", timedelta(seconds=0.3)
+    )
+    assert result == "error: rank 0: OSError: disk full"
