@@ -73,6 +73,7 @@ for stage in "$@"; do
                bench gpt1b --model gpt-1b --repeat 1 ;;
     train) bench train --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train ;;
     gpt) bench gpt1b --model gpt-1b --repeat 1 ;;
+    bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"
                python benchmarks/straggler_overhead.py --device cuda >"$OUT/straggler.log" 2>&1; tail -n 15 "$OUT/straggler.log" ;;

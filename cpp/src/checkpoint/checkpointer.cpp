@@ -80,7 +80,8 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
   c->workers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads));
   c->hashers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads), c->options_.background_nice);
-  c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get());
+  c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
+                                                static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
   c->writer_ = std::thread([p = c.get()] {
     lower_thread_priority(p->options_.background_nice);

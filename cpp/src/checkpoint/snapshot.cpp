@@ -53,26 +53,27 @@ Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_by
 }
 
 DeviceStreams::~DeviceStreams() {
-  for (auto& [device, stream] : streams_) {
-    (void)cuda_->set_device(device);
+  for (auto& [key, stream] : streams_) {
+    (void)cuda_->set_device(key / per_device_);
     (void)cuda_->stream_synchronize(stream);
     (void)cuda_->stream_destroy(stream);
   }
 }
 
-Result<memory::StreamHandle> DeviceStreams::get(int device) {
+Result<memory::StreamHandle> DeviceStreams::get(int device, int index) {
   if (cuda_ == nullptr) {
     return Status(StatusCode::kUnavailable,
                   std::string("CUDA tensors need the CUDA runtime: ") + memory::CudaRuntime::unavailable_reason());
   }
   RESILIENT_RETURN_IF_ERROR(cuda_->set_device(device));
+  const int key = device * per_device_ + index % per_device_;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [d, s] : streams_) {
-    if (d == device) return s;
+  for (auto& [k, s] : streams_) {
+    if (k == key) return s;
   }
   memory::StreamHandle s = 0;
   RESILIENT_RETURN_IF_ERROR(cuda_->stream_create(&s));
-  streams_.emplace_back(device, s);
+  streams_.emplace_back(key, s);
   return s;
 }
 
@@ -133,11 +134,14 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     std::pair<int, memory::StreamHandle> key{t.device, t.stream};
     if (std::find(ordered.begin(), ordered.end(), key) != ordered.end()) continue;
     ordered.push_back(key);
-    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle copy_stream, streams.get(t.device));
     memory::EventHandle produced = 0;
+    RESILIENT_RETURN_IF_ERROR(cuda->set_device(t.device));
     RESILIENT_RETURN_IF_ERROR(cuda->event_create(&produced));
     Status s = cuda->event_record(produced, t.stream);
-    if (s.ok()) s = cuda->stream_wait_event(copy_stream, produced);
+    for (int k = 0; s.ok() && k < streams.per_device(); ++k) {
+      auto copy_stream = streams.get(t.device, k);
+      s = copy_stream.ok() ? cuda->stream_wait_event(*copy_stream, produced) : copy_stream.status();
+    }
     (void)cuda->event_destroy(produced);  // destruction is deferred by CUDA until it completes
     RESILIENT_RETURN_IF_ERROR(s);
   }
@@ -150,11 +154,19 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     }
     const size_t slab = work[i].slab;
     const int device = work[i].device;
-    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, streams.get(device));
+    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, streams.get(device, static_cast<int>(slab)));
     size_t j = i;
-    for (; j < work.size() && work[j].slab == slab && work[j].device == device; ++j) {
-      RESILIENT_RETURN_IF_ERROR(
-          cuda->memcpy_async(work[j].dst, work[j].src, work[j].n, memory::CopyKind::kDeviceToHost, stream));
+    while (j < work.size() && work[j].slab == slab && work[j].device == device) {
+      // Chunks adjacent in both source and slab (one tensor's chunks) become one copy.
+      const std::byte* src = work[j].src;
+      std::byte* dst = work[j].dst;
+      uint64_t n = work[j].n;
+      for (++j; j < work.size() && work[j].slab == slab && work[j].device == device && work[j].src == src + n &&
+                work[j].dst == dst + n;
+           ++j) {
+        n += work[j].n;
+      }
+      RESILIENT_RETURN_IF_ERROR(cuda->memcpy_async(dst, src, n, memory::CopyKind::kDeviceToHost, stream));
     }
     memory::EventHandle done = 0;
     RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));

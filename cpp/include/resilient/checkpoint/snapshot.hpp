@@ -44,24 +44,28 @@ struct Layout {
 /// and nbytes against shape (kInvalidArgument naming the tensor).
 Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes, uint64_t chunk_bytes);
 
-/// The engine's device-to-host copy streams, one per CUDA device, created on first use and
-/// reused by every save. Thread-safe.
+/// The engine's device-to-host copy streams, `per_device` per CUDA device (slabs are spread
+/// over them: one stream's queue of pending work is bounded, and a full queue would make
+/// issuing block), created on first use and reused by every save. Thread-safe.
 class DeviceStreams {
  public:
   /// `cuda` may be null (no device copies possible).
-  explicit DeviceStreams(const memory::CudaRuntime* cuda) : cuda_(cuda) {}
+  explicit DeviceStreams(const memory::CudaRuntime* cuda, int per_device = 4)
+      : cuda_(cuda), per_device_(per_device < 1 ? 1 : per_device) {}
   ~DeviceStreams();
   DeviceStreams(const DeviceStreams&) = delete;
   DeviceStreams& operator=(const DeviceStreams&) = delete;
 
   const memory::CudaRuntime* cuda() const { return cuda_; }
-  /// The copy stream of `device` (sets that device current on the calling thread).
-  Result<memory::StreamHandle> get(int device);
+  int per_device() const { return per_device_; }
+  /// Copy stream `index` (< per_device()) of `device`; sets that device current on the thread.
+  Result<memory::StreamHandle> get(int device, int index = 0);
 
  private:
   const memory::CudaRuntime* cuda_;
+  const int per_device_;
   std::mutex mu_;
-  std::vector<std::pair<int, memory::StreamHandle>> streams_;
+  std::vector<std::pair<int, memory::StreamHandle>> streams_;  // (device * per_device + index, stream)
 };
 
 /// The asynchronous device-to-host copies of one snapshot: slab i's bytes are valid once every
