@@ -32,6 +32,8 @@ struct FakeGpu {
   std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
   std::map<void*, int> polls;
   std::vector<int> h2d, d2h;
+  // When non-empty: the "cudaMalloc" allocations; a device-to-host copy must lie inside one.
+  std::vector<std::pair<const std::byte*, size_t>> allocations;
   uintptr_t next = 0x1000;
 
   static FakeGpu& get() {
@@ -60,6 +62,12 @@ const CudaRuntime::Table* fake_table() {
     t.memcpy_async = [](void* dst, const void* src, size_t n, int kind, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
+      if (kind == 2 && !g.allocations.empty()) {
+        auto* p = static_cast<const std::byte*>(src);
+        bool inside = false;
+        for (auto [base, len] : g.allocations) inside |= p >= base && p + n <= base + len;
+        if (!inside) return 1;  // cudaErrorInvalidValue, as the real runtime answers
+      }
       g.queued[stream].push_back({dst, src, n});
       (kind == 1 ? g.h2d : g.d2h).push_back(static_cast<int>(n));
       return ok();
@@ -168,6 +176,35 @@ TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
   }
   EXPECT_FALSE(FakeGpu::get().d2h.empty());
   EXPECT_FALSE(FakeGpu::get().h2d.empty());
+}
+
+// Two tensors whose allocations happen to be adjacent in address space (as the caching allocator
+// can place them) and whose slab placements are adjacent too must still be copied separately.
+TEST_F(DeviceTest, AdjacentAllocationsAreNotCopiedAsOne) {
+  CudaRuntime cuda(fake_table());
+  auto c = make(&cuda);
+  std::vector<float> block(2 * 4096);
+  std::iota(block.begin(), block.end(), 0.0f);
+  auto& g = FakeGpu::get();
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.allocations = {{reinterpret_cast<const std::byte*>(block.data()), 4096 * 4},
+                     {reinterpret_cast<const std::byte*>(block.data() + 4096), 4096 * 4}};
+  }
+  std::vector<TensorSpec> specs = {{"a", "float32", {4096}, block.data(), 4096 * 4, 0, 0},
+                                   {"b", "float32", {4096}, block.data() + 4096, 4096 * 4, 0, 0}};
+  auto h = c->save(1, specs, {});
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.allocations.clear();
+  }
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  ASSERT_TRUE((*h)->wait(30s).ok());
+  std::vector<float> back(2 * 4096);
+  auto m = c->manifest(1);
+  std::vector<ReadTarget> t = {{"a", back.data(), 4096 * 4, -1}, {"b", back.data() + 4096, 4096 * 4, -1}};
+  ASSERT_TRUE(c->read(*m, t).ok());
+  EXPECT_EQ(back, block);
 }
 
 TEST_F(DeviceTest, DeviceTensorsWithoutCudaAreUnavailable) {

@@ -116,6 +116,7 @@ struct Copy {
   uint64_t n;
   int device;     // -1: host
   size_t slab;
+  size_t tensor;
 };
 
 // Issues the device copies in logical order, one stream per device, each ordered after the
@@ -157,11 +158,13 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, streams.get(device, static_cast<int>(slab)));
     size_t j = i;
     while (j < work.size() && work[j].slab == slab && work[j].device == device) {
-      // Chunks adjacent in both source and slab (one tensor's chunks) become one copy.
+      // Consecutive chunks of one tensor in one slab become one copy. Never merge across
+      // tensors: two allocations adjacent in address space still may not be copied as one.
       const std::byte* src = work[j].src;
       std::byte* dst = work[j].dst;
       uint64_t n = work[j].n;
-      for (++j; j < work.size() && work[j].slab == slab && work[j].device == device && work[j].src == src + n &&
+      const size_t tensor = work[j].tensor;
+      for (++j; j < work.size() && work[j].slab == slab && work[j].tensor == tensor && work[j].src == src + n &&
                 work[j].dst == dst + n;
            ++j) {
         n += work[j].n;
@@ -211,7 +214,8 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
     uint64_t done = 0;
     for (const auto& c : st.layout.tensors[ti].chunks) {
       size_t slab = c.offset / st.slab_bytes;
-      work.push_back(Copy{st.slabs[slab].data() + c.offset % st.slab_bytes, src + done, c.raw, tensors[ti].device, slab});
+      work.push_back(
+          Copy{st.slabs[slab].data() + c.offset % st.slab_bytes, src + done, c.raw, tensors[ti].device, slab, ti});
       done += c.raw;
     }
   }
