@@ -77,10 +77,17 @@ for stage in "$@"; do
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"
                python benchmarks/straggler_overhead.py --device cuda >"$OUT/straggler.log" 2>&1; tail -n 15 "$OUT/straggler.log" ;;
-    comm) log "NCCL comm"; python scripts/gpu_comm_test.py --help >/dev/null 2>&1 && \
-          python scripts/gpu_comm_test.py >"$OUT/comm.json" 2>"$OUT/comm.err"; tail -n 30 "$OUT/comm.json" "$OUT/comm.err" ;;
-    recovery) log "recovery bench"; python scripts/gpu_recovery_bench.py --gpus "$(nvidia-smi -L | wc -l)" --out "$OUT" \
-          >"$OUT/recovery.log" 2>&1; tail -n 30 "$OUT/recovery.log" ;;
+    comm) n=$(python -c "import torch; print(torch.cuda.device_count())")
+          for variant in "--api manager --mode auto" "--api manager --mode reinit" "--api torch"; do
+            tag=$(echo "$variant" | tr -d ' -')
+            log "NCCL comm ($n GPUs): $variant"
+            timeout 200 python scripts/gpu_comm_test.py --nproc "$n" $variant --timeout 150 \
+              >"$OUT/comm-$tag.json" 2>"$OUT/comm-$tag.err"; echo "rc=$?"; tail -c 1500 "$OUT/comm-$tag.json"; echo
+          done ;;
+    recovery) n=$(python -c "import torch; print(torch.cuda.device_count())")
+          log "recovery bench ($n GPUs)"
+          timeout 400 python scripts/gpu_recovery_bench.py --gpus "$n" --repeat 1 --out "$OUT" \
+            >"$OUT/recovery.log" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/recovery.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
