@@ -44,6 +44,13 @@ __all__ = [
 ]
 
 
+def shrink_abort_flag() -> int:
+    """torch's SHRINK_ABORT flag (defined in distributed_c10d; not every torch re-exports it)."""
+    from torch.distributed import distributed_c10d
+
+    return int(getattr(distributed_c10d, "SHRINK_ABORT", 1))
+
+
 @dataclass
 class RebuildTimings:
     """Seconds spent in each phase of a rebuild (``time.monotonic`` differences)."""
@@ -262,7 +269,7 @@ def rebuild_process_group(
         _RETIRED.append(old)
         timings.method = "shrink"
         t0 = time.monotonic()
-        group = dist.shrink_group(sorted(excluded), old, shrink_flags=dist.SHRINK_ABORT)
+        group = dist.shrink_group(sorted(excluded), old, shrink_flags=shrink_abort_flag())
         timings.rebuild_s = time.monotonic() - t0
     else:
         timings.method = "reinit"

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from resilient.comm.process_group import (
     abort_process_group,
     join_process_group,
+    shrink_abort_flag,
     supports_shrink,
 )
 from resilient.recovery.config import RecoveryConfig
@@ -54,6 +55,7 @@ log = logging.getLogger("resilient.recovery")
 
 LossFn = Callable[[int, MicroBatch], torch.Tensor]
 FAULT_POINTS = ("step_start", "before_rebuild", "before_restore", "after_recovery")
+
 
 
 class PeerFailure(RuntimeError):
@@ -382,7 +384,7 @@ class Recovery:
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
                 and supports_shrink(self._group)):
             self._retired.append(self._group)
-            group = dist.shrink_group(excluded, self._group, shrink_flags=dist.SHRINK_ABORT)
+            group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
             method = "shrink"
         else:
             if dist.is_initialized():
