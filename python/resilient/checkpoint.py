@@ -139,8 +139,14 @@ class Checkpointer:
         opts = _C.CheckpointOptions(self.root)
         opts.keep = keep
         given = dict(
-            zstd_level=zstd_level, chunk_bytes=chunk_bytes, pool_bytes=pool_bytes, io_uring=io_uring,
-            o_direct=o_direct, pin_memory=pin_memory, timeout_s=timeout, **options,
+            zstd_level=zstd_level,
+            chunk_bytes=chunk_bytes,
+            pool_bytes=pool_bytes,
+            io_uring=io_uring,
+            o_direct=o_direct,
+            pin_memory=pin_memory,
+            timeout_s=timeout,
+            **options,
         )
         for key, value in given.items():
             if value is None:
@@ -240,7 +246,9 @@ class Checkpointer:
         manifest = self._native.manifest(step)
         values = json.loads(manifest.values_json)
         if not isinstance(values, dict) or values.get("format") != _VALUES_FORMAT:
-            raise VersionMismatchError(f"step {step}: values format {values.get('format')!r} unknown")
+            raise VersionMismatchError(
+                f"step {step}: values format {values.get('format')!r} unknown"
+            )
         doc = values["state"]
         entries = {e["name"]: e for e in manifest.tensors()}
         live = tensor_paths(doc, state)
@@ -268,7 +276,9 @@ class Checkpointer:
                 dst = torch.empty(shape, dtype=dtype)
                 resolved[name] = dst
             device = dst.device.index if dst.device.type == "cuda" else -1
-            targets.append({"name": name, "ptr": dst.data_ptr(), "nbytes": entry["nbytes"], "device": device})
+            targets.append(
+                {"name": name, "ptr": dst.data_ptr(), "nbytes": entry["nbytes"], "device": device}
+            )
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
         with torch.no_grad():
@@ -294,7 +304,7 @@ class Checkpointer:
 
     @property
     def io_backend(self) -> str:
-        """"io_uring" or "threads"."""
+        """ "io_uring" or "threads"."""
         return self._native.io_backend
 
 
@@ -319,7 +329,12 @@ def _merge(target: Any, value: Any) -> Any:
         for i, v in enumerate(value):
             target[i] = _merge(target[i], v)
         return target
-    if _is_ndarray(target) and _is_ndarray(value) and target.shape == value.shape and target.dtype == value.dtype:
+    if (
+        _is_ndarray(target)
+        and _is_ndarray(value)
+        and target.shape == value.shape
+        and target.dtype == value.dtype
+    ):
         if target.flags.writeable:
             target[...] = value
             return target

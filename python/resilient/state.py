@@ -19,14 +19,24 @@ import torch
 
 # Tags used inside the JSON document; a plain dict whose keys start with "$" is stored as pairs.
 _TENSOR, _NDARRAY, _TUPLE, _DICT, _FLOAT, _BIGINT, _BYTES, _NPSCALAR, _STATEFUL = (
-    "$tensor", "$ndarray", "$tuple", "$dict", "$float", "$bigint", "$bytes", "$npscalar", "$stateful",
+    "$tensor",
+    "$ndarray",
+    "$tuple",
+    "$dict",
+    "$float",
+    "$bigint",
+    "$bytes",
+    "$npscalar",
+    "$stateful",
 )
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def is_stateful(obj: Any) -> bool:
     """True for objects that follow the Stateful protocol (modules, optimizers, schedulers)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,7 +82,9 @@ def encode(state: Any) -> Encoded:
             return {_TENSOR: name}
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                raise TypeError(f"{'/'.join(path)}: numpy object arrays cannot be saved without pickle")
+                raise TypeError(
+                    f"{'/'.join(path)}: numpy object arrays cannot be saved without pickle"
+                )
             name = name_for(path)
             out.tensors[name] = torch.from_numpy(np.ascontiguousarray(obj))
             return {_NDARRAY: name}
@@ -95,7 +107,11 @@ def encode(state: Any) -> Encoded:
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in obj):
                 return {k: enc(v, (*path, _key_str(k))) for k, v in obj.items()}
-            return {_DICT: [[enc(k, (*path, "$key")), enc(v, (*path, _key_str(k)))] for k, v in obj.items()]}
+            return {
+                _DICT: [
+                    [enc(k, (*path, "$key")), enc(v, (*path, _key_str(k)))] for k, v in obj.items()
+                ]
+            }
         if is_stateful(obj):
             return {_STATEFUL: enc(obj.state_dict(), path)}
         raise TypeError(
@@ -105,8 +121,6 @@ def encode(state: Any) -> Encoded:
 
     out.doc = enc(state, ())
     return out
-
-
 
 
 def decode(doc: Any, tensor_for: Callable[[str, str], torch.Tensor]) -> Any:

@@ -9,7 +9,9 @@ def small_tmpfs(tmp_path):
     """A 16 MiB tmpfs (root only), for ENOSPC tests; skipped where mounting is not allowed."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
