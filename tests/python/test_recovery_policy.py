@@ -147,3 +147,19 @@ def test_timeline_forwards_to_the_job_event_log() -> None:
     end = seen[6]
     assert end["world_size"] == 3 and end["path"] == "in_process" and end["seconds"] >= 0
     assert seen[-1]["message"] == "too few"
+
+
+def test_persistent_straggler_policy_removes_only_the_named_rank():
+    from types import SimpleNamespace
+
+    from resilient.recovery import STRAGGLER_EXIT_CODE, exclude_persistent_straggler
+
+    exits: list[int] = []
+    logs: list[str] = []
+    for my_rank in range(4):
+        policy = exclude_persistent_straggler(
+            SimpleNamespace(rank=my_rank), exit_fn=exits.append, log=logs.append
+        )
+        policy(2, "compute 1.6x median since step 100")
+    assert exits == [STRAGGLER_EXIT_CODE]  # only rank 2 leaves; the others carry on
+    assert "rank 2" in logs[0] and "compute 1.6x" in logs[0]

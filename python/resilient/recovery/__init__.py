@@ -11,7 +11,15 @@ from typing import Any
 
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.events import PHASES, Timeline, phases
-from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide, plan_batch
+from resilient.recovery.policy import (
+    STRAGGLER_EXIT_CODE,
+    BatchPlan,
+    Decision,
+    MicroBatch,
+    decide,
+    exclude_persistent_straggler,
+    plan_batch,
+)
 
 _TORCH_NAMES = {"FAULT_POINTS", "PeerFailure", "Recovery", "RecoveryStopped"}
 
@@ -26,6 +34,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FAULT_POINTS",
+    "STRAGGLER_EXIT_CODE",
+    "exclude_persistent_straggler",
     "PHASES",
     "BatchPlan",
     "Decision",

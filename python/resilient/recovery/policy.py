@@ -16,7 +16,9 @@ sizes (``decide`` returns ``Decision(stop=True, ...)``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("keep_batch", "scale_lr", "none")
 
@@ -87,8 +89,10 @@ def plan_batch(global_batch: int, micro_batch: int, world: int) -> BatchPlan:
         ValueError: a non-positive argument, or fewer samples than ranks.
     """
     if global_batch <= 0 or micro_batch <= 0 or world <= 0:
-        raise ValueError(f"need positive sizes, got global_batch={global_batch} "
-                         f"micro_batch={micro_batch} world={world}")
+        raise ValueError(
+            f"need positive sizes, got global_batch={global_batch} "
+            f"micro_batch={micro_batch} world={world}"
+        )
     if global_batch < world:
         raise ValueError(f"global batch {global_batch} smaller than the world ({world})")
     shares = _split(global_batch, world)
@@ -106,8 +110,15 @@ class Decision:
     lr_factor: float = 1.0
 
 
-def decide(policy: str, *, initial_world: int, world: int, min_world_size: int,
-           global_batch: int, micro_batch: int) -> Decision:
+def decide(
+    policy: str,
+    *,
+    initial_world: int,
+    world: int,
+    min_world_size: int,
+    global_batch: int,
+    micro_batch: int,
+) -> Decision:
     """The policy's answer for a world of ``world`` ranks (the job started with
     ``initial_world``; ``global_batch`` is the initial global batch per step).
 
@@ -119,20 +130,64 @@ def decide(policy: str, *, initial_world: int, world: int, min_world_size: int,
     if initial_world <= 0 or global_batch <= 0 or micro_batch <= 0:
         raise ValueError("initial_world, global_batch and micro_batch must be positive")
     if world < max(1, min_world_size):
-        return Decision(True, f"only {world} of {initial_world} ranks remain, fewer than the "
-                              f"minimum world size {min_world_size}: stopping")
+        return Decision(
+            True,
+            f"only {world} of {initial_world} ranks remain, fewer than the "
+            f"minimum world size {min_world_size}: stopping",
+        )
     if policy == "keep_batch":
         plan = plan_batch(global_batch, micro_batch, world)
-        return Decision(False, f"world {initial_world} -> {world}: global batch {global_batch} "
-                               f"kept with {plan.accum_steps} accumulation step(s)", plan)
+        return Decision(
+            False,
+            f"world {initial_world} -> {world}: global batch {global_batch} "
+            f"kept with {plan.accum_steps} accumulation step(s)",
+            plan,
+        )
     if global_batch % initial_world:
-        raise ValueError(f"policy {policy!r} needs a global batch ({global_batch}) divisible by "
-                         f"the initial world ({initial_world})")
+        raise ValueError(
+            f"policy {policy!r} needs a global batch ({global_batch}) divisible by "
+            f"the initial world ({initial_world})"
+        )
     # Each rank keeps its share (and so its micro-batches and accumulation steps).
     plan = plan_batch(global_batch // initial_world * world, micro_batch, world)
     factor = world / initial_world if policy == "scale_lr" else 1.0
-    return Decision(False, f"world {initial_world} -> {world}: global batch {plan.global_batch}, "
-                           f"learning rate x{factor:.4g}", plan, factor)
+    return Decision(
+        False,
+        f"world {initial_world} -> {world}: global batch {plan.global_batch}, "
+        f"learning rate x{factor:.4g}",
+        plan,
+        factor,
+    )
 
 
 __all__ = ["POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide", "plan_batch"]
+
+
+# Exit status of a rank that removed itself as a persistent straggler.
+STRAGGLER_EXIT_CODE = 75
+
+
+def exclude_persistent_straggler(
+    recovery: Any, exit_fn: Callable[[int], None] | None = None, log: Callable[[str], None] = print
+) -> Callable[[int, Any], None]:
+    """A ``StragglerMonitor(on_persistent_straggler=...)`` policy that removes a persistent
+    straggler through the recovery loop.
+
+    Every rank runs the same straggler detector on the same gathered numbers, so every rank
+    receives the same ``(rank, report)``. The named rank leaves by ending its own process; the
+    survivors' recovery loop sees a dead rank, agrees on the new membership, shrinks the process
+    group and continues (the tested kill path), and the job's world-size policy applies. Other
+    ranks do nothing. ``recovery`` is anything with a ``rank`` attribute holding this process's
+    rank in the group the monitor gathers over (a ``Recovery``).
+    """
+    import os
+
+    exit_now = exit_fn if exit_fn is not None else os._exit
+
+    def policy(rank: int, report: Any) -> None:
+        if rank != recovery.rank:
+            return
+        log(f"resilient: rank {rank} is a persistent straggler ({report}); leaving the job")
+        exit_now(STRAGGLER_EXIT_CODE)
+
+    return policy
