@@ -98,7 +98,7 @@ Checkpointer::~Checkpointer() {
     stop_ = true;
   }
   cv_.notify_all();
-  writer_.join();
+  if (writer_.joinable()) writer_.join();
 }
 
 Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<const TensorSpec> tensors,
