@@ -105,6 +105,9 @@ void register_checkpoint(pyb::module_& m) {
              throw_if_error(s);
            }, pyb::arg("timeout") = pyb::none(),
            "Waits until the snapshot no longer reads the saved tensors (device copies done).")
+      .def("fence_stream", [](const SaveHandle& h, uintptr_t stream) { throw_if_error(h.fence_stream(stream)); },
+           pyb::arg("stream"),
+           "Makes the CUDA stream wait on the device for the snapshot's copies (no host block).")
       .def("wait", [](const SaveHandle& h, std::optional<double> timeout_s) {
              Status s;
              {

@@ -157,6 +157,7 @@ class Checkpointer:
         self.options = opts
         self._native = _C.Checkpointer(opts)
         self._in_snapshot: SaveHandle | None = None
+        self._fenced: list[SaveHandle] = []
         self.last_load = LoadReport()
 
     # -- saving ---------------------------------------------------------------------------
@@ -187,10 +188,28 @@ class Checkpointer:
         if handle is not None:
             handle.wait_snapshot(timeout)
 
+    def fence(self) -> None:
+        """Orders the next GPU work after the last overlapped snapshot, without blocking.
+
+        Each CUDA device's current stream waits (on the device) for the snapshot's copies, so
+        kernels queued afterwards - the optimizer step - cannot change what is being copied,
+        while the host keeps queueing work. The saved tensors stay referenced until the save
+        completes. Host-only snapshots need nothing (their copies are done when save returns).
+        """
+        handle, self._in_snapshot = self._in_snapshot, None
+        if handle is None:
+            return
+        devices = {t.device for t in handle._keep or () if t.device.type == "cuda"}
+        for device in devices:
+            handle._native.fence_stream(torch.cuda.current_stream(device).cuda_stream)
+        self._fenced.append(handle)  # keeps the tensors alive until the copies complete
+        self._fenced = [h for h in self._fenced if not h.done()]
+
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Makes `optimizer.step()` wait for an overlapped snapshot first, so a checkpoint taken
-        in "overlap" mode holds exactly the saved step's values. Returns the hook handle."""
-        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        """Makes `optimizer.step()` ordered after an overlapped snapshot (``fence()``), so a
+        checkpoint taken in "overlap" mode holds exactly the saved step's values, without
+        blocking the training thread. Returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.fence())
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits for every save in flight; raises the first failure."""

@@ -103,6 +103,13 @@ Status DeviceCopies::wait_all(Duration timeout) const {
   return ok_status();
 }
 
+Status DeviceCopies::fence(memory::StreamHandle stream) const {
+  for (const auto& events : slab_events) {
+    for (auto e : events) RESILIENT_RETURN_IF_ERROR(cuda->stream_wait_event(stream, e));
+  }
+  return ok_status();
+}
+
 Staging::~Staging() {
   // Never hand slabs back to the pool while a copy may still write into them.
   if (copies) (void)copies->wait_all(std::chrono::seconds(60));

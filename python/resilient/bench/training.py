@@ -42,14 +42,14 @@ def _diagnose(ckpt, model, opt, x, state) -> dict:
     """Where a save's cost lands: the save call, the fence before optimizer.step(), and the
     first steps after the save (each synchronised, so only for diagnosis)."""
     fence: list[float] = []
-    wait = ckpt.wait_snapshot
+    wait = ckpt.fence
 
-    def timed_wait(timeout=None):
+    def timed_wait():
         t0 = time.perf_counter()
-        wait(timeout)
+        wait()
         fence.append(time.perf_counter() - t0)
 
-    ckpt.wait_snapshot = timed_wait
+    ckpt.fence = timed_wait
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def _diagnose(ckpt, model, opt, x, state) -> dict:
         h.wait()
         after = [_steps(model, opt, x, 1) for _ in range(4)]
     finally:
-        ckpt.wait_snapshot = wait
+        ckpt.fence = wait
     return {
         "diag_save_call_ms": call * 1e3,
         "diag_fence_ms": sum(fence) * 1e3,

@@ -68,6 +68,11 @@ class SaveHandle {
   int64_t step() const { return step_; }
   /// Waits until the snapshot no longer reads the caller's tensors (device copies complete).
   Status wait_snapshot(Duration timeout) const;
+  /// Orders `stream` after the device copies without blocking the caller (see
+  /// DeviceCopies::fence); the caller must keep the tensors alive until the copies complete.
+  Status fence_stream(memory::StreamHandle stream) const {
+    return copies_ ? copies_->fence(stream) : ok_status();
+  }
   bool done() const;
   /// Waits until the save is durable and committed; returns its error, or kTimeout.
   Status wait(Duration timeout) const;

@@ -83,6 +83,9 @@ struct DeviceCopies {
   Status wait_slab(size_t i, Duration timeout) const;
   /// Waits for every copy.
   Status wait_all(Duration timeout) const;
+  /// Makes `stream` wait, on the device, for every copy: work queued on it afterwards cannot
+  /// change the copied tensors, and the calling thread does not block.
+  Status fence(memory::StreamHandle stream) const;
 };
 
 /// A snapshot held in slabs. Slab i holds logical bytes [i * slab_bytes, (i + 1) * slab_bytes).
