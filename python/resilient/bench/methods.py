@@ -72,6 +72,19 @@ def drop_cache(path: Path) -> str:
     return "fadvise" if ok else "none (page cache may serve reads)"
 
 
+def _blocking_row(name: str, nbytes: int, durable: float, restore: float, how: str) -> Row:
+    """A row for a method whose save blocks until durable (stall == return == durable)."""
+    return Row(
+        name,
+        return_s=durable,
+        stall_s=durable,
+        durable_s=durable,
+        write_gbps=_gbps(nbytes, durable),
+        restore_gbps=_gbps(nbytes, restore),
+        notes={"cache": how},
+    )
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
@@ -216,17 +229,7 @@ def torch_save_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
         durable, _ = _timed(save)
         how = drop_cache(path)
         restore, _ = _timed(lambda: torch.load(path, map_location=device, weights_only=True))
-        rows.append(
-            Row(
-                "torch.save",
-                return_s=durable,
-                stall_s=durable,
-                durable_s=durable,
-                write_gbps=_gbps(nbytes, durable),
-                restore_gbps=_gbps(nbytes, restore),
-                notes={"cache": how},
-            )
-        )
+        rows.append(_blocking_row("torch.save", nbytes, durable, restore, how))
     return median_row(rows)
 
 
@@ -247,17 +250,7 @@ def dcp_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
             lambda d=d: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device))
         )
         shutil.rmtree(d)
-        rows.append(
-            Row(
-                "dcp",
-                return_s=durable,
-                stall_s=durable,
-                durable_s=durable,
-                write_gbps=_gbps(nbytes, durable),
-                restore_gbps=_gbps(nbytes, restore),
-                notes={"cache": how},
-            )
-        )
+        rows.append(_blocking_row("dcp", nbytes, durable, restore, how))
     return median_row(rows)
 
 
