@@ -54,6 +54,10 @@ struct Fixture {
     po.pin = Feature::kOff;
     pool = std::make_unique<memory::HostPool>(po);
   }
+  ~Fixture() {  // libFuzzer exits through exit() at -max_total_time, which runs this
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
   static std::string slurp(const fs::path& p) {
     std::ifstream f(p, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), {});

@@ -233,12 +233,12 @@ def test_duty_cycle_slows_and_always_resumes_the_process():
         p.wait(10)
 
 
-def test_skipped_run_is_reported_not_failed(monkeypatch):
+def test_skipped_run_is_reported_not_failed(monkeypatch, tmp_path):
     from resilient.chaos.runner import run_plan
 
     monkeypatch.setattr(fx.NetnsPartition, "unavailable", staticmethod(lambda: "needs root"))
     plan = Plan(name="p", ranks=3, faults=[Fault("partition", rank=2, at_step=3)])
-    res = run_plan(plan)
+    res = run_plan(plan, tmp_path)
     assert res.outcome == "skipped" and res.message == "needs root"
     rep = analyze(res)
     assert rep.violations == []

@@ -41,7 +41,7 @@ def test_below_min_world_is_unrecoverable_with_a_message(tmp_path, capsys):
     plan = tmp_path / "p.yaml"
     plan.write_text("name: lost\nranks: 2\nsteps: 30\nstep_ms: 100\nmin_world_size: 2\n"
                     "faults: [{type: kill, rank: 1, at_step: 3, permanent: true}]\n")
-    rc = main(["chaos", "--plan", str(plan), "--no-compare"])
+    rc = main(["chaos", "--plan", str(plan), "--no-compare", "--dir", str(tmp_path / "runs")])
     out = capsys.readouterr()
     assert rc != 0
     assert "fewer than the minimum world size 2" in out.out + out.err

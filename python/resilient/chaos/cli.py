@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
@@ -32,6 +33,19 @@ def run(args: argparse.Namespace) -> int:
     from resilient.chaos.runner import reference_plan, run_plan
 
     plans = _plans(args)
+
+    def run_dir(name: str) -> Path | None:
+        # Each run's files (logs, events, checkpoints) are kept for inspection: under --dir,
+        # else in a fresh temporary directory named in the report.
+        if not args.dir:
+            return None
+        d = Path(args.dir) / name
+        if d.exists() and any(d.iterdir()):
+            # A previous run's checkpoints there would be resumed from and skew the result.
+            raise SystemExit(f"resilient chaos: {d} is not empty; remove it or choose another "
+                             "--dir")
+        return d
+
     refs: dict[str, tuple[str | None, float | None]] = {}
     reports = []
     for plan in plans:
@@ -41,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
             ref = reference_plan(plan)
             key = json.dumps({k: v for k, v in asdict(ref).items() if k != "name"}, sort_keys=True)
             if key not in refs:
-                rr = run_plan(ref, verbose=args.verbose)
+                rr = run_plan(ref, run_dir(ref.name), verbose=args.verbose)
                 done = [e for e in rr.timeline if e["kind"] == "done"]
                 refs[key] = (done[-1]["digest"] if done else None,
                              analyze(rr).step_s if done else None)
             ref_digest, ref_step = refs[key]
-        res = run_plan(plan, verbose=args.verbose)
+        res = run_plan(plan, run_dir(plan.name), verbose=args.verbose)
         reports.append((res, analyze(res, ref_digest, ref_step)))
         if not args.json:
             print(f"{plan.name}: {res.outcome}" + (f" ({res.message})" if res.message else ""),
@@ -97,6 +111,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="PNG", help="write a timeline of every run")
     p.add_argument("--check", action="store_true",
                    help="exit non-zero if any run breaks an invariant or its expected outcome")
+    p.add_argument("--dir", help="keep each run's files in DIR/<scenario> (default: a new "
+                   "temporary directory per run, named in the report)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("command", nargs="*", help="job command (default: the built-in DDP job)")
     p.set_defaults(func=run)
