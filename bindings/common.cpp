@@ -5,6 +5,7 @@
 #include "errors.hpp"
 #include "register.hpp"
 #include "resilient/common/config.hpp"
+#include "resilient/common/crash_report.hpp"
 #include "resilient/common/logging.hpp"
 
 namespace resilient::py {
@@ -13,6 +14,9 @@ namespace pyb = pybind11;
 void register_common(pyb::module_& m) {
   m.def("parse_bytes", [](const std::string& s) { return unwrap(parse_bytes(s)); },
         "Parses a size such as '16MiB' into bytes.");
+  m.def("install_crash_handler", &install_crash_handler,
+        "On SIGSEGV/SIGBUS/SIGILL/SIGFPE/SIGABRT, writes the signal, the crashing thread's id and "
+        "name and its native stack to stderr, then hands the signal on (e.g. to faulthandler).");
   m.def("set_log_level", [](const std::string& level) {
     if (level == "debug") set_log_level(LogLevel::kDebug);
     else if (level == "info") set_log_level(LogLevel::kInfo);

@@ -10,6 +10,8 @@ mkdir -p "$OUT"
 LIBDIR=/opt/deps/usr/lib/x86_64-linux-gnu
 export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
 export LD_LIBRARY_PATH=$LIBDIR:${LD_LIBRARY_PATH:-}
+# A native crash names its thread and prints native frames; faulthandler adds the Python stacks.
+export RESILIENT_CRASH_HANDLER=1 PYTHONFAULTHANDLER=1
 log() { echo "[gpu_run $(date +%T)] $*"; }
 
 unpack() {

@@ -40,6 +40,28 @@ _LAZY = {
     "ShardSpec": "resilient.distributed",
 }
 __all__ += list(_LAZY)
+__all__ += ["install_crash_handler"]
+
+
+def install_crash_handler() -> None:
+    """On a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes the signal, the
+    crashing thread's id and name (an NCCL proxy, torch's watchdog, a resilient writer...) and its
+    native stack to stderr, then hands the signal on unchanged (to faulthandler, which adds the
+    Python stacks, or to the default action). ``RESILIENT_CRASH_HANDLER=1`` installs it on import.
+    """
+    from resilient import _C
+
+    _C.install_crash_handler()
+
+
+def _env_on(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "on", "true", "yes")
+
+
+if _env_on("RESILIENT_CRASH_HANDLER"):
+    install_crash_handler()
 
 
 def __getattr__(name: str):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from resilient.chaos.plan import Plan, load_plans, parse_fault_flag, random_faults

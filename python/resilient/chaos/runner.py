@@ -118,7 +118,9 @@ class Runner:
                        RESILIENT_CHAOS_CKPT_DIR=str(self.ckpt),
                        RESILIENT_EVENTS_DIR=str(self.events_dir),
                        RESILIENT_EVENTS_RANK=str(old_rank),
-                       RESILIENT_LOG_LEVEL=os.environ.get("RESILIENT_LOG_LEVEL", "error"))
+                       RESILIENT_LOG_LEVEL=os.environ.get("RESILIENT_LOG_LEVEL", "error"),
+                       # a rank that crashes natively says which thread, in its log
+                       RESILIENT_CRASH_HANDLER=os.environ.get("RESILIENT_CRASH_HANDLER", "1"))
             prefix: list[str] = []
             if self._netns:
                 in_ns = old_rank == self._partition_rank()

@@ -44,7 +44,8 @@ class LocalJob:
         self.cmd, self.world, self.host = list(cmd), world, host
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.env = dict(os.environ, **(env or {}))
+        # A rank that crashes natively says which thread, in its log (RESILIENT_CRASH_HANDLER).
+        self.env = {"RESILIENT_CRASH_HANDLER": "1", **os.environ, **(env or {})}
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=store_timeout_s))
         self.procs: dict[int, subprocess.Popen] = {}
