@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient._C import comm as _comm
+from resilient.comm.nccl_env import prepare_nccl_env
 
 CommManager = _comm.CommManager
 CommOptions = _comm.CommOptions
@@ -58,6 +59,7 @@ def load_nccl(path: str | None = None, *, search_system: bool = True) -> NcclLib
         resilient.UnavailableError: NCCL is absent, disabled (``RESILIENT_NCCL=off``) or too old;
             the message lists every location tried.
     """
+    prepare_nccl_env()
     chosen = path or os.environ.get("RESILIENT_NCCL_PATH") or torch_nccl_dir() or ""
     enabled = os.environ.get("RESILIENT_NCCL", "auto") or "auto"
     return NcclLibrary.load(chosen, search_system, enabled)

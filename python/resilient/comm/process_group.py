@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.comm.nccl_env import prepare_nccl_env
+
 __all__ = [
     "RebuildResult",
     "RebuildTimings",
@@ -181,6 +183,8 @@ def join_process_group(
     kwargs: dict[str, Any] = {}
     if device_id is not None:
         kwargs["device_id"] = device_id
+    if backend == "nccl":
+        prepare_nccl_env()
     dist.init_process_group(
         backend,
         store=generation_store(store, generation),
