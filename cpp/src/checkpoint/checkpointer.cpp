@@ -78,12 +78,15 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   pool_opts.slab_bytes = std::max(pool_opts.slab_bytes, c->options_.chunk_bytes);
   pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
   c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
-  c->workers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads));
-  c->hashers_ = std::make_unique<ThreadPool>(static_cast<size_t>(c->options_.copy_threads), c->options_.background_nice);
+  const auto copy_threads = static_cast<size_t>(c->options_.copy_threads);
+  c->workers_ = std::make_unique<ThreadPool>(copy_threads, 0, "rs-ckpt-copy");
+  c->hashers_ = std::make_unique<ThreadPool>(copy_threads, c->options_.background_nice,
+                                             "rs-ckpt-hash");
   c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
                                                 static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
   c->writer_ = std::thread([p = c.get()] {
+    set_thread_name("rs-ckpt-writer");
     lower_thread_priority(p->options_.background_nice);
     p->writer_loop();
   });

@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "resilient/checkpoint/persist.hpp"
+#include "resilient/common/thread_pool.hpp"
 #include "resilient/io/file.hpp"
 
 namespace resilient::checkpoint {
@@ -236,7 +237,12 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
   };
   size_t nthreads = std::clamp<size_t>(o.threads, 1, std::max<size_t>(extents.size(), 1));
   std::vector<std::thread> threads;
-  for (size_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
+  for (size_t t = 1; t < nthreads; ++t) {
+    threads.emplace_back([&worker] {
+      set_thread_name("rs-restore");
+      worker();
+    });
+  }
   worker();
   for (auto& t : threads) t.join();
   return first_error;

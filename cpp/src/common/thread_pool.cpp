@@ -1,10 +1,12 @@
 #include "resilient/common/thread_pool.hpp"
 
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <exception>
 
 #include "resilient/common/config.hpp"
@@ -15,11 +17,18 @@ void lower_thread_priority(int nice) {
   if (nice > 0) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice);
 }
 
-ThreadPool::ThreadPool(size_t threads, int nice) {
+void set_thread_name(const char* name) {
+  char buf[16] = {};
+  std::strncpy(buf, name, sizeof(buf) - 1);
+  (void)::pthread_setname_np(::pthread_self(), buf);
+}
+
+ThreadPool::ThreadPool(size_t threads, int nice, const char* name) {
   if (threads == 0) threads = 1;
   workers_.reserve(threads);
   for (size_t i = 0; i < threads; ++i) {
-    workers_.emplace_back([this, nice] {
+    workers_.emplace_back([this, nice, name] {
+      set_thread_name(name);
       lower_thread_priority(nice);
       run();
     });

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "resilient/common/logging.hpp"
+#include "resilient/common/thread_pool.hpp"
 
 namespace resilient::detect {
 namespace {
@@ -102,8 +103,14 @@ Status Agent::start() {
     watchdog_ = HangWatchdog(opt_.watchdog, now);
     sync_watch_sockets();
   }
-  net_thread_ = std::thread([this] { net_loop(); });
-  store_thread_ = std::thread([this] { store_loop(); });
+  net_thread_ = std::thread([this] {
+    set_thread_name("rs-detect-net");
+    net_loop();
+  });
+  store_thread_ = std::thread([this] {
+    set_thread_name("rs-detect-store");
+    store_loop();
+  });
   return ok_status();
 }
 

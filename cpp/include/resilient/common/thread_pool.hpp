@@ -17,7 +17,8 @@ class ThreadPool {
  public:
   /// `nice` > 0 lowers the workers' scheduling priority (setpriority on each thread), for
   /// background work that must not slow the training thread when cores are contended.
-  explicit ThreadPool(size_t threads, int nice = 0);
+  /// `name` (<= 15 characters) names the workers, as seen in top -H, gdb and crash reports.
+  explicit ThreadPool(size_t threads, int nice = 0, const char* name = "rs-pool");
   /// Finishes queued tasks, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -52,6 +53,10 @@ class ThreadPool {
 
 /// Lowers the calling thread's scheduling priority by `nice` (no-op for nice <= 0).
 void lower_thread_priority(int nice);
+
+/// Names the calling thread (truncated to the kernel's 15 characters), so a stack dump or a
+/// crash report says which of resilient's threads it is.
+void set_thread_name(const char* name);
 
 /// The process-wide default pool, created on first use.
 ThreadPool& default_thread_pool();
