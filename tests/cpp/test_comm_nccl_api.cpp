@@ -1,5 +1,6 @@
 // NCCL loading and version gating: injected tables, dlopen failure, and the real library when
 // the machine has one (skipped otherwise).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -110,6 +111,16 @@ TEST(NcclLoad, NotALibraryIsRejected) {
   o.path = "/etc/hostname";
   o.search_system = false;
   EXPECT_EQ(NcclLibrary::load(o).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(NcclLoad, RealLibraryStaysMappedAfterTheLastReference) {
+  auto lib = NcclLibrary::load(NcclLoadOptions::from_env());
+  if (!lib.ok()) GTEST_SKIP() << "no NCCL on this machine: " << lib.status().message();
+  const std::string origin = (*lib)->origin();
+  lib = Status(StatusCode::kCancelled, "dropped");  // the only reference goes away
+  void* still = ::dlopen(origin.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  EXPECT_NE(still, nullptr) << origin << " was unmapped; NCCL threads would crash";
+  if (still != nullptr) ::dlclose(still);
 }
 
 TEST(NcclLoad, RealLibraryWhenPresent) {

@@ -161,7 +161,9 @@ Result<std::shared_ptr<const NcclLibrary>> NcclLibrary::load(const NcclLoadOptio
   if (options.search_system) candidates.emplace_back(kLibName);
   std::string attempts;
   for (const auto& file : candidates) {
-    void* handle = ::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+    // RTLD_NODELETE: NCCL keeps process-wide threads (proxy, RAS) that outlive every
+    // communicator, so it must never be unmapped, even when the last NcclLibrary goes away.
+    void* handle = ::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (handle == nullptr) {
       const char* err = ::dlerror();
       attempts += "\n  " + file + ": " + (err ? err : "dlopen failed");

@@ -128,8 +128,9 @@ struct NcclLoadOptions {
 };
 
 /// A loaded NCCL (or an injected fake): the function table and the runtime version.
-/// Immutable after construction; thread-safe. Keeps the dlopen handle open for its lifetime,
-/// so communicators must not outlive it (CommManager holds a shared_ptr).
+/// Immutable after construction; thread-safe. Communicators must not outlive it (CommManager
+/// holds a shared_ptr). The library itself stays mapped for the rest of the process
+/// (RTLD_NODELETE): NCCL's own threads outlive communicators.
 class NcclLibrary {
  public:
   /// Opens NCCL: options.path (file, or directory + "/libnccl.so.2"), then the dynamic loader's
