@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train straggler
-#        comm recovery. Logs and JSON go to $OUT (default build/gpu-out).
+#        comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +90,29 @@ for stage in "$@"; do
           log "recovery bench ($n GPUs)"
           timeout 400 python scripts/gpu_recovery_bench.py --gpus "$n" --repeat 1 --out "$OUT" \
             >"$OUT/recovery.log" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/recovery.log" ;;
+    diag) # Crash diagnosis for the NCCL paths (see benchmarks/RESULTS.md, "comm and recovery").
+          # Every run keeps its stderr; NCCL logs go to $OUT/nccl-*.
+          export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,RAS,PROXY
+          log "one process: load NCCL, build a CommManager"
+          NCCL_DEBUG_FILE="$OUT/nccl-single.%p" timeout 120 python -X faulthandler -c \
+            "import torch; torch.cuda.set_device(0); from resilient.comm import *; l = load_nccl(); print(l.origin, l.version_string, flush=True); m = CommManager(l, CommOptions()); print(m.plan(False), flush=True)" \
+            >"$OUT/diag-single.log" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/diag-single.log"
+          python -m pytest -q -p no:cacheprovider tests/python/test_comm_native.py \
+            >"$OUT/diag-pytest-comm.log" 2>&1; echo "rc=$?"; tail -n 20 "$OUT/diag-pytest-comm.log"
+          n=$(python -c "import torch; print(torch.cuda.device_count())")
+          log "manager path on $n GPUs"
+          NCCL_DEBUG_FILE="$OUT/nccl-manager.%h.%p" timeout 200 python scripts/gpu_comm_test.py \
+            --nproc "$n" --api manager --timeout 150 >"$OUT/diag-manager.json" 2>"$OUT/diag-manager.err"
+          echo "rc=$?"; tail -c 1500 "$OUT/diag-manager.json"; tail -n 40 "$OUT/diag-manager.err"
+          for ab in "NCCL_RAS_ENABLE=0" "NCCL_RAS_ENABLE=1" "RESILIENT_RECOVERY_PREFER_SHRINK=0"; do
+            log "recovery kill, $ab"
+            env "$ab" NCCL_DEBUG_FILE="$OUT/nccl-rec-${ab%%=*}-${ab##*=}.%h.%p" timeout 300 \
+              python scripts/gpu_recovery_bench.py --gpus "$n" --repeat 1 --scenarios kill \
+              --out "$OUT/diag-rec-${ab%%=*}-${ab##*=}" >"$OUT/diag-rec-${ab%%=*}-${ab##*=}.log" 2>&1
+            echo "rc=$?"; tail -n 15 "$OUT/diag-rec-${ab%%=*}-${ab##*=}.log"
+            grep -rh -A3 "resilient: fatal signal" "$OUT/diag-rec-${ab%%=*}-${ab##*=}" 2>/dev/null | head -20
+          done
+          unset NCCL_DEBUG NCCL_DEBUG_SUBSYS ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
