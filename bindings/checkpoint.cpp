@@ -76,6 +76,8 @@ void register_checkpoint(pyb::module_& m) {
       .def_readwrite("zstd_level", &CheckpointOptions::zstd_level)
       .def_readwrite("copy_threads", &CheckpointOptions::copy_threads)
       .def_readwrite("restore_threads", &CheckpointOptions::restore_threads)
+      .def_readwrite("background_nice", &CheckpointOptions::background_nice)
+      .def_readwrite("background_cpus", &CheckpointOptions::background_cpus)
       .def_property("timeout_s", [](const CheckpointOptions& o) { return to_seconds(o.timeout); },
                     [](CheckpointOptions& o, double s) { o.timeout = from_seconds(s); })
       .def_property("pool_bytes", [](const CheckpointOptions& o) { return o.pool.budget_bytes; },

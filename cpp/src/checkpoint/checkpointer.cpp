@@ -15,6 +15,7 @@ CheckpointOptions CheckpointOptions::from_env(std::string root) {
   o.copy_threads = static_cast<int>(env_int("RESILIENT_COPY_THREADS", o.copy_threads));
   o.restore_threads = static_cast<int>(env_int("RESILIENT_RESTORE_THREADS", o.restore_threads));
   o.background_nice = static_cast<int>(env_int("RESILIENT_BACKGROUND_NICE", o.background_nice));
+  if (auto cpus = env_string("RESILIENT_BACKGROUND_CPUS")) o.background_cpus = *cpus;
   o.timeout = from_seconds(env_double("RESILIENT_CKPT_TIMEOUT_S", to_seconds(o.timeout)));
   o.io = io::IoOptions::from_env();
   o.pool = memory::PoolOptions::from_env();
@@ -30,6 +31,9 @@ Status CheckpointOptions::validate() const {
   if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
   if (restore_threads < 1 || restore_threads > 256) return bad("restore_threads must be in [1, 256]");
   if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
+  if (auto cpus = parse_cpu_list(background_cpus); !cpus.ok()) {
+    return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
+  }
   if (timeout <= Duration::zero()) return bad("timeout must be positive");
   return io.validate();
 }
@@ -78,16 +82,19 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   pool_opts.slab_bytes = std::max(pool_opts.slab_bytes, c->options_.chunk_bytes);
   pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
   c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
+  // The copy workers are on the snapshot's critical path; the writer and the checksum threads
+  // are background work, lowered in priority and optionally kept off the training cores.
   const auto copy_threads = static_cast<size_t>(c->options_.copy_threads);
-  c->workers_ = std::make_unique<ThreadPool>(copy_threads, 0, "rs-ckpt-copy");
-  c->hashers_ = std::make_unique<ThreadPool>(copy_threads, c->options_.background_nice,
-                                             "rs-ckpt-hash");
+  const std::vector<int> cpus = *parse_cpu_list(c->options_.background_cpus);  // validated
+  c->workers_ = std::make_unique<ThreadPool>(copy_threads, ThreadSetup{"rs-ckpt-copy"});
+  c->hashers_ = std::make_unique<ThreadPool>(
+      copy_threads, ThreadSetup{"rs-ckpt-hash", c->options_.background_nice, cpus});
   c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
                                                 static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
-  c->writer_ = std::thread([p = c.get()] {
-    set_thread_name("rs-ckpt-writer");
-    lower_thread_priority(p->options_.background_nice);
+  c->writer_ = std::thread([p = c.get(), cpus] {
+    // io-wq workers that io_uring creates for the writer's submissions inherit its CPUs.
+    apply_thread_setup({"rs-ckpt-writer", p->options_.background_nice, cpus});
     p->writer_loop();
   });
   return c;

@@ -1,15 +1,19 @@
 #include "resilient/common/thread_pool.hpp"
 
 #include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <string>
 #include <exception>
 
 #include "resilient/common/config.hpp"
+#include "resilient/common/logging.hpp"
 
 namespace resilient {
 
@@ -23,13 +27,62 @@ void set_thread_name(const char* name) {
   (void)::pthread_setname_np(::pthread_self(), buf);
 }
 
-ThreadPool::ThreadPool(size_t threads, int nice, const char* name) {
+void apply_thread_setup(const ThreadSetup& setup) {
+  set_thread_name(setup.name);
+  lower_thread_priority(setup.nice);
+  if (setup.cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int cpu : setup.cpus) CPU_SET(cpu, &set);
+  if (::sched_setaffinity(0, sizeof(set), &set) != 0) {
+    log_once(std::string("pin:") + setup.name, LogLevel::kWarn,
+             std::string("cannot pin ") + setup.name + " threads to the given CPUs (" +
+                 std::strerror(errno) + "); they run unpinned");
+  }
+}
+
+Result<std::vector<int>> parse_cpu_list(std::string_view text) {
+  std::vector<int> cpus;
+  auto bad = [&](std::string_view part) {
+    return Status(StatusCode::kInvalidArgument, "CPU list '" + std::string(text) + "': bad part '" +
+                                                    std::string(part) + "' (expected e.g. 8-15 or 0,2,4-7)");
+  };
+  auto number = [](std::string_view s, int& out) {
+    if (s.empty() || s.size() > 5) return false;
+    out = 0;
+    for (char ch : s) {
+      if (ch < '0' || ch > '9') return false;
+      out = out * 10 + (ch - '0');
+    }
+    return out < CPU_SETSIZE;
+  };
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t comma = text.find(',', start);
+    std::string_view part = text.substr(start, comma == std::string_view::npos ? text.size() - start
+                                                                               : comma - start);
+    size_t dash = part.find('-');
+    int lo = 0, hi = 0;
+    if (dash == std::string_view::npos) {
+      if (!number(part, lo)) return bad(part);
+      hi = lo;
+    } else if (!number(part.substr(0, dash), lo) || !number(part.substr(dash + 1), hi) || hi < lo) {
+      return bad(part);
+    }
+    for (int cpu = lo; cpu <= hi; ++cpu) cpus.push_back(cpu);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+    if (start == text.size()) return bad("");  // trailing comma
+  }
+  return cpus;
+}
+
+ThreadPool::ThreadPool(size_t threads, ThreadSetup setup) {
   if (threads == 0) threads = 1;
   workers_.reserve(threads);
   for (size_t i = 0; i < threads; ++i) {
-    workers_.emplace_back([this, nice, name] {
-      set_thread_name(name);
-      lower_thread_priority(nice);
+    workers_.emplace_back([this, setup] {
+      apply_thread_setup(setup);
       run();
     });
   }

@@ -35,6 +35,7 @@ struct CheckpointOptions {
   int copy_threads = 4;               // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
   int restore_threads = 4;            // RESILIENT_RESTORE_THREADS
   int background_nice = 10;          // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
+  std::string background_cpus;       // RESILIENT_BACKGROUND_CPUS: e.g. "8-15"; empty = unpinned
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
   io::IoOptions io;
   memory::PoolOptions pool;

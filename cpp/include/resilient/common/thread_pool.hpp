@@ -8,17 +8,35 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "resilient/common/status.hpp"
+
 namespace resilient {
+
+/// How a background thread sets itself up when it starts.
+struct ThreadSetup {
+  /// Names the thread (<= 15 characters), as seen in top -H, gdb and crash reports.
+  const char* name = "rs-pool";
+  /// > 0 lowers its scheduling priority, so the training thread wins contended cores.
+  int nice = 0;
+  /// Non-empty: the CPUs it may run on (keeps background work off the training thread's cores).
+  std::vector<int> cpus;
+};
+
+/// Applies `setup` to the calling thread. A failed pin is logged once, not fatal.
+void apply_thread_setup(const ThreadSetup& setup);
+
+/// Parses a CPU list such as "8-15" or "0,2,4-7" (empty: no CPUs, meaning unpinned).
+/// Errors: InvalidArgument naming the bad part.
+Result<std::vector<int>> parse_cpu_list(std::string_view text);
 
 class ThreadPool {
  public:
-  /// `nice` > 0 lowers the workers' scheduling priority (setpriority on each thread), for
-  /// background work that must not slow the training thread when cores are contended.
-  /// `name` (<= 15 characters) names the workers, as seen in top -H, gdb and crash reports.
-  explicit ThreadPool(size_t threads, int nice = 0, const char* name = "rs-pool");
+  /// Each worker applies `setup` (name, priority, CPUs) when it starts.
+  explicit ThreadPool(size_t threads, ThreadSetup setup = {});
   /// Finishes queued tasks, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
