@@ -54,13 +54,9 @@ def install_crash_handler() -> None:
     _C.install_crash_handler()
 
 
-def _env_on(name: str) -> bool:
-    import os
+import os as _os  # noqa: E402
 
-    return os.environ.get(name, "").strip().lower() in ("1", "on", "true", "yes")
-
-
-if _env_on("RESILIENT_CRASH_HANDLER"):
+if _os.environ.get("RESILIENT_CRASH_HANDLER", "").strip().lower() in ("1", "on", "true", "yes"):
     install_crash_handler()
 
 

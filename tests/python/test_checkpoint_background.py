@@ -1,4 +1,5 @@
-"""The checkpoint engine's background threads: CPUs (background_cpus) and bad settings."""
+"""The checkpoint engine's background threads: names (what a crash report or `top -H` shows),
+CPUs (background_cpus) and bad settings."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def _wait_for(names: set[str]) -> dict[str, set[str]]:
     while not names <= set(threads := _threads()) and time.monotonic() < deadline:
         time.sleep(0.01)
     return threads
+
+
+def test_threads_carry_names_and_run_anywhere_by_default(tmp_path):
+    names = {"rs-ckpt-writer", "rs-ckpt-copy", "rs-ckpt-hash"}
+    with Checkpointer(tmp_path, keep=1):
+        threads = _wait_for(names)
+    assert names <= set(threads), threads
+    with open("/proc/self/status") as f:  # the main thread's CPUs
+        main = next(line.split(":\t", 1)[1].strip() for line in f
+                    if line.startswith("Cpus_allowed_list"))
+    assert threads["rs-ckpt-writer"] == {main}
 
 
 def test_background_threads_run_on_the_given_cpus(tmp_path):

@@ -54,24 +54,3 @@ def test_explicit_install_reports_abort():
     assert p.returncode == -signal.SIGABRT
     assert "resilient: fatal signal 6 (SIGABRT), thread " in p.stderr
 
-
-def _thread_names() -> set[str]:
-    names = set()
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            names.add(f.read().strip())
-    return names
-
-
-def test_resilient_threads_carry_names(tmp_path):
-    # What a crash report or `top -H` shows for the checkpoint engine's threads.
-    import time
-
-    from resilient import Checkpointer
-
-    want = {"rs-ckpt-writer", "rs-ckpt-copy", "rs-ckpt-hash"}
-    with Checkpointer(tmp_path, keep=1):
-        deadline = time.monotonic() + 10  # each thread names itself once it runs
-        while not want <= (names := _thread_names()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert want <= names, names
