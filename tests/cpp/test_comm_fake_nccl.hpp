@@ -24,6 +24,12 @@ struct FakeComm {
   bool revoked = false;
   int shrink_flags = -1;
   std::vector<int> excluded;
+  // A shrink in flight on this (parent) communicator: as in NCCL, the child is written through
+  // the caller's pointer only when its init completes, which polls of the parent advance.
+  FakeComm* pending_child = nullptr;
+  NcclComm* publish_to = nullptr;
+  int child_polls = 0;
+  int child_async = kNcclSuccess;
 };
 
 struct FakeNccl {
@@ -33,8 +39,9 @@ struct FakeNccl {
   bool has_shrink = true;
   int init_polls = 2;        // -1: init never completes
   int init_rc = kNcclInProgress;
-  int shrink_polls = 1;      // -1: shrink never completes
+  int shrink_polls = 1;      // polls of the parent until the child is published; -1: never
   int shrink_async = kNcclSuccess;  // a second failure during the shrink
+  int shrink_rc = kNcclInProgress;  // NCCL 2.28.9 was seen to return ncclSuccess here
   int revoke_polls = 1;      // -1: the revoked comm never quiesces
   int async_after_revoke = kNcclSuccess;
   int collective_rc = kNcclSuccess;
@@ -86,6 +93,20 @@ inline int get_async_error(NcclComm comm, int* err) {
     ++f.use_after_free;
     return kNcclInvalidUsage;
   }
+  if (FakeComm* child = c->pending_child) {
+    if (c->child_polls > 0) --c->child_polls;
+    if (c->child_polls == 0) {
+      c->pending_child = nullptr;
+      if (c->child_async == kNcclSuccess) {
+        *c->publish_to = FakeNccl::handle(child);
+      } else {
+        child->aborted = true;  // NCCL frees a child whose init failed; it is never published
+        c->async = c->child_async;
+      }
+    }
+    *err = c->async != kNcclSuccess ? c->async : kNcclInProgress;
+    return kNcclSuccess;
+  }
   if (c->pending_polls != 0) {
     if (c->pending_polls > 0) --c->pending_polls;
     *err = kNcclInProgress;
@@ -96,7 +117,12 @@ inline int get_async_error(NcclComm comm, int* err) {
 }
 inline int abort(NcclComm comm) {
   ++g().aborts;
-  FakeNccl::of(comm)->aborted = true;
+  FakeComm* c = FakeNccl::of(comm);
+  c->aborted = true;
+  if (c->pending_child != nullptr) {  // aborting the parent ends the child's init
+    c->pending_child->aborted = true;
+    c->pending_child = nullptr;
+  }
   return kNcclSuccess;
 }
 inline int finalize(NcclComm) { return kNcclSuccess; }
@@ -147,12 +173,14 @@ inline int shrink(NcclComm comm, int* exclude, int n, NcclComm* newcomm, NcclCon
   c->rank = parent->rank - below;
   c->size = parent->size - n;
   c->id = parent->id + "/shrunk";
-  c->pending_polls = f.shrink_polls;
-  c->async = f.shrink_async;
   c->shrink_flags = flags;
-  *newcomm = FakeNccl::handle(c.get());
+  *newcomm = nullptr;
+  parent->pending_child = c.get();
+  parent->publish_to = newcomm;
+  parent->child_polls = f.shrink_polls;
+  parent->child_async = f.shrink_async;
   f.comms.push_back(std::move(c));
-  return kNcclInProgress;
+  return f.shrink_rc;
 }
 }  // namespace detail
 

@@ -188,6 +188,50 @@ TEST_F(CommRecoverTest, JoinerForcesReinitAndJoinsThroughStore) {
   EXPECT_EQ(spare.generation(), 1u);
 }
 
+TEST_F(CommRecoverTest, ShrinkChildArrivesAfterTheCallReturned) {
+  // NCCL 2.28.9 returns ncclSuccess from a non-blocking ncclCommShrink with *newcomm still
+  // null and writes the child from its own thread when the child's init completes.
+  fake_.shrink_rc = kNcclSuccess;
+  fake_.shrink_polls = 4;
+  auto m = ready(0, 4);
+  FakeComm* parent = FakeNccl::of(m->handle());
+  fail(*m);
+  auto report = m->recover({.generation = 1, .excluded = {3}}, nullptr);
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  FakeComm* child = FakeNccl::of(m->handle());
+  ASSERT_NE(child, parent);
+  EXPECT_EQ(child->excluded, std::vector<int>{3});
+  EXPECT_FALSE(child->aborted);
+  EXPECT_TRUE(parent->destroyed);
+  EXPECT_EQ(m->size(), 3);
+  EXPECT_EQ(report->rebuild, 40ms);  // four polls of the parent until NCCL publishes it
+  EXPECT_EQ(fake_.use_after_free, 0);
+}
+
+TEST_F(CommRecoverTest, CancelledWhileTheShrinkRunsAbortsParentAndChild) {
+  fake_.shrink_polls = -1;
+  auto lib = NcclLibrary::from_table(fake_.table());
+  CommManager* self = nullptr;
+  int sleeps = 0;
+  // The sleeper stands in for the detector's thread: its verdict arrives during the wait.
+  CommManager m(*lib, options_, &clock_, [&](Duration d) {
+    clock_.advance(d);
+    if (++sleeps == 3 && self != nullptr) self->request_abort();
+  });
+  ASSERT_TRUE(m.init(*m.new_unique_id(), 3, 1).ok());
+  self = &m;
+  sleeps = 0;
+  FakeComm* parent = FakeNccl::of(m.handle());
+  fail(m);
+  auto report = m.recover({.generation = 1, .excluded = {0}}, nullptr);
+  EXPECT_EQ(report.status().code(), StatusCode::kCancelled) << report.status().to_string();
+  EXPECT_TRUE(parent->aborted);
+  EXPECT_TRUE(fake_.comms.back()->aborted);  // the child whose init was still running
+  EXPECT_EQ(m.state(), CommState::kAborted);
+  EXPECT_EQ(m.handle(), nullptr);
+  EXPECT_EQ(fake_.use_after_free, 0);
+}
+
 TEST_F(CommRecoverTest, SecondFailureDuringShrinkThenRetryWithReinit) {
   auto m = ready(0, 4);
   FakeComm* parent = FakeNccl::of(m->handle());

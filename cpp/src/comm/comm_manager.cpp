@@ -8,9 +8,11 @@
 //        the parent's operations as part of the shrink.
 //      - abort: ncclCommAbort.
 //   2. Rebuild:
-//      - shrink: ncclCommShrink(parent, excluded) -> a non-blocking child polled up to
-//        init_timeout; then the parent is destroyed (after revoke; finalize is invalid there) or
-//        aborted.
+//      - shrink: ncclCommShrink(parent, excluded), non-blocking. NCCL writes the child through
+//        the output pointer from its own thread once the child's init completes (the call itself
+//        may return with it still null), so the pointer is a member and we wait for it up to
+//        init_timeout; a failed child init shows as an error on the parent. Then the parent is
+//        destroyed (after revoke; finalize is invalid there) or aborted.
 //      - reinit: new rank 0 publishes a fresh unique id under gen<g>; everyone (including spares
 //        and restarted ranks, through init_from_store) inits the new communicator.
 //   3. A failure during step 2 (a second rank dies) aborts both communicators and leaves the
@@ -46,6 +48,7 @@ CommManager::CommManager(std::shared_ptr<const NcclLibrary> lib, CommOptions opt
 
 CommManager::~CommManager() {
   if (comm_ != nullptr) abort_handle(comm_);
+  abort_pending_child();
 }
 
 Status CommManager::nccl_error(int rc, NcclComm comm, const std::string& what) const {
@@ -61,6 +64,7 @@ Status CommManager::nccl_error(int rc, NcclComm comm, const std::string& what) c
 }
 
 void CommManager::abort_handle(NcclComm comm) {
+  RESILIENT_LOG(kDebug, "comm: ncclCommAbort(" << comm << ")");
   int rc = lib_->api().comm_abort(comm);
   if (rc != kNcclSuccess && rc != kNcclInProgress) {
     RESILIENT_LOG(kWarn, "comm: ncclCommAbort returned " << lib_->describe(rc));

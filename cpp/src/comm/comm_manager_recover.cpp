@@ -1,11 +1,45 @@
 // CommManager::recover: the teardown and rebuild steps of the protocol described at the top of
 // comm_manager.cpp.
 #include <algorithm>
+#include <atomic>
 
 #include "resilient/comm/comm_manager.hpp"
 #include "resilient/common/logging.hpp"
 
 namespace resilient::comm {
+
+void CommManager::abort_pending_child() {
+  NcclComm child = std::atomic_ref<NcclComm>(shrink_child_).exchange(nullptr);
+  if (child != nullptr) abort_handle(child);
+}
+
+Status CommManager::await_shrink(NcclComm parent, int parent_async_before, TimePoint deadline,
+                                 const std::string& what, NcclComm& child) {
+  const NcclApi& api = lib_->api();
+  const TimePoint start = clock_->now();
+  std::atomic_ref<NcclComm> slot(shrink_child_);
+  for (;;) {
+    child = slot.load(std::memory_order_acquire);
+    if (child != nullptr) return poll(child, deadline, what.c_str(), {});
+    if (abort_requested_.load()) {
+      return Status(StatusCode::kCancelled, what + " cancelled by request_abort()");
+    }
+    // A failure of the child's init shows on the parent (the job is the parent's); an error the
+    // parent already reported before the shrink (a shrink-abort of a failed parent) is not news.
+    int async = kNcclSuccess;
+    int rc = api.comm_get_async_error(parent, &async);
+    if (rc != kNcclSuccess) return nccl_error(rc, parent, what + " (async query)");
+    if (async != kNcclSuccess && async != kNcclInProgress && async != parent_async_before) {
+      return nccl_error(async, parent, what);
+    }
+    const TimePoint now = clock_->now();
+    if (now >= deadline) {
+      return Status(StatusCode::kTimeout, what + " did not complete within " +
+                                              std::to_string(to_seconds(now - start)) + " s");
+    }
+    sleep_(options_.poll_interval);
+  }
+}
 
 Status CommManager::shrink(const RebuildRequest& request, int new_size, bool abort_parent,
                            RecoveryReport& report) {
@@ -13,18 +47,23 @@ Status CommManager::shrink(const RebuildRequest& request, int new_size, bool abo
   std::vector<int> excluded = request.excluded;
   std::sort(excluded.begin(), excluded.end());
   NcclConfig config = make_nccl_config(lib_->version(), /*blocking=*/false);
-  NcclComm child = nullptr;
   const std::string what = "shrink to generation " + std::to_string(request.generation);
-  int rc = api.comm_shrink(comm_, excluded.data(), static_cast<int>(excluded.size()), &child,
-                           &config, abort_parent ? kNcclShrinkAbort : kNcclShrinkDefault);
-  Status st;
-  if (rc != kNcclSuccess && rc != kNcclInProgress) {
-    st = nccl_error(rc, comm_, what);
-  } else if (child == nullptr) {
-    st = Status(StatusCode::kInternal, what + ": NCCL returned no communicator");
-  } else {
-    st = poll(child, clock_->now() + options_.init_timeout, what.c_str(), {});
-  }
+  int parent_async = kNcclSuccess;
+  if (api.comm_get_async_error(comm_, &parent_async) != kNcclSuccess) parent_async = kNcclSuccess;
+  // Non-blocking, NCCL writes the child through this pointer from its own thread when the
+  // child's init completes, after ncclCommShrink returned: so it points at a member.
+  std::atomic_ref<NcclComm>(shrink_child_).store(nullptr, std::memory_order_release);
+  int rc = api.comm_shrink(comm_, excluded.data(), static_cast<int>(excluded.size()),
+                           &shrink_child_, &config,
+                           abort_parent ? kNcclShrinkAbort : kNcclShrinkDefault);
+  RESILIENT_LOG(kDebug, "comm: ncclCommShrink(parent " << comm_ << ", " << excluded.size()
+                                                        << " excluded) returned " << rc);
+  NcclComm child = nullptr;
+  Status st = (rc == kNcclSuccess || rc == kNcclInProgress)
+                  ? await_shrink(comm_, parent_async, clock_->now() + options_.init_timeout,
+                                 what, child)
+                  : nccl_error(rc, comm_, what);
+  RESILIENT_LOG(kDebug, "comm: child " << child << " of the shrink: " << st.to_string());
   int rank = report.new_rank;
   int size = new_size;
   if (st.ok() && (api.comm_user_rank(child, &rank) != kNcclSuccess ||
@@ -36,18 +75,21 @@ Status CommManager::shrink(const RebuildRequest& request, int new_size, bool abo
                                            std::to_string(new_size));
   }
   if (!st.ok()) {
-    if (child != nullptr) abort_handle(child);
+    // The caller aborts the parent, which ends a child init still running, then aborts a child
+    // NCCL published meanwhile (abort_pending_child).
     return st;
   }
   // Retire the parent: after a revoke it is quiescent and may be destroyed (finalize is
   // invalid there); otherwise it was stopped by NCCL_SHRINK_ABORT and is aborted.
   if (revoked_) {
     rc = api.comm_destroy(comm_);
+    RESILIENT_LOG(kDebug, "comm: ncclCommDestroy(revoked parent " << comm_ << ") returned " << rc);
     if (rc != kNcclSuccess && rc != kNcclInProgress) abort_handle(comm_);
   } else {
     abort_handle(comm_);
   }
   comm_ = child;
+  std::atomic_ref<NcclComm>(shrink_child_).store(nullptr, std::memory_order_release);
   revoked_ = false;
   rank_ = report.new_rank;
   size_ = new_size;
@@ -93,6 +135,8 @@ Result<RecoveryReport> CommManager::recover(const RebuildRequest& request, Store
       Status st = (rc == kNcclSuccess || rc == kNcclInProgress)
                       ? poll(comm_, clock_->now() + options_.quiesce_timeout, "revoke", {})
                       : nccl_error(rc, comm_, "ncclCommRevoke");
+      RESILIENT_LOG(kDebug, "comm: ncclCommRevoke(" << comm_ << ") returned " << rc
+                                                    << ", quiesce: " << st.to_string());
       if (st.ok()) {
         revoked_ = true;
       } else {
@@ -139,6 +183,7 @@ Result<RecoveryReport> CommManager::recover(const RebuildRequest& request, Store
   report.rebuild = clock_->now() - t1;
   if (!st.ok()) {
     if (comm_ != nullptr) abort_handle(comm_);
+    abort_pending_child();
     comm_ = nullptr;
     revoked_ = false;
     state_ = CommState::kAborted;

@@ -138,6 +138,9 @@ class CommManager {
   void abort_handle(NcclComm comm);
   Status shrink(const RebuildRequest& request, int new_size, bool abort_parent,
                 RecoveryReport& report);
+  Status await_shrink(NcclComm parent, int parent_async_before, TimePoint deadline,
+                      const std::string& what, NcclComm& child);
+  void abort_pending_child();
   std::string id_key(uint64_t generation) const;
 
   std::shared_ptr<const NcclLibrary> lib_;
@@ -145,6 +148,9 @@ class CommManager {
   const Clock* clock_;
   Sleeper sleep_;
   NcclComm comm_ = nullptr;
+  // Where a non-blocking ncclCommShrink publishes its child, from NCCL's thread, when the
+  // child's init completes (after the call returned); read through std::atomic_ref.
+  alignas(std::atomic_ref<NcclComm>::required_alignment) NcclComm shrink_child_ = nullptr;
   bool revoked_ = false;
   CommState state_ = CommState::kEmpty;
   int rank_ = -1;
