@@ -1,7 +1,9 @@
 // The CUDA paths of the engine (device-to-host snapshot, host-to-device restore) against a fake
 // CUDA runtime whose "device memory" is host memory and whose copies run late: a copy only
 // happens when an event recorded after it is first polled twice. Reading a slab before its copy
-// event completed would therefore save stale bytes, and these tests would see them.
+// event completed would therefore save stale bytes, and these tests would see them. As in CUDA,
+// each thread has a current device, streams and events belong to the device current when they
+// were created, and recording an event on another device's stream fails (error 400).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -31,6 +33,7 @@ struct FakeGpu {
   std::map<void*, std::vector<Op>> queued;       // per stream, not yet executed
   std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
   std::map<void*, int> polls;
+  std::map<void*, int> owner;  // stream or event -> its device
   std::vector<int> h2d, d2h;
   // When non-empty: the "cudaMalloc" allocations; a device-to-host copy must lie inside one.
   std::vector<std::pair<const std::byte*, size_t>> allocations;
@@ -41,6 +44,10 @@ struct FakeGpu {
     return g;
   }
   void* handle() { return reinterpret_cast<void*>(next += 16); }
+  static int& current() {
+    thread_local int device = 0;
+    return device;
+  }
   void flush(void* stream, size_t upto) {
     auto& q = queued[stream];
     upto = std::min(upto, q.size());
@@ -57,8 +64,12 @@ const CudaRuntime::Table* fake_table() {
   static CudaRuntime::Table t = [] {
     CudaRuntime::Table t;
     t.get_device_count = [](int* n) { *n = 2; return ok(); };
-    t.set_device = [](int) { return ok(); };
-    t.get_device = [](int* d) { *d = 0; return ok(); };
+    t.set_device = [](int d) {
+      if (d < 0 || d >= 2) return 101;  // cudaErrorInvalidDevice
+      FakeGpu::current() = d;
+      return ok();
+    };
+    t.get_device = [](int* d) { *d = FakeGpu::current(); return ok(); };
     t.memcpy_async = [](void* dst, const void* src, size_t n, int kind, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
@@ -76,6 +87,7 @@ const CudaRuntime::Table* fake_table() {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
       *s = g.handle();
+      g.owner[*s] = FakeGpu::current();
       return ok();
     };
     t.stream_destroy = [](void*) { return ok(); };
@@ -83,12 +95,19 @@ const CudaRuntime::Table* fake_table() {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
       *e = g.handle();
+      g.owner[*e] = FakeGpu::current();
       return ok();
     };
     t.event_destroy = [](void*) { return ok(); };
     t.event_record = [](void* e, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
+      // Stream 0 is the current device's default stream; other streams not made here (the
+      // tests' producer streams) are not checked.
+      auto so = g.owner.find(stream);
+      if (stream != nullptr && so != g.owner.end() && so->second != g.owner[e]) {
+        return 400;  // cudaErrorInvalidResourceHandle
+      }
       g.events[e] = {stream, g.queued[stream].size()};
       return ok();
     };
@@ -154,7 +173,9 @@ TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
           {"a", "float32", {200'000}, gpu0.data(), gpu0.size() * 4, 0, 0x77},
           {"h", "int32", {100}, host.data(), 400},
           {"b", "float32", {3000}, gpu1.data(), gpu1.size() * 4, 1, 0}};
+      FakeGpu::current() = 1;  // the caller's current device, which the engine must keep
       auto h = c->save(1, specs, {}, true, mode);
+      EXPECT_EQ(FakeGpu::current(), 1);
       ASSERT_TRUE(h.ok()) << h.status().to_string();
       ASSERT_TRUE((*h)->wait_snapshot(10s).ok());
       std::fill(gpu0.begin(), gpu0.end(), 0.0f);  // the tensors change after the fence
@@ -168,7 +189,10 @@ TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
       std::vector<ReadTarget> targets = {{"a", back0.data(), back0.size() * 4, 0},
                                          {"h", hback.data(), 400, -1},
                                          {"b", back1.data(), back1.size() * 4, 1}};
-      ASSERT_TRUE(c->read(*m, targets).ok());
+      FakeGpu::current() = 0;
+      Status read = c->read(*m, targets);
+      ASSERT_TRUE(read.ok()) << read.to_string();
+      EXPECT_EQ(FakeGpu::current(), 0);
       EXPECT_EQ(back0, expect0) << "zstd=" << zstd;
       EXPECT_EQ(back1, expect1);
       EXPECT_EQ(hback, host);

@@ -43,12 +43,15 @@ class DeviceWriter {
     if (cuda_ == nullptr) return Status(StatusCode::kUnavailable, "device target but no CUDA runtime");
     RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, stream_for(device));
     RESILIENT_RETURN_IF_ERROR(cuda_->memcpy_async(dst, src, n, memory::CopyKind::kHostToDevice, stream));
-    used_[buf].push_back(stream);
+    used_[buf].emplace_back(device, stream);
     return ok_status();
   }
   // Closes buffer `buf`'s batch of copies with events.
   Status close(int buf) {
-    for (auto stream : used_[buf]) {
+    for (auto [device, stream] : used_[buf]) {
+      // An event belongs to the device current at its creation and must be recorded on a
+      // stream of that device.
+      RESILIENT_RETURN_IF_ERROR(cuda_->set_device(device));
       memory::EventHandle e = 0;
       RESILIENT_RETURN_IF_ERROR(cuda_->event_create(&e));
       pending_[buf].push_back(e);
@@ -87,7 +90,7 @@ class DeviceWriter {
   }
   const memory::CudaRuntime* cuda_;
   std::vector<std::pair<int, memory::StreamHandle>> streams_;
-  std::vector<memory::StreamHandle> used_[2];
+  std::vector<std::pair<int, memory::StreamHandle>> used_[2];
   std::vector<memory::EventHandle> pending_[2];
 };
 
@@ -194,6 +197,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
   auto worker = [&] {
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
+    memory::DeviceGuard keep_device(o.cuda);  // the caller's thread runs this too
     DeviceWriter device(o.cuda);
     std::vector<std::byte> scratch;
     memory::Slab slabs[2];

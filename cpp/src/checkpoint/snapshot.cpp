@@ -131,6 +131,7 @@ struct Copy {
 Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vector<Copy>& work, Staging& st,
                            DeviceStreams& streams) {
   const memory::CudaRuntime* cuda = streams.cuda();
+  memory::DeviceGuard keep_device(cuda);  // runs on the caller's (PyTorch's) thread
   st.copies = std::make_shared<DeviceCopies>();
   st.copies->cuda = cuda;
   auto& slab_events = st.copies->slab_events;

@@ -155,6 +155,16 @@ int CudaRuntime::device_count() const {
   return t_->get_device_count(&n) == detail::kCudaSuccess ? n : 0;
 }
 
+DeviceGuard::DeviceGuard(const CudaRuntime* cuda) : cuda_(cuda) {
+  if (cuda_ == nullptr) return;
+  auto d = cuda_->get_device();
+  if (d.ok()) device_ = *d;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (cuda_ != nullptr && device_ >= 0) (void)cuda_->set_device(device_);
+}
+
 Status CudaRuntime::set_device(int device) const {
   return cuda_status(t_, t_->set_device(device), "cudaSetDevice");
 }

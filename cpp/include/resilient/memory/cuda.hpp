@@ -57,4 +57,18 @@ class CudaRuntime {
   const Table* t_;
 };
 
+/// Puts the calling thread's current device back when it goes out of scope. The engine switches
+/// devices to reach each device's streams; a caller's thread (PyTorch's) must not notice.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const CudaRuntime* cuda);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  const CudaRuntime* cuda_;
+  int device_ = -1;
+};
+
 }  // namespace resilient::memory
