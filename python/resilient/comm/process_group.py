@@ -223,7 +223,7 @@ def rebuild_process_group(
     backend: str | None = None,
     new_size: int | None = None,
     timeout: timedelta = timedelta(seconds=60),
-    prefer_shrink: bool = True,
+    prefer_shrink: bool = False,
     device_id: torch.device | None = None,
     verify: bool = True,
 ) -> RebuildResult:
@@ -240,7 +240,9 @@ def rebuild_process_group(
         new_size: world size of the new group when spares join (default: the survivors);
             joiners force the reinit path.
         timeout: the new group's collective and rendezvous timeout.
-        prefer_shrink: use ``shrink_group`` where the backend supports it.
+        prefer_shrink: use ``shrink_group`` where the backend supports it. Off by default:
+            torch 2.11's shrink destroys the old group, which hangs while a peer is frozen
+            (SIGSTOP, partition); abort + a new group never waits on peers.
         device_id: passed to ``init_process_group`` (binds NCCL groups to a device).
         verify: run :func:`verify_group` as the first collective and time it.
 

@@ -30,8 +30,11 @@ class RecoveryConfig:
     mismatch_source: str = "storage"
     #: a job that needs more recoveries than this stops
     max_recoveries: int = 16
-    #: NCCL: shrink the group in place where torch supports it (else abort + new group)
-    prefer_shrink: bool = True
+    #: NCCL: shrink the group in place where torch supports it instead of abort + new group.
+    #: Off: torch 2.11's shrink_group destroys the old group (ncclCommDestroy), which waits
+    #: forever for a frozen peer's operations; abort + new group never waits on peers and was
+    #: as fast on 4 H200s (benchmarks/RESULTS.md, "comm and recovery").
+    prefer_shrink: bool = False
     #: seconds between polls of an in-flight collective
     poll_interval_s: float = 0.0005
     #: admit waiting spare/restarted ranks every this many steps (0: never)

@@ -33,6 +33,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): a signal other than SIGKILL would wait."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+
 class LocalJob:
     """``world`` worker processes of ``cmd`` plus the TCPStore they share."""
 
@@ -45,7 +54,8 @@ class LocalJob:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         # A rank that crashes natively says which thread, in its log (RESILIENT_CRASH_HANDLER).
-        self.env = {"RESILIENT_CRASH_HANDLER": "1", **os.environ, **(env or {})}
+        self.env = {"RESILIENT_CRASH_HANDLER": "1", "PYTHONFAULTHANDLER": "1", **os.environ,
+                    **(env or {})}
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=store_timeout_s))
         self.procs: dict[int, subprocess.Popen] = {}
@@ -103,7 +113,21 @@ class LocalJob:
             return ""
 
     def close(self) -> None:
-        """SIGKILLs every process still alive (stopped ones too) and reaps them."""
+        """SIGKILLs every process still alive (stopped ones too) and reaps them. A rank still
+        running gets SIGABRT first, so its log shows where it hung (Python stacks through
+        faulthandler, the native frames through the crash handler)."""
+        running = [p for p in self.procs.values() if p.poll() is None and not _stopped(p.pid)]
+        for p in running:
+            try:
+                os.kill(p.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in running:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         for p in self.procs.values():
             if p.poll() is None:
                 try:
