@@ -56,8 +56,21 @@ def install_crash_handler() -> None:
 
 import os as _os  # noqa: E402
 
+
+def _dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every Python thread's stack to stderr (faulthandler), unless the program
+    handles SIGUSR1 itself: how a launcher asks a hung rank where it is before killing it."""
+    import faulthandler
+    import signal
+    import sys
+
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
 if _os.environ.get("RESILIENT_CRASH_HANDLER", "").strip().lower() in ("1", "on", "true", "yes"):
     install_crash_handler()
+    _dump_stacks_on_sigusr1()
 
 
 def __getattr__(name: str):

@@ -193,6 +193,9 @@ TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
       Status read = c->read(*m, targets);
       ASSERT_TRUE(read.ok()) << read.to_string();
       EXPECT_EQ(FakeGpu::current(), 0);
+      FakeGpu::current() = 1;
+      c.reset();  // destroys the per-device copy streams, on this thread
+      EXPECT_EQ(FakeGpu::current(), 1);
       EXPECT_EQ(back0, expect0) << "zstd=" << zstd;
       EXPECT_EQ(back1, expect1);
       EXPECT_EQ(hback, host);

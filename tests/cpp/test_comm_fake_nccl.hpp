@@ -24,8 +24,11 @@ struct FakeComm {
   bool revoked = false;
   int shrink_flags = -1;
   std::vector<int> excluded;
-  // A shrink in flight on this (parent) communicator: as in NCCL, the child is written through
-  // the caller's pointer only when its init completes, which polls of the parent advance.
+  // A shrink in flight on this (parent) communicator. As in NCCL 2.28, the child is written
+  // through the caller's pointer only when its init ends, which polls of the parent advance;
+  // a child whose init failed is published too, carrying the error, and aborting the parent
+  // ends the init (the child is published then, failed). Meanwhile the parent reports
+  // ncclInProgress.
   FakeComm* pending_child = nullptr;
   NcclComm* publish_to = nullptr;
   int child_polls = 0;
@@ -97,14 +100,10 @@ inline int get_async_error(NcclComm comm, int* err) {
     if (c->child_polls > 0) --c->child_polls;
     if (c->child_polls == 0) {
       c->pending_child = nullptr;
-      if (c->child_async == kNcclSuccess) {
-        *c->publish_to = FakeNccl::handle(child);
-      } else {
-        child->aborted = true;  // NCCL frees a child whose init failed; it is never published
-        c->async = c->child_async;
-      }
+      child->async = c->child_async;
+      *c->publish_to = FakeNccl::handle(child);
     }
-    *err = c->async != kNcclSuccess ? c->async : kNcclInProgress;
+    *err = kNcclInProgress;
     return kNcclSuccess;
   }
   if (c->pending_polls != 0) {
@@ -119,8 +118,9 @@ inline int abort(NcclComm comm) {
   ++g().aborts;
   FakeComm* c = FakeNccl::of(comm);
   c->aborted = true;
-  if (c->pending_child != nullptr) {  // aborting the parent ends the child's init
-    c->pending_child->aborted = true;
+  if (c->pending_child != nullptr) {  // aborting the parent ends the child's init, failed
+    c->pending_child->async = kNcclInternalError;
+    *c->publish_to = FakeNccl::handle(c->pending_child);
     c->pending_child = nullptr;
   }
   return kNcclSuccess;

@@ -21,7 +21,14 @@ class CommRecoverTest : public ::testing::Test {
     options_.store_timeout = 50ms;
     options_.poll_interval = 10ms;
   }
-  void TearDown() override { FakeNccl::current() = nullptr; }
+  void TearDown() override {
+    // Every communicator NCCL handed out was aborted or destroyed once the managers are gone:
+    // none leaked (the managers are locals of the tests, gone before TearDown).
+    for (const auto& c : fake_.comms) {
+      EXPECT_TRUE(c->aborted || c->destroyed) << "leaked communicator " << c->id;
+    }
+    FakeNccl::current() = nullptr;
+  }
 
   std::unique_ptr<CommManager> ready(int rank, int size) {
     auto lib = NcclLibrary::from_table(fake_.table());
@@ -253,6 +260,20 @@ TEST_F(CommRecoverTest, SecondFailureDuringShrinkThenRetryWithReinit) {
   EXPECT_EQ(second->plan, (RecoveryPlan{Teardown::kNone, Rebuild::kReinit}));
   EXPECT_EQ(m->size(), 2);
   EXPECT_EQ(m->generation(), 2u);
+  EXPECT_EQ(fake_.use_after_free, 0);
+}
+
+TEST_F(CommRecoverTest, SecondFailureDuringShrinkAbortFailsFast) {
+  fake_.version = nccl_version_code(2, 27, 3);  // shrink with NCCL_SHRINK_ABORT, no revoke
+  fake_.shrink_polls = 3;
+  fake_.shrink_async = kNcclRemoteError;  // the parent already reports this error too
+  auto m = ready(0, 4);
+  fail(*m);
+  const TimePoint t0 = clock_.now();
+  auto report = m->recover({.generation = 1, .excluded = {3}}, &store_);
+  EXPECT_EQ(report.status().code(), StatusCode::kUnavailable) << report.status().to_string();
+  EXPECT_LT(clock_.now() - t0, options_.init_timeout / 10);  // from the child, not a timeout
+  EXPECT_EQ(m->state(), CommState::kAborted);
   EXPECT_EQ(fake_.use_after_free, 0);
 }
 

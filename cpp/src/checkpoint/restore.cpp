@@ -197,10 +197,10 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
   auto worker = [&] {
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
-    memory::DeviceGuard keep_device(o.cuda);  // the caller's thread runs this too
+    // The slabs outlive the writer, whose destructor waits for the copies out of them.
+    memory::Slab slabs[2];
     DeviceWriter device(o.cuda);
     std::vector<std::byte> scratch;
-    memory::Slab slabs[2];
     int cur = 0;
     for (size_t i; !failed && (i = next.fetch_add(1)) < extents.size(); cur ^= 1) {
       const Extent& x = extents[i];
@@ -247,7 +247,10 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
       worker();
     });
   }
-  worker();
+  {
+    memory::DeviceGuard keep_device(o.cuda);  // the caller's (PyTorch's) thread runs one too
+    worker();
+  }
   for (auto& t : threads) t.join();
   return first_error;
 }

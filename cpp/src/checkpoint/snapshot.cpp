@@ -53,6 +53,7 @@ Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_by
 }
 
 DeviceStreams::~DeviceStreams() {
+  memory::DeviceGuard keep_device(cuda_);  // destroyed on the caller's thread
   for (auto& [key, stream] : streams_) {
     (void)cuda_->set_device(key / per_device_);
     (void)cuda_->stream_synchronize(stream);

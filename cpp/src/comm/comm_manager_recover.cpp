@@ -30,6 +30,9 @@ Status CommManager::await_shrink(NcclComm parent, int parent_async_before, TimeP
     int rc = api.comm_get_async_error(parent, &async);
     if (rc != kNcclSuccess) return nccl_error(rc, parent, what + " (async query)");
     if (async != kNcclSuccess && async != kNcclInProgress && async != parent_async_before) {
+      // The dead peer may show on the parent just as NCCL publishes a healthy child.
+      child = slot.load(std::memory_order_acquire);
+      if (child != nullptr) return poll(child, deadline, what.c_str(), {});
       return nccl_error(async, parent, what);
     }
     const TimePoint now = clock_->now();

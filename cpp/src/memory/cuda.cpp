@@ -162,7 +162,10 @@ DeviceGuard::DeviceGuard(const CudaRuntime* cuda) : cuda_(cuda) {
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (cuda_ != nullptr && device_ >= 0) (void)cuda_->set_device(device_);
+  if (cuda_ == nullptr || device_ < 0) return;
+  // Only when it changed: cudaSetDevice creates the device's context if there is none yet.
+  auto now = cuda_->get_device();
+  if (!now.ok() || *now != device_) (void)cuda_->set_device(device_);
 }
 
 Status CudaRuntime::set_device(int device) const {

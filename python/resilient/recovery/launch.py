@@ -113,27 +113,26 @@ class LocalJob:
             return ""
 
     def close(self) -> None:
-        """SIGKILLs every process still alive (stopped ones too) and reaps them. A rank still
-        running gets SIGABRT first, so its log shows where it hung (Python stacks through
-        faulthandler, the native frames through the crash handler)."""
-        running = [p for p in self.procs.values() if p.poll() is None and not _stopped(p.pid)]
+        """SIGKILLs every rank still alive (stopped ones too) with its process group, and reaps
+        them. A rank still running gets SIGUSR1 first, so its log shows where it hung (with
+        RESILIENT_CRASH_HANDLER, which LocalJob sets, resilient registers faulthandler's dump of
+        every Python thread for SIGUSR1)."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        running = [p for p in alive if not _stopped(p.pid)]
         for p in running:
             try:
-                os.kill(p.pid, signal.SIGABRT)
+                os.kill(p.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 5.0
-        for p in running:
+        if running:
+            time.sleep(0.5)  # the dump is written from the signal handler, at once
+        for p in alive:  # the whole group: a rank's own children (loader workers) go too
             try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    p.kill()
+            except PermissionError:
+                p.kill()
         for p in self.procs.values():
             try:
                 p.wait(timeout=10)

@@ -151,6 +151,8 @@ class CommManager {
   // Where a non-blocking ncclCommShrink publishes its child, from NCCL's thread, when the
   // child's init completes (after the call returned); read through std::atomic_ref.
   alignas(std::atomic_ref<NcclComm>::required_alignment) NcclComm shrink_child_ = nullptr;
+  // NCCL stores it with __atomic builtins; our std::atomic_ref must be the same plain store.
+  static_assert(std::atomic_ref<NcclComm>::is_always_lock_free);
   bool revoked_ = false;
   CommState state_ = CommState::kEmpty;
   int rank_ = -1;

@@ -57,8 +57,9 @@ class CudaRuntime {
   const Table* t_;
 };
 
-/// Puts the calling thread's current device back when it goes out of scope. The engine switches
-/// devices to reach each device's streams; a caller's thread (PyTorch's) must not notice.
+/// Puts the calling thread's current device back, if it changed, when it goes out of scope. The
+/// engine switches devices to reach each device's streams; a caller's thread (PyTorch's) must not
+/// notice. Only for callers' threads: on a fresh thread it would pin device 0's context.
 class DeviceGuard {
  public:
   explicit DeviceGuard(const CudaRuntime* cuda);
