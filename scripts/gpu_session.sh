@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issues 3 and 6 (see benchmarks/RESULTS.md): build; the GPU checkpoint
 # tests (every GPU of the machine); the recovery bench (kill, stop, restart; REPEAT runs each);
-# the training loop A/B (stage train-ab; SKIP_TRAIN=1 leaves it out). Everything lands in one tarball, $OUT/session.tgz.
+# the training loop A/B (stage train-ab; SKIP_TRAIN=1 leaves it out). Everything lands in one
+# tarball, $OUT/session.tgz (the device tool returns only a few files).
 cd "$(dirname "$0")/.."
 REAL_OUT=${OUT:-build/gpu-out}; W=/tmp/session; rm -rf $W; mkdir -p $W
 export OUT=$W PYTHONFAULTHANDLER=1 RESILIENT_CRASH_HANDLER=1

@@ -11,8 +11,8 @@
 //      - shrink: ncclCommShrink(parent, excluded), non-blocking. NCCL writes the child through
 //        the output pointer from its own thread once the child's init completes (the call itself
 //        may return with it still null), so the pointer is a member and we wait for it up to
-//        init_timeout; a failed child init shows as an error on the parent. Then the parent is
-//        destroyed (after revoke; finalize is invalid there) or aborted.
+//        init_timeout; a child whose init failed is published too, carrying the error. Then the
+//        parent is destroyed (after revoke; finalize is invalid there) or aborted.
 //      - reinit: new rank 0 publishes a fresh unique id under gen<g>; everyone (including spares
 //        and restarted ranks, through init_from_store) inits the new communicator.
 //   3. A failure during step 2 (a second rank dies) aborts both communicators and leaves the

@@ -24,8 +24,9 @@ Status CommManager::await_shrink(NcclComm parent, int parent_async_before, TimeP
     if (abort_requested_.load()) {
       return Status(StatusCode::kCancelled, what + " cancelled by request_abort()");
     }
-    // A failure of the child's init shows on the parent (the job is the parent's); an error the
-    // parent already reported before the shrink (a shrink-abort of a failed parent) is not news.
+    // A child whose init failed is published with its error (polled above). A new error on the
+    // parent ends the wait too; one it already reported before the shrink (a shrink-abort of a
+    // failed parent) is not news.
     int async = kNcclSuccess;
     int rc = api.comm_get_async_error(parent, &async);
     if (rc != kNcclSuccess) return nccl_error(rc, parent, what + " (async query)");
