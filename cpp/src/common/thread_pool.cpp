@@ -17,9 +17,14 @@
 
 namespace resilient {
 
+namespace {
+
+// Lowers the calling thread's scheduling priority by `nice` (no-op for nice <= 0).
 void lower_thread_priority(int nice) {
   if (nice > 0) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice);
 }
+
+}  // namespace
 
 void set_thread_name(const char* name) {
   char buf[16] = {};

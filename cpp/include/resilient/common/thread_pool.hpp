@@ -69,9 +69,6 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
-/// Lowers the calling thread's scheduling priority by `nice` (no-op for nice <= 0).
-void lower_thread_priority(int nice);
-
 /// Names the calling thread (truncated to the kernel's 15 characters), so a stack dump or a
 /// crash report says which of resilient's threads it is.
 void set_thread_name(const char* name);
