@@ -26,7 +26,8 @@ def test_train_row_pairs_blocks_and_leaves_loadable_checkpoints(tmp_path: Path) 
     assert n["step_ratio"] == pytest.approx(statistics.median(n["step_ratios_paired"]), abs=1e-3)
     lo, hi = n["step_ratio_ci90"]
     assert lo <= n["step_ratio"] <= hi
-    assert n["checkpoint_bytes"] > 0 and n["step_s"] > 0
+    assert n["checkpoint_bytes"] > 0 and n["step_s"] > 0 and n["host_step_s"] > 0
+    assert n["batch"] == 32
     # Its saves are complete checkpoints: the newest (the diagnostic save after the loop) loads.
     with Checkpointer(tmp_path, keep=2) as ckpt:
         restored = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
@@ -36,3 +37,11 @@ def test_train_row_pairs_blocks_and_leaves_loadable_checkpoints(tmp_path: Path) 
     assert step == 999_999
     for p in restored.parameters():
         assert torch.isfinite(p).all()
+
+
+def test_train_batch_below_one_is_refused(tmp_path: Path, capsys) -> None:
+    from resilient.cli import main
+
+    assert main(["bench", "--train", "--train-batch", "0", "--dir", str(tmp_path / "b")]) == 2
+    assert "--train-batch must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # refused before anything was made

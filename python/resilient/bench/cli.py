@@ -56,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also time a small transformer training loop with and without overlapped saves (CUDA)",
     )
     p.add_argument(
+        "--train-batch",
+        type=int,
+        default=64,
+        help="sequences of 512 tokens per training step (default 64: bound by the GPU, not the "
+        "host's kernel launches)",
+    )
+    p.add_argument(
         "--repeat", type=int, default=3, help="measured repetitions per method (median reported)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -96,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     from resilient.bench.shapes import make_state, model_shapes, state_bytes, synthetic_shapes
 
     dtype = getattr(torch, args.dtype)
+    if args.train_batch < 1:
+        print(f"error: --train-batch must be at least 1, got {args.train_batch}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
@@ -161,7 +171,12 @@ def run(args: argparse.Namespace) -> int:
             rows.append(
                 m.run_guarded(
                     "train_overlap",
-                    lambda: train_row(d, args.device, progress_fn=lambda s: progress(s, quiet)),
+                    lambda: train_row(
+                        d,
+                        args.device,
+                        progress_fn=lambda s: progress(s, quiet),
+                        batch=args.train_batch,
+                    ),
                 )
             )
     finally:

@@ -23,16 +23,20 @@ def _model(device: str) -> torch.nn.Module:
     return torch.nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).to(device)
 
 
+def _step(model, opt, x) -> None:
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _steps(model, opt, x, n: int, on_step: Callable[[int], None] | None = None) -> float:
     """Runs n steps; returns seconds per step (device-synchronised at the ends only)."""
     torch.cuda.synchronize() if x.is_cuda else None
     t0 = time.perf_counter()
     for i in range(n):
-        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _step(model, opt, x)
         if on_step:
             on_step(i)
     torch.cuda.synchronize() if x.is_cuda else None
@@ -70,9 +74,17 @@ def _diagnose(ckpt, model, opt, x, state) -> dict:
 
 
 def train_row(root: Path, device: str, steps: int = 100, rounds: int = 30, progress_fn=print,
-              model: torch.nn.Module | None = None, x: torch.Tensor | None = None) -> Row:
-    """The training-loop row. ``model`` and ``x`` (a batch) replace the transformer, which also
-    lifts the CUDA requirement (the unit tests run a small model on the CPU)."""
+              model: torch.nn.Module | None = None, x: torch.Tensor | None = None,
+              batch: int = 64) -> Row:
+    """The training-loop row: the transformer on ``batch`` sequences of 512 tokens per step.
+
+    ``batch`` sets whether the loop is bound by the GPU, as training at scale is, or by the
+    host's Python and kernel launches: on an H100 the step time is flat from batch 4 to 16
+    (19-20 ms, the host's pace), and such a loop's step time drifts by +-20% between blocks on a
+    VM, far more than the 2% to be resolved. The row reports ``host_step_s``, the step time at
+    batch 1 (the host's pace), next to the step time. ``model`` and ``x`` replace the
+    transformer and its batch, which also lifts the CUDA requirement (the unit tests run a small
+    model on the CPU)."""
     from resilient.checkpoint import Checkpointer
 
     if model is None and device != "cuda":
@@ -80,9 +92,10 @@ def train_row(root: Path, device: str, steps: int = 100, rounds: int = 30, progr
     torch.manual_seed(0)
     if model is None:
         model = _model(device)
-        x = torch.randn(8, 512, 1024, device=device)
+        x = torch.randn(batch, 512, 1024, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     _steps(model, opt, x, 10)  # warm-up, creates optimizer state
+    host_step = _steps(model, opt, x[:1], max(3, steps // 4))  # a batch of one: the host's pace
     state = {"model": model, "optim": opt}
     with Checkpointer(root, keep=2) as ckpt:
         ckpt.attach(opt)
@@ -102,8 +115,8 @@ def train_row(root: Path, device: str, steps: int = 100, rounds: int = 30, progr
             counts.append(n)
         every = max(1, math.ceil(max(counts) * 1.3))
         progress_fn(
-            f"step {base * 1e3:.1f} ms; checkpoints became durable within {counts} steps: "
-            f"saving every {every} steps"
+            f"step {base * 1e3:.1f} ms (batch of one: {host_step * 1e3:.1f} ms); checkpoints "
+            f"became durable within {counts} steps: saving every {every} steps"
         )
         # Pairs of blocks of `every` steps, one without and one with an overlapped save at its
         # start, in alternating order (ABBA), so drift of clocks and neighbours hits both sides.
@@ -153,6 +166,8 @@ def train_row(root: Path, device: str, steps: int = 100, rounds: int = 30, progr
             "every": every,
             "calibration_steps": counts,
             "step_s": base,
+            "batch": x.shape[0],
+            "host_step_s": host_step,
             "step_with_saves_s": with_saves,
             "step_ratio": statistics.median(paired),
             "step_ratio_of_medians": with_saves / base,
