@@ -44,6 +44,57 @@ def clocks() -> str:
         return str(e)
 
 
+def trace_block(mode: str, start, run) -> dict:
+    """One block under the CUDA profiler: the GPU's kernel time, how much of the block's span
+    kernels covered, and kernel time while device-to-host copies ran."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        finish = start(mode, 5000)
+        run()
+        finish()
+    path = f"{tempfile.gettempdir()}/trace-{mode}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    os.unlink(path)
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    busy, end = 0.0, 0.0
+    for a, b in kernels:  # union of kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    out = {"kernels": len(kernels), "kernel_sum_ms": sum(b - a for a, b in kernels) / 1e3,
+           "busy_ms": busy / 1e3, "span_ms": (kernels[-1][1] - kernels[0][0]) / 1e3,
+           "d2h_copies": len(copies)}
+    if copies:
+        lo, hi = min(a for a, _ in copies), max(b for _, b in copies)
+        inside = [(a, b) for a, b in kernels if a >= lo and b <= hi]
+        out["copy_window_ms"] = (hi - lo) / 1e3
+        out["kernels_in_copy_window"] = len(inside)
+        out["kernel_sum_in_copy_window_ms"] = sum(b - a for a, b in inside) / 1e3
+        out["first_kernel_after_copy_start_ms"] = (kernels[0][0] - lo) / 1e3
+        # Host side: when the first kernel after the copies was launched, and how long the
+        # launch call took (a launch that blocks would delay the kernel on the host's side).
+        launches = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "cuda_runtime"
+                          and e.get("name", "").startswith("cudaLaunchKernel") and e["ts"] > lo)
+        issues = [e["ts"] + e["dur"] for e in events if e.get("cat") == "cuda_runtime"
+                  and e.get("name", "").startswith("cudaMemcpyAsync")]
+        if launches:
+            out["first_launch_after_copy_start_ms"] = (launches[0][0] - lo) / 1e3
+            out["launch_call_max_ms"] = max(d for _, d in launches[:200]) / 1e3
+        if issues:
+            out["copies_issued_by_ms"] = (max(issues) - lo) / 1e3
+    print(f"trace {mode}: {out}", flush=True)
+    print("CUDA_DEVICE_MAX_CONNECTIONS", os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--every", type=int, default=50)
@@ -52,6 +103,8 @@ def main() -> None:
     ap.add_argument("--modes", default="none,call,d2h,host,full")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
+    ap.add_argument("--trace", action="store_true",
+                    help="also profile one block of each mode and compare kernel time and gaps")
     args = ap.parse_args()
     modes = args.modes.split(",")
     torch.manual_seed(0)
@@ -169,6 +222,9 @@ def main() -> None:
             finish()
             if time.perf_counter() - t1 > 0.005:
                 late[m] += 1  # background work outlived the block: its cost is underestimated
+    if args.trace:
+        report["trace"] = {m: trace_block(m, start, lambda: _steps(model, opt, x, args.every))
+                           for m in modes}
     ckpt.close()
     ckpt_host.close()
     report["clocks_end"] = clocks()
