@@ -88,6 +88,46 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
   }
 }
 
+// Restore reads consecutive extents in one call (as many as fill queue_depth x request_bytes),
+// with several threads, and chunks larger than the reader's slabs into heap buffers: every
+// combination restores the same bytes.
+TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
+  struct Reader {
+    uint64_t slab, request;
+    int depth, threads;
+  };
+  const Reader readers[] = {
+      {256 << 10, 64 << 10, 4, 3},   // one extent per read
+      {256 << 10, 64 << 10, 8, 2},   // two per read
+      {256 << 10, 1 << 20, 8, 1},    // all in one read
+      {16 << 10, 16 << 10, 2, 3},    // 64 KiB chunks in 16 KiB slabs: heap buffers, two per read
+  };
+  for (int zstd : {0, 3}) {
+    fs::remove_all(root_);
+    auto writer = make(zstd);
+    fill(5);
+    ASSERT_TRUE(save(*writer, 1).ok());
+    for (const auto& r : readers) {
+      auto o = CheckpointOptions::from_env(root_.string());
+      o.chunk_bytes = r.slab;  // a slab holds at least one chunk of this reader's own saves
+      o.pool.slab_bytes = r.slab;
+      o.pool.budget_bytes = 64 << 20;
+      o.io.request_bytes = r.request;
+      o.io.queue_depth = r.depth;
+      o.restore_threads = r.threads;
+      auto reader = Checkpointer::create(o);
+      ASSERT_TRUE(reader.ok()) << reader.status().to_string();
+      ASSERT_EQ((*reader)->pool().slab_bytes(), r.slab);
+      std::vector<float> big;
+      std::vector<int64_t> small;
+      Status s = load_into(**reader, 1, big, small);
+      ASSERT_TRUE(s.ok()) << s.to_string() << " slab " << r.slab << " zstd " << zstd;
+      EXPECT_EQ(big, big_) << "slab " << r.slab << " request " << r.request << " depth " << r.depth;
+      EXPECT_EQ(small, small_);
+    }
+  }
+}
+
 TEST_F(EngineTest, RetentionKeepsNewest) {
   auto c = make(0, /*keep=*/2);
   fill(1);

@@ -181,6 +181,20 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     return a.shard != b.shard ? a.shard < b.shard : a.chunk.offset < b.chunk.offset;
   });
   const auto extents = coalesce(pieces, pool.slab_bytes());
+  // Consecutive extents of one shard are read by one call, enough of them to keep the I/O
+  // engine's queue full (queue_depth x request_bytes): each read then streams like one
+  // sequential reader instead of stopping for every extent.
+  const size_t per_read = std::max<uint64_t>(
+      1, (static_cast<uint64_t>(o.io.queue_depth) * o.io.request_bytes) / pool.slab_bytes());
+  std::vector<std::pair<size_t, size_t>> groups;  // extents [first, last)
+  for (size_t i = 0; i < extents.size(); ++i) {
+    if (!groups.empty() && groups.back().second - groups.back().first < per_read &&
+        extents[groups.back().first].shard == extents[i].shard) {
+      groups.back().second = i + 1;
+    } else {
+      groups.emplace_back(i, i + 1);
+    }
+  }
   const TimePoint deadline = SteadyClock::instance().now() + o.timeout;
 
   std::atomic<size_t> next{0};
@@ -192,54 +206,64 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     if (first_error.ok()) first_error = std::move(s);
     failed = true;
   };
-  // Each reader thread alternates between two slabs so that the host-to-device copies out of one
-  // overlap the read into the other.
+  // Each reader thread alternates between two sets of slabs so that the host-to-device copies
+  // out of one overlap the read into the other.
   auto worker = [&] {
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
-    // The slabs outlive the writer, whose destructor waits for the copies out of them.
-    memory::Slab slabs[2];
+    // The buffers outlive the writer, whose destructor waits for the copies out of them.
+    std::vector<memory::Slab> slabs[2] = {std::vector<memory::Slab>(per_read), std::vector<memory::Slab>(per_read)};
+    using Heap = std::unique_ptr<std::byte, decltype(&std::free)>;
+    std::vector<Heap> big;  // chunks larger than this pool's slabs (written with another slab size)
     DeviceWriter device(o.cuda);
     std::vector<std::byte> scratch;
+    std::vector<io::IoRequest> reqs;
     int cur = 0;
-    for (size_t i; !failed && (i = next.fetch_add(1)) < extents.size(); cur ^= 1) {
-      const Extent& x = extents[i];
-      const uint64_t n = x.end - x.begin;
-      std::byte* buf;
-      std::unique_ptr<std::byte, decltype(&std::free)> big(nullptr, &std::free);
+    for (size_t g; !failed && (g = next.fetch_add(1)) < groups.size(); cur ^= 1) {
+      const auto [first, last] = groups[g];
       if (Status r = device.reuse(cur); !r.ok()) return fail(r);
-      if (n <= pool.slab_bytes()) {
-        if (!slabs[cur]) {
-          Duration left = deadline - SteadyClock::instance().now();
-          auto s = pool.acquire(std::max(left, Duration::zero()));
-          if (!s.ok()) return fail(Status(s.status()).prepend("waiting for host buffers"));
-          slabs[cur] = std::move(s).value();
+      reqs.clear();
+      big.clear();
+      for (size_t k = first; k < last; ++k) {
+        const uint64_t n = extents[k].end - extents[k].begin;
+        memory::Slab& slab = slabs[cur][k - first];
+        if (n <= pool.slab_bytes()) {
+          if (!slab) {
+            Duration left = deadline - SteadyClock::instance().now();
+            auto s = pool.acquire(std::max(left, Duration::zero()));
+            if (!s.ok()) return fail(Status(s.status()).prepend("waiting for host buffers"));
+            slab = std::move(s).value();
+          }
+          reqs.push_back(io::IoRequest{slab.data(), n, extents[k].begin});
+        } else {
+          void* p = nullptr;
+          if (posix_memalign(&p, io::kDirectAlignment, n) != 0) {
+            return fail(Status(StatusCode::kResourceExhausted, "out of memory reading a large chunk"));
+          }
+          big.emplace_back(static_cast<std::byte*>(p), &std::free);
+          reqs.push_back(io::IoRequest{p, n, extents[k].begin});
         }
-        buf = slabs[cur].data();
-      } else {  // a chunk larger than this pool's slabs (written with another slab size)
-        void* p = nullptr;
-        if (posix_memalign(&p, io::kDirectAlignment, n) != 0) {
-          return fail(Status(StatusCode::kResourceExhausted, "out of memory reading a large chunk"));
-        }
-        big.reset(static_cast<std::byte*>(p));
-        buf = big.get();
       }
       Duration left = deadline - SteadyClock::instance().now();
       if (left <= Duration::zero()) return fail(Status(StatusCode::kTimeout, "restore timed out"));
-      io::IoRequest req{buf, n, x.begin};
-      Status r = (*engine)->read(files[x.shard], {&req, 1}, left);
+      const uint32_t shard = extents[first].shard;
+      Status r = (*engine)->read(files[shard], reqs, left);
       if (!r.ok()) return fail(r);
-      for (size_t k = x.first; k < x.last; ++k) {
-        Status d = decode(pieces[k], buf + (pieces[k].chunk.offset - x.begin), paths[x.shard], device, cur, scratch);
-        if (!d.ok()) return fail(d);
+      for (size_t k = first; k < last; ++k) {
+        const Extent& x = extents[k];
+        auto* buf = static_cast<std::byte*>(reqs[k - first].buf);
+        for (size_t i = x.first; i < x.last; ++i) {
+          Status d = decode(pieces[i], buf + (pieces[i].chunk.offset - x.begin), paths[shard], device, cur, scratch);
+          if (!d.ok()) return fail(d);
+        }
       }
       Status c = device.close(cur);
-      if (c.ok() && big) c = device.reuse(cur);  // the heap buffer dies with this iteration
+      if (c.ok() && !big.empty()) c = device.reuse(cur);  // the heap buffers die with this group
       if (!c.ok()) return fail(c);
     }
     if (Status d = device.drain(); !d.ok()) fail(d);
   };
-  size_t nthreads = std::clamp<size_t>(o.threads, 1, std::max<size_t>(extents.size(), 1));
+  size_t nthreads = std::clamp<size_t>(o.threads, 1, std::max<size_t>(groups.size(), 1));
   std::vector<std::thread> threads;
   for (size_t t = 1; t < nthreads; ++t) {
     threads.emplace_back([&worker] {
