@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
-# Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train straggler
-#        train-ab comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+# Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
+#        gpt bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,14 +81,10 @@ for stage in "$@"; do
     bench-big) bench 16g --size 16GiB --tensors 1000 --repeat 1
                bench gpt1b --model gpt-1b --repeat 1 ;;
     train) bench train --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train ;;
-    train-ab) # Is the remaining loop overhead CPU contention from the background write? The same
-              # stage with the training process on the lower half of the cores and the writer
-              # and checksum threads on the upper half.
-              half=$(( $(nproc) / 2 ))
-              bench train --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train
-              RUN_PREFIX="taskset -c 0-$(( half - 1 ))" RESILIENT_BACKGROUND_CPUS="$half-$(( $(nproc) - 1 ))" \
-                bench train-pinned --size 1GiB --tensors 64 --repeat 1 --methods resilient_overlap --train ;;
-    gpt) bench gpt1b --model gpt-1b --repeat 1 ;;
+    attribution) # What each part of an overlapped save costs the training loop (RESULTS.md).
+                 python benchmarks/train_attribution.py --batch 64 --every 16 --rounds 8 \
+                   --json "$OUT/attribution.json" --dir /tmp 2>&1 | tail -n 8 ;;
+    gpt) bench gpt1b --model gpt-1b --repeat 3 --train ;;  # every row and goal in one run
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issues 3 and 6 (see benchmarks/RESULTS.md): build; the GPU checkpoint
 # tests (every GPU of the machine); the recovery bench (kill, stop, restart; REPEAT runs each);
-# the training loop A/B (stage train-ab; SKIP_TRAIN=1 leaves it out). Everything lands in one
+# the training-loop row (stage train; SKIP_TRAIN=1 leaves it out). Everything lands in one
 # tarball, $OUT/session.tgz (the device tool returns only a few files).
 cd "$(dirname "$0")/.."
 REAL_OUT=${OUT:-build/gpu-out}; W=/tmp/session; rm -rf $W; mkdir -p $W
@@ -16,4 +16,4 @@ echo "rc=$?"; tail -n 8 $W/pytest-gpu.log
 echo "[session $(date +%T)] recovery bench ($n GPUs)"
 timeout 240 python scripts/gpu_recovery_bench.py --gpus "$n" --repeat ${REPEAT:-1} --timeout 90 \
   --out $W/rec > $W/recovery.log 2>&1; echo "rc=$?"; tail -c 2500 $W/recovery.log; echo
-[ -n "${SKIP_TRAIN:-}" ] || bash scripts/gpu_run.sh train-ab 2>&1 | tail -n 30
+[ -n "${SKIP_TRAIN:-}" ] || bash scripts/gpu_run.sh train 2>&1 | tail -n 30
