@@ -95,12 +95,17 @@ TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
   struct Reader {
     uint64_t slab, request;
     int depth, threads;
+    uint64_t budget = 64 << 20;
   };
   const Reader readers[] = {
       {256 << 10, 64 << 10, 4, 3},   // one extent per read
       {256 << 10, 64 << 10, 8, 2},   // two per read
       {256 << 10, 1 << 20, 8, 1},    // all in one read
       {16 << 10, 16 << 10, 2, 3},    // 64 KiB chunks in 16 KiB slabs: heap buffers, two per read
+      // Budgets below threads x 2 x extents per read: fewer threads and extents, no waiting
+      // for slabs another thread holds (a wait would end in the 5 s timeout).
+      {256 << 10, 1 << 20, 8, 4, 256 << 10},
+      {256 << 10, 1 << 20, 8, 4, 3 * (256 << 10)},
   };
   for (int zstd : {0, 3}) {
     fs::remove_all(root_);
@@ -111,7 +116,8 @@ TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
       auto o = CheckpointOptions::from_env(root_.string());
       o.chunk_bytes = r.slab;  // a slab holds at least one chunk of this reader's own saves
       o.pool.slab_bytes = r.slab;
-      o.pool.budget_bytes = 64 << 20;
+      o.pool.budget_bytes = r.budget;
+      o.timeout = 5s;
       o.io.request_bytes = r.request;
       o.io.queue_depth = r.depth;
       o.restore_threads = r.threads;
@@ -122,7 +128,8 @@ TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
       std::vector<int64_t> small;
       Status s = load_into(**reader, 1, big, small);
       ASSERT_TRUE(s.ok()) << s.to_string() << " slab " << r.slab << " zstd " << zstd;
-      EXPECT_EQ(big, big_) << "slab " << r.slab << " request " << r.request << " depth " << r.depth;
+      EXPECT_EQ(big, big_) << "slab " << r.slab << " request " << r.request << " depth " << r.depth
+                           << " budget " << r.budget;
       EXPECT_EQ(small, small_);
     }
   }

@@ -184,8 +184,15 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
   // Consecutive extents of one shard are read by one call, enough of them to keep the I/O
   // engine's queue full (queue_depth x request_bytes): each read then streams like one
   // sequential reader instead of stopping for every extent.
-  const size_t per_read = std::max<uint64_t>(
-      1, (static_cast<uint64_t>(o.io.queue_depth) * o.io.request_bytes) / pool.slab_bytes());
+  // Each thread holds two sets of per_read slabs (one while the other's copies drain); together
+  // they stay within the pool's budget, or threads holding some slabs could wait for each
+  // other's until the timeout. A one-slab budget gets one thread with one set.
+  const uint64_t budget_slabs = std::max<uint64_t>(1, pool.budget_bytes() / pool.slab_bytes());
+  const int sets = budget_slabs >= 2 ? 2 : 1;
+  const size_t nthreads_max = std::clamp<uint64_t>(budget_slabs / 2, 1, std::max(o.threads, 1));
+  const size_t per_read = std::clamp<uint64_t>(
+      (static_cast<uint64_t>(o.io.queue_depth) * o.io.request_bytes) / pool.slab_bytes(), 1,
+      std::max<uint64_t>(1, budget_slabs / (sets * nthreads_max)));
   std::vector<std::pair<size_t, size_t>> groups;  // extents [first, last)
   for (size_t i = 0; i < extents.size(); ++i) {
     if (!groups.empty() && groups.back().second - groups.back().first < per_read &&
@@ -219,7 +226,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     std::vector<std::byte> scratch;
     std::vector<io::IoRequest> reqs;
     int cur = 0;
-    for (size_t g; !failed && (g = next.fetch_add(1)) < groups.size(); cur ^= 1) {
+    for (size_t g; !failed && (g = next.fetch_add(1)) < groups.size(); cur = (cur + 1) % sets) {
       const auto [first, last] = groups[g];
       if (Status r = device.reuse(cur); !r.ok()) return fail(r);
       reqs.clear();
@@ -263,7 +270,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     }
     if (Status d = device.drain(); !d.ok()) fail(d);
   };
-  size_t nthreads = std::clamp<size_t>(o.threads, 1, std::max<size_t>(groups.size(), 1));
+  size_t nthreads = std::clamp<size_t>(groups.size(), 1, nthreads_max);
   std::vector<std::thread> threads;
   for (size_t t = 1; t < nthreads; ++t) {
     threads.emplace_back([&worker] {
