@@ -2,7 +2,8 @@
 
 Runs the bench's transformer in blocks of --every steps. Each round runs one block per mode, in
 a shuffled order; every block starts with nothing in flight and is timed from its start (the
-save call included) to a device synchronise after its last step. Modes:
+save call included) to the training stream's end after its last step (copies still running on
+other streams then are counted as "late"). Modes:
   none  no save;
   call  the Python part of save() only (state walk, descriptors), nothing copied;
   d2h   torch copies of the same tensors into pinned buffers on a side stream, with a device
@@ -70,7 +71,7 @@ def trace_block(mode: str, start, run) -> dict:
             busy += b - max(a, end)
             end = b
     out = {"kernels": len(kernels), "kernel_sum_ms": sum(b - a for a, b in kernels) / 1e3,
-           "busy_ms": busy / 1e3, "span_ms": (kernels[-1][1] - kernels[0][0]) / 1e3,
+           "busy_ms": busy / 1e3, "span_ms": (max(b for _, b in kernels) - kernels[0][0]) / 1e3,
            "d2h_copies": len(copies)}
     if copies:
         lo, hi = min(a for a, _ in copies), max(b for _, b in copies)
@@ -78,7 +79,8 @@ def trace_block(mode: str, start, run) -> dict:
         out["copy_window_ms"] = (hi - lo) / 1e3
         out["kernels_in_copy_window"] = len(inside)
         out["kernel_sum_in_copy_window_ms"] = sum(b - a for a, b in inside) / 1e3
-        out["first_kernel_after_copy_start_ms"] = (kernels[0][0] - lo) / 1e3
+        first = next(a for a, _ in kernels if a >= lo)
+        out["first_kernel_after_copy_start_ms"] = (first - lo) / 1e3
         # Host side: when the first kernel after the copies was launched, and how long the
         # launch call took (a launch that blocks would delay the kernel on the host's side).
         launches = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "cuda_runtime"
@@ -107,6 +109,8 @@ def main() -> None:
                     help="also profile one block of each mode and compare kernel time and gaps")
     args = ap.parse_args()
     modes = args.modes.split(",")
+    if "none" not in modes or args.batch < 2:
+        ap.error("--modes must include none (the baseline) and --batch must be at least 2")
     torch.manual_seed(0)
     model = _model("cuda")
     x = torch.randn(args.batch, 512, 1024, device="cuda")

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -15,6 +16,7 @@
 
 #include "memory/detail/cuda_table.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
+#include "resilient/checkpoint/commit.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -232,6 +234,64 @@ TEST_F(DeviceTest, AdjacentAllocationsAreNotCopiedAsOne) {
   std::vector<ReadTarget> t = {{"a", back.data(), 4096 * 4, -1}, {"b", back.data() + 4096, 4096 * 4, -1}};
   ASSERT_TRUE(c->read(*m, t).ok());
   EXPECT_EQ(back, block);
+}
+
+// Restore to a device in groups of extents (two per read, two threads, and slabs smaller than
+// the chunks): a slab is read into again only after the late copies out of it ran. And a corrupt
+// chunk in the second extent of a group fails the restore with no copy left running out of
+// slabs that go back to the pool.
+TEST_F(DeviceTest, GroupedRestoreToADeviceWaitsForItsCopies) {
+  CudaRuntime cuda(fake_table());
+  for (int zstd : {0, 3}) {
+    fs::remove_all(root_);
+    auto c = make(&cuda, zstd);
+    std::vector<float> gpu(200'000);
+    std::iota(gpu.begin(), gpu.end(), 3.0f);
+    std::vector<TensorSpec> specs = {{"a", "float32", {200'000}, gpu.data(), gpu.size() * 4, 0, 0}};
+    auto h = c->save(1, specs, {});
+    ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok());
+    auto read = [&](uint64_t slab, std::vector<float>& back) {
+      auto o = CheckpointOptions::from_env(root_.string());
+      o.chunk_bytes = slab;
+      o.pool.slab_bytes = slab;
+      o.pool.budget_bytes = 64 << 20;
+      o.pool.pin = Feature::kOff;
+      o.io.request_bytes = slab;
+      o.io.queue_depth = 2;  // two extents per read
+      o.restore_threads = 2;
+      o.timeout = 10s;
+      o.cuda = &cuda;
+      auto reader = Checkpointer::create(o);
+      EXPECT_TRUE(reader.ok());
+      auto m = (*reader)->manifest(1);
+      EXPECT_TRUE(m.ok());
+      back.assign(gpu.size(), 0.0f);
+      std::vector<ReadTarget> t = {{"a", back.data(), back.size() * 4, 0}};
+      return (*reader)->read(*m, t);
+    };
+    for (uint64_t slab : {64u << 10, 16u << 10}) {  // 16 KiB: the 64 KiB chunks go to heap buffers
+      std::vector<float> back;
+      Status s = read(slab, back);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      EXPECT_EQ(back, gpu) << "zstd " << zstd << " slab " << slab;
+    }
+    // Corrupt the second 64 KiB extent: the first group's first extent was already copied.
+    fs::path data = root_ / step_dir_name(1) / shard_file_name(0);
+    {
+      std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+      char b;
+      f.seekg(70'000);
+      f.read(&b, 1);
+      b ^= 0x10;
+      f.seekp(70'000);
+      f.write(&b, 1);
+    }
+    std::vector<float> back;
+    EXPECT_EQ(read(64 << 10, back).code(), StatusCode::kCorrupt);
+    auto& g = FakeGpu::get();
+    std::lock_guard<std::mutex> lock(g.mu);
+    for (const auto& [stream, ops] : g.queued) EXPECT_TRUE(ops.empty()) << "a copy was left running";
+  }
 }
 
 TEST_F(DeviceTest, DeviceTensorsWithoutCudaAreUnavailable) {

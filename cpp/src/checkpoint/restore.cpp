@@ -32,6 +32,9 @@ class DeviceWriter {
   explicit DeviceWriter(const memory::CudaRuntime* cuda) : cuda_(cuda) {}
   ~DeviceWriter() {
     if (cuda_ == nullptr) return;
+    // Copies issued but not yet closed (a restore that failed mid-group) get their events too:
+    // their staging buffers go back to the pool after this.
+    for (int buf : {0, 1}) (void)close(buf);
     for (auto& pending : pending_) (void)wait(pending);
     for (auto [device, stream] : streams_) {
       (void)cuda_->set_device(device);
@@ -190,9 +193,11 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
   const uint64_t budget_slabs = std::max<uint64_t>(1, pool.budget_bytes() / pool.slab_bytes());
   const int sets = budget_slabs >= 2 ? 2 : 1;
   const size_t nthreads_max = std::clamp<uint64_t>(budget_slabs / 2, 1, std::max(o.threads, 1));
+  // Never so many per read that threads go without work (checksums and zstd run per thread).
+  const uint64_t spread = (extents.size() + nthreads_max - 1) / nthreads_max;
   const size_t per_read = std::clamp<uint64_t>(
       (static_cast<uint64_t>(o.io.queue_depth) * o.io.request_bytes) / pool.slab_bytes(), 1,
-      std::max<uint64_t>(1, budget_slabs / (sets * nthreads_max)));
+      std::max<uint64_t>(1, std::min(spread, budget_slabs / (sets * nthreads_max))));
   std::vector<std::pair<size_t, size_t>> groups;  // extents [first, last)
   for (size_t i = 0; i < extents.size(); ++i) {
     if (!groups.empty() && groups.back().second - groups.back().first < per_read &&
