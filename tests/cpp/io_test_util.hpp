@@ -1,5 +1,6 @@
 #pragma once
-// Helpers shared by the io tests: a temporary directory removed at the end, aligned buffers.
+// Helpers shared by the io and checkpoint tests: a temporary directory removed at the end,
+// aligned buffers, a corrupted byte.
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -7,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -29,6 +31,18 @@ class TempDir {
  private:
   std::string path_;
 };
+
+/// Flips a bit of the byte at `offset` of the file at `path` (a corrupted checkpoint, say).
+inline void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char b = 0;
+  f.seekg(static_cast<std::streamoff>(offset));
+  f.read(&b, 1);
+  b ^= 0x10;
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&b, 1);
+  if (!f) throw std::runtime_error("cannot flip a byte of " + path);
+}
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }

@@ -8,7 +8,6 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -17,6 +16,7 @@
 #include "memory/detail/cuda_table.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/checkpoint/commit.hpp"
+#include "io_test_util.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -276,16 +276,7 @@ TEST_F(DeviceTest, GroupedRestoreToADeviceWaitsForItsCopies) {
       EXPECT_EQ(back, gpu) << "zstd " << zstd << " slab " << slab;
     }
     // Corrupt the second 64 KiB extent: the first group's first extent was already copied.
-    fs::path data = root_ / step_dir_name(1) / shard_file_name(0);
-    {
-      std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
-      char b;
-      f.seekg(70'000);
-      f.read(&b, 1);
-      b ^= 0x10;
-      f.seekp(70'000);
-      f.write(&b, 1);
-    }
+    io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
     std::vector<float> back;
     EXPECT_EQ(read(64 << 10, back).code(), StatusCode::kCorrupt);
     auto& g = FakeGpu::get();

@@ -3,13 +3,13 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <numeric>
 #include <random>
 
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/checkpoint/commit.hpp"
 #include "resilient/io/file_hooks.hpp"
+#include "io_test_util.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -163,16 +163,7 @@ TEST_F(EngineTest, FlippedByteIsCorruptNamingFileAndOffset) {
   fill(3);
   ASSERT_TRUE(save(*c, 1).ok());
   fs::path data = root_ / step_dir_name(1) / shard_file_name(0);
-  {
-    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(70'000);
-    char b;
-    f.seekg(70'000);
-    f.read(&b, 1);
-    b ^= 0x10;
-    f.seekp(70'000);
-    f.write(&b, 1);
-  }
+  io::testing::flip_byte(data.string(), 70'000);
   std::vector<float> big;
   std::vector<int64_t> small;
   Status s = load_into(*c, 1, big, small);
