@@ -237,3 +237,19 @@ def test_statistics_bindings():
     assert core.median([3.0, 1.0, 2.0, float("nan")]) == 2.0
     assert core.mad([1.0, 2.0, 3.0, 4.0, 100.0], 3.0) == 1.0
     assert core.summarize([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
+
+
+def test_harness_explains_a_report_by_any_of_its_windows() -> None:
+    """The distributed test's harness counts a report on a rank as explained when its own timing
+    saw that rank slow in one of the report's windows (since_step..last_step), not elsewhere."""
+    import torch
+
+    from resilient.straggler.sim import _really_slow
+
+    busy = [torch.full((400,), 1.0, dtype=torch.float64) for _ in range(4)]
+    busy[2][100:200] = 1.3  # rank 2 slow in steps 100-199 only
+    assert _really_slow(busy, 2, since=100, last=399, interval=100, min_ratio=1.1)
+    assert not _really_slow(busy, 2, since=200, last=399, interval=100, min_ratio=1.1)
+    assert not _really_slow(busy, 2, since=-1, last=399, interval=100, min_ratio=1.1)
+    assert _really_slow(busy, 2, since=-1, last=199, interval=100, min_ratio=1.1)
+    assert not _really_slow(busy, 1, since=0, last=399, interval=100, min_ratio=1.1)

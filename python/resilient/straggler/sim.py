@@ -48,7 +48,7 @@ class ScenarioResult:
     # rank's busy time (step start to the collective) was below 1.1x the cross-rank median. On a
     # shared host the OS can slow one rank for real; such a report is right, the rest are not.
     unexplained_reports: int = 0
-    false_windows: list[list[int]] = field(default_factory=list)  # [rank, last_step]
+    false_windows: list[list[int]] = field(default_factory=list)  # [rank, since, last_step]
     reports: list[str] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
 
@@ -76,7 +76,7 @@ def _run_scenario(sc: Scenario, rank: int, world: int, dist, torch) -> ScenarioR
             res.named_ratio = report.ratio
         if not genuine:
             res.false_reports += 1
-            res.false_windows.append([report.rank, report.last_step])
+            res.false_windows.append([report.rank, report.since_step, report.last_step])
         if len(res.reports) < 50:
             res.reports.append(str(report))
 
@@ -105,18 +105,29 @@ def _run_scenario(sc: Scenario, rank: int, world: int, dist, torch) -> ScenarioR
     all_busy = [torch.empty_like(busy) for _ in range(world)]
     dist.all_gather(all_busy, busy)
     res.unexplained_reports = sum(
-        not _really_slow(all_busy, r, last - sc.interval + 1, last, opts.min_ratio)
-        for r, last in res.false_windows)
+        not _really_slow(all_busy, r, since, last, sc.interval, opts.min_ratio)
+        for r, since, last in res.false_windows)
     res.timeline = [asdict(p) for p in mon.timeline]
     return res
 
 
-def _really_slow(all_busy, rank: int, first: int, last: int, min_ratio: float) -> bool:
-    """Whether `rank`'s median busy time in [first, last] was >= min_ratio x the ranks' median."""
+def _really_slow(all_busy, rank: int, since: int, last: int, interval: int,
+                 min_ratio: float) -> bool:
+    """Whether the harness's own timing saw `rank` slow in one of the report's windows (of
+    `interval` steps, ending at `last`, back to the report's `since` step; only the last one if
+    `since` is unknown): its median busy time >= min_ratio x the ranks' median there."""
     import statistics
 
-    medians = [statistics.median(b[first:last + 1].tolist()) for b in all_busy]
-    return medians[rank] >= min_ratio * statistics.median(medians)
+    windows = 1 if since < 0 else max(1, -(-(last - since + 1) // interval))
+    for k in range(windows):
+        end = last - k * interval
+        if end < 0:
+            break
+        first = max(0, end - interval + 1)
+        medians = [statistics.median(b[first:end + 1].tolist()) for b in all_busy]
+        if medians[rank] >= min_ratio * statistics.median(medians):
+            return True
+    return False
 
 
 def _worker(rank: int, world: int, init_method: str, scenarios: list[Scenario],
