@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -48,8 +49,6 @@ def clocks() -> str:
 def trace_block(mode: str, start, run) -> dict:
     """One block under the CUDA profiler: the GPU's kernel time, how much of the block's span
     kernels covered, and kernel time while device-to-host copies ran."""
-    import os
-
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

@@ -44,9 +44,10 @@ class ScenarioResult:
     first_persistent_step: int = -1  # monitor.step_index when the policy hook fired
     since_step: int = -1            # the change point the persistent report gave
     false_reports: int = 0          # reports of a rank that was not slowed (or not yet)
-    # Of those, the ones the harness's own timing cannot explain: in the report's window the named
-    # rank's busy time (step start to the collective) was below 1.1x the cross-rank median. On a
-    # shared host the OS can slow one rank for real; such a report is right, the rest are not.
+    # Of those, the ones the harness's own timing cannot explain: in every window the report
+    # covers (since..last step) the named rank's busy time (step start to the collective) was
+    # below min_ratio x the cross-rank median. On a shared host the OS can slow one rank for real;
+    # such a report is right, the rest are not.
     unexplained_reports: int = 0
     false_windows: list[list[int]] = field(default_factory=list)  # [rank, since, last_step]
     reports: list[str] = field(default_factory=list)
