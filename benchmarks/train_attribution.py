@@ -34,7 +34,7 @@ import torch
 
 from resilient.bench.training import _model, _steps
 from resilient.checkpoint import Checkpointer, tensor_descriptor
-from resilient.state import encode
+from resilient.checkpoint.codec import encode
 
 
 def clocks() -> str:

@@ -135,7 +135,7 @@ def worker(a: argparse.Namespace) -> int:
     if a.checkpoint_dir:
         from resilient import Checkpointer
 
-        ckpt = Checkpointer(a.checkpoint_dir, keep=2)
+        ckpt = Checkpointer(a.checkpoint_dir, keep=2, create=True, distributed=False)
     rec = Recovery(store, a.rank, a.world, model, opt, global_batch=a.global_batch,
                    micro_batch=a.micro_batch, backend=a.backend, config=cfg, checkpointer=ckpt,
                    checkpoint_every=a.checkpoint_every, job=f"ddp-recovery-{a.store}",
@@ -201,7 +201,8 @@ def resume_worker(a: argparse.Namespace, store: Any) -> int:
     model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     t_built = time.monotonic()  # the first optimizer imports torch._dynamo (~1 s here)
-    step = Checkpointer(a.checkpoint_dir).load({"model": model, "optimizer": opt, "extra": {}})
+    step = Checkpointer(a.checkpoint_dir, distributed=False).load(
+        {"model": model, "optimizer": opt, "extra": {}})
     t_loaded = time.monotonic()
     x = torch.ones(1, device=device)
     dist.all_reduce(x)

@@ -84,6 +84,7 @@ def train(args: argparse.Namespace) -> None:
         {"model": model, "optim": opt, "sched": sched},
         rank_state={"sampler": sampler},
         every=args.save_every,
+        create=True,  # a fresh run starts at step 0; a resumed one continues
     )
     step = ckpt.restore()
     if args.resave:  # e.g. after restoring onto a different number of ranks

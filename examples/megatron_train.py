@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from resilient.distributed import ShardSpec
+from resilient.checkpoint import ShardSpec
 from resilient.training import CheckpointManager, ResumableSampler, forever
 
 VOCAB, DIM, HIDDEN = 32, 16, 64
@@ -116,6 +116,7 @@ def train(args: argparse.Namespace) -> None:
         rank_state={"sampler": sampler},
         every=args.save_every,
         specs=specs,
+        create=True,
     )
     step = ckpt.restore()
     if args.resave:

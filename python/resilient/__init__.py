@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from resilient.errors import (
     CancelledError,
+    CheckpointNotFoundError,
+    CollectiveError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    ReplicaMismatchError,
     ResilientError,
     ResourceExhaustedError,
     UnavailableError,
@@ -15,7 +19,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CancelledError",
+    "CheckpointNotFoundError",
+    "CollectiveError",
     "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "ReplicaMismatchError",
     "ResilientError",
     "ResourceExhaustedError",
     "UnavailableError",
@@ -37,7 +45,8 @@ _LAZY = {
     "RNGState": "resilient.training",
     "ResumableSampler": "resilient.training",
     "DistributedCheckpointer": "resilient.distributed",
-    "ShardSpec": "resilient.distributed",
+    "ShardSpec": "resilient.checkpoint",
+    "CheckpointCommitError": "resilient.checkpoint",
 }
 __all__ += list(_LAZY)
 __all__ += ["install_crash_handler"]

@@ -22,12 +22,55 @@ class CorruptCheckpointError(ResilientError):
         self.offset = offset
 
 
-class VersionMismatchError(ResilientError):
+class CheckpointNotFoundError(ResilientError, FileNotFoundError):
+    """There is no checkpoint where one was asked for: the root does not exist, is not a
+    resilient checkpoint root (a step directory, a DCP or torch.save directory), or holds no
+    such step."""
+
+    def __init__(self, message: str, path: str | None = None):
+        RuntimeError.__init__(self, message)
+        self.path = path
+        self.filename = path
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class IncompatibleCheckpointError(ResilientError, ValueError):
+    """The checkpoint is intact but does not fit: the target state has keys the checkpoint
+    lacks (``missing``), the checkpoint has keys the target lacks (``unexpected``), or a value
+    differs in kind, dtype or shape (``mismatched``, "key: why"); also a world size or per-rank
+    state that a strict load rejects. Nothing in the target was modified."""
+
+    def __init__(
+        self,
+        message: str,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        mismatched: list[str] | None = None,
+    ):
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.mismatched = list(mismatched or [])
+
+
+class VersionMismatchError(IncompatibleCheckpointError):
     """A checkpoint written in a format version this build cannot read."""
 
     def __init__(self, message: str, path: str | None = None):
         super().__init__(message)
         self.path = path
+
+
+class CollectiveError(ResilientError):
+    """A collective call (a save or load of a multi-rank checkpointer) that not every rank
+    entered in time, or entered with different arguments (steps)."""
+
+
+class ReplicaMismatchError(ResilientError, ValueError):
+    """Replicated state (what every data-parallel rank must hold identically) differs between
+    ranks at a save; per-rank values (RNG state, running statistics) belong in ``rank_state``."""
 
 
 class UnavailableError(ResilientError):

@@ -5,7 +5,7 @@
     sampler = ResumableSampler(DistributedSampler(dataset, seed=0))
     loader = DataLoader(dataset, batch_size=8, sampler=sampler)
     ckpt = CheckpointManager("/ckpt", {"model": model, "optim": opt, "sched": sched},
-                             rank_state={"sampler": sampler}, every=100)
+                             rank_state={"sampler": sampler}, every=100, create=True)
     step = ckpt.restore()              # 0 on a fresh start; RNG, sampler, model ... restored
     for batch in forever(loader):      # or any loop
         ...train one step...
@@ -14,9 +14,11 @@
         if step == total: break
     ckpt.close()                       # waits for the last save to commit
 
-Under torch.distributed (torchrun, torch.multiprocessing) with more than one rank, saves are
-sharded across ranks (DistributedCheckpointer); otherwise the single-process Checkpointer is used.
-RNG streams (Python, NumPy, torch CPU and CUDA) are saved per rank unless rng=False.
+The manager is a thin loop helper over resilient.Checkpointer (collective and sharded under
+torch.distributed with more than one rank, one process otherwise). It reads the live objects at
+every save, so the state must be live: modules, optimizers, schedulers, tensors, or a callable
+that returns the state. RNG streams (Python, NumPy, torch CPU and CUDA) are saved per rank unless
+rng=False.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from resilient.checkpoint import Checkpointer
-from resilient.distributed import DistributedCheckpointer, ShardSpec
+from resilient.checkpoint import Checkpointer, ShardSpec
+from resilient.checkpoint.codec import is_stateful
 
 log = logging.getLogger("resilient.training")
 
@@ -129,53 +130,88 @@ def forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
+def require_live(state: Any, what: str) -> None:
+    """Raises TypeError for a plain value in `state`: one captured once (an optimizer's or
+    scheduler's state_dict() is a copy) would be saved unchanged at every step, and a load
+    into it would restore nothing into the object it came from."""
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, (torch.Tensor, np.ndarray)) or is_stateful(x):
+            return
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}[{k!r}]")
+            return
+        if isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+            return
+        raise TypeError(
+            f"{what}{path} is a plain {type(x).__name__}: the manager saves the state as it is at "
+            "each save and loads into it in place, so it must hold live objects (modules, "
+            "optimizers, schedulers, tensors) - not a state_dict() taken once (an optimizer's or "
+            "scheduler's is a copy). Pass the object itself, or a callable that returns the "
+            "state's objects."
+        )
+
+    walk(state, "")
+
+
 class CheckpointManager:
     """Periodic asynchronous checkpoints and exact resume for a training loop.
 
     Args:
         root: checkpoint directory (shared by all ranks).
-        state: what data-parallel replicas share: modules (DDP or not), optimizers, schedulers,
-            tensors, plain values. Under DDP it is written once in total, split across ranks.
+        state: what data-parallel replicas share, as live objects: modules (DDP or not),
+            optimizers, schedulers, tensors, containers of them; or a callable returning that.
+            Under DDP it is written once in total, split across ranks.
         rank_state: per-rank state (a ResumableSampler, custom counters); RNG streams are added
             as "rng" unless rng=False.
         every: save when step % every == 0 (step() calls); 0 disables periodic saves.
         keep: committed checkpoints kept.
+        create: the run may start fresh (see Checkpointer); without it, restore() raises
+            CheckpointNotFoundError for a root that does not exist (a mistyped path).
         specs: ShardSpec per tensor name for tensor-parallel shards (see docs/training.md).
-        options: further DistributedCheckpointer / Checkpointer options.
+        options: further Checkpointer options.
     """
 
     def __init__(
         self,
         root: str,
-        state: dict[str, Any],
+        state: Any,
         rank_state: dict[str, Any] | None = None,
         *,
         every: int = 100,
         keep: int = 3,
         rng: bool = True,
+        create: bool = False,
         specs: dict[str, ShardSpec] | None = None,
         **options: Any,
     ):
+        if not callable(state) or is_stateful(state):
+            require_live(state, "CheckpointManager state")
         self.state = state
         self.rank_state = dict(rank_state or {})
+        require_live(self.rank_state, "CheckpointManager rank_state")
         if rng:
             self.rank_state.setdefault("rng", RNGState())
         self.every = every
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        if self.distributed:
-            self._ckpt: Any = DistributedCheckpointer(root, keep=keep, specs=specs, **options)
-        else:
-            if specs:
-                raise ValueError("specs (tensor-parallel shards) need torch.distributed")
-            self._ckpt = Checkpointer(root, keep=keep, **options)
-        self._pending: Any = None
+        self._ckpt = Checkpointer(root, keep=keep, create=create, specs=specs, **options)
+        self.distributed = self._ckpt.world_size > 1
 
-    def restore(self, step: int | None = None) -> int:
-        """Loads the newest checkpoint (or `step`) into the state; returns its step, 0 if none."""
-        if self.distributed:
-            got = self._ckpt.load(self.state, self.rank_state, step=step)
-        else:
-            got = self._ckpt.load({"state": self.state, "rank": self.rank_state}, step=step)
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self._ckpt
+
+    def _state(self) -> Any:
+        return self.state() if callable(self.state) and not is_stateful(self.state) else self.state
+
+    def restore(self, step: int | None = None, *, strict: bool = True) -> int:
+        """Loads the newest checkpoint of the lineage (or `step`) into the state; returns its
+        step, 0 for a fresh root. Raises like Checkpointer.load."""
+        state = self._state()
+        require_live(state, "CheckpointManager state")
+        got = self._ckpt.load(state, self.rank_state, step=step, strict=strict)
         if got is not None:
             log.info("resumed from checkpoint step %d", got)
         return got or 0
@@ -188,20 +224,11 @@ class CheckpointManager:
 
     def save(self, step: int) -> Any:
         """Saves now; returns the handle. Raises the previous save's error, if it failed."""
-        if self._pending is not None and self._pending.done():
-            pending, self._pending = self._pending, None
-            pending.wait(0)
-        if self.distributed:
-            handle = self._ckpt.save(step, self.state, self.rank_state)
-        else:
-            handle = self._ckpt.save(step, {"state": self.state, "rank": self.rank_state})
-        self._pending = handle
-        return handle
+        return self._ckpt.save(step, self._state(), self.rank_state)
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits until every save so far is committed; raises the first failure."""
         self._ckpt.wait(timeout)
-        self._pending = None
 
     def close(self, timeout: float | None = None) -> None:
         self._ckpt.close(timeout)

@@ -22,3 +22,13 @@ def small_tmpfs(tmp_path):
 
 def pytest_report_header(config):
     return f"resilient tests, pid {os.getpid()}"
+
+
+@pytest.fixture
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -154,7 +154,7 @@ def test_stateful_objects_resume_exactly(tmp_path):
 
 
 def test_no_checkpoint_returns_none_and_unknown_objects_are_refused(tmp_path):
-    with resilient.Checkpointer(tmp_path) as ckpt:
+    with resilient.Checkpointer(tmp_path, create=True) as ckpt:
         assert ckpt.load({}) is None
         with pytest.raises(TypeError, match="without pickle"):
             ckpt.save(1, {"obj": object()})
@@ -197,7 +197,7 @@ def test_damaged_newest_falls_back_to_older(tmp_path, damage):
     else:
         (d / "manifest.json").write_text('{"format": "resilient-checkpoint", "vers')
     with resilient.Checkpointer(tmp_path) as ckpt:
-        state = {"w": torch.zeros(1000)}
+        state = {"w": torch.zeros(1000), "step": 0}
         assert ckpt.load(state) == 1
         assert state["step"] == 1 and torch.equal(state["w"], torch.full((1000,), 1.0))
         assert [s for s, _ in ckpt.last_load.skipped] == [2]
@@ -244,10 +244,10 @@ def test_values_with_unknown_tags_are_rejected(tmp_path):
     _save_steps(tmp_path, steps=(1,))
     manifest = _step_dir(tmp_path, 1) / "manifest.json"
     doc = json.loads(manifest.read_text())
-    doc["values"]["state"]["evil"] = {"$pickle": "Y29zCnN5c3RlbQ=="}
+    doc["values"]["ranks"][0]["state"] = {"$pickle": "Y29zCnN5c3RlbQ=="}
     manifest.write_text(json.dumps(doc))
     with resilient.Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(ValueError, match="unknown tag"):
+        with pytest.raises(CorruptCheckpointError, match="unknown tag"):
             ckpt.load({}, step=1)
 
 
@@ -319,7 +319,7 @@ def test_kill_9_during_saves_never_leaves_a_corrupt_latest(tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
         with resilient.Checkpointer(tmp_path, keep=3) as ckpt:
-            state = {"w": torch.zeros(1 << 20)}
+            state = {"w": torch.zeros(1 << 20), "step": 0}
             step = ckpt.load(state)
             assert step is not None and ckpt.last_load.skipped == []
             assert state["step"] == step and torch.equal(

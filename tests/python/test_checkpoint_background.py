@@ -3,6 +3,7 @@ CPUs (background_cpus) and bad settings."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -15,8 +16,11 @@ def _threads() -> dict[str, set[str]]:
     """Thread name -> the CPU lists its threads may run on."""
     out: dict[str, set[str]] = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
         out.setdefault(fields["Name"], set()).add(fields["Cpus_allowed_list"])
     return out
 
@@ -40,6 +44,7 @@ def test_threads_carry_names_and_run_anywhere_by_default(tmp_path):
 
 
 def test_background_threads_run_on_the_given_cpus(tmp_path):
+    gc.collect()  # engines of earlier tests' unclosed checkpointers, and their threads, go
     last = max(os.sched_getaffinity(0))
     with Checkpointer(tmp_path, keep=1, background_cpus=str(last)) as ck:
         ck.save(1, {"x": list(range(10))}).wait(30)

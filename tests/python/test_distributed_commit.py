@@ -73,25 +73,26 @@ def test_stale_missing_duplicate_and_truncated_shards_do_not_commit(tmp_path):
 
 def test_coordinator_gives_up_on_a_silent_rank(tmp_path):
     """Rank 0's coordination step with an in-memory store: rank 1 never reports."""
-    from datetime import timedelta
+    from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from resilient.distributed.checkpointer import DistributedCheckpointer, DistSaveHandle
+    from resilient.checkpoint import Checkpointer, SaveHandle
 
-    ck = object.__new__(DistributedCheckpointer)  # only the coordinator's fields
+    ck = object.__new__(Checkpointer)  # only the coordinator's fields
     ck.root, ck.rank, ck.world_size, ck.keep, ck.timeout = str(tmp_path), 0, 2, 1, 0.3
-    ck._store = dist.HashStore()
+    ck._ranks = SimpleNamespace(store=dist.HashStore())
+    ck._store = ck._ranks.store
     save_rank(tmp_path, 0, 2, 5, "x-1", ["r0/a"])
     ck._store.set("resilient/ckpt/x-1/rank0", "ok")
     result = ck._coordinate(
-        DistSaveHandle(5, None, "x-1"), "resilient/ckpt/x-1", timedelta(seconds=0.3)
+        SaveHandle(5, None, "x-1", None), "resilient/ckpt/x-1"
     )
     assert result.startswith("error: rank 1 did not report within 0.3 s"), result
     assert _C.committed_steps(str(tmp_path)) == []
     ck._store.set("resilient/ckpt/x-2/rank0", "error: rank 0: OSError: disk full")
     ck._store.set("resilient/ckpt/x-2/rank1", "ok")
     result = ck._coordinate(
-        DistSaveHandle(5, None, "x-2"), "resilient/ckpt/x-2", timedelta(seconds=0.3)
+        SaveHandle(5, None, "x-2", None), "resilient/ckpt/x-2"
     )
     assert result == "error: rank 0: OSError: disk full"

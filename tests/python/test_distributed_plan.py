@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from resilient.distributed.plan import (
+from resilient.checkpoint.plan import (
     Held,
     Saved,
     ShardSpec,

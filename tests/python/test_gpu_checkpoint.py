@@ -86,3 +86,51 @@ def test_overlap_mode_in_a_training_loop_holds_the_saved_step(tmp_path):
             assert ckpt.load({"model": fresh}, step=step) == step
             for k, v in fresh.state_dict().items():
                 assert torch.equal(v, expected[k]), (step, k)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "overlap"])
+@pytest.mark.parametrize("save_as", ["objects", "state_dicts"])
+@pytest.mark.parametrize("load_as", ["objects", "state_dicts", "empty"])
+def test_gpu_idiom_matrix(tmp_path, mode, save_as, load_as):
+    """The load contract on CUDA tensors: objects or state dicts on either side, bit-exact,
+    and a target that does not fit raises with nothing modified."""
+    from torch import nn
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8)).cuda()
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, o
+
+    m, o = make(0)
+    for _ in range(2):
+        m(torch.randn(16, 64, device="cuda")).square().mean().backward()
+        o.step()
+    state = {"model": m, "optim": o} if save_as == "objects" else {
+        "model": m.state_dict(), "optim": o.state_dict()}
+    m2, o2 = make(1)
+    m2(torch.randn(16, 64, device="cuda")).square().mean().backward()
+    o2.step()  # optimizer state exists, on the GPU
+    with resilient.Checkpointer(tmp_path / "c", create=True) as ck:
+        ck.save(1, state, mode=mode).wait()
+        if load_as == "objects":
+            assert ck.load({"model": m2, "optim": o2}) == 1
+        elif load_as == "state_dicts":
+            sd = {"model": m2.state_dict(), "optim": o2.state_dict()}
+            assert ck.load(sd) == 1
+            o2.load_state_dict(sd["optim"])
+        else:
+            out: dict = {}
+            assert ck.load(out) == 1
+            m2.load_state_dict(out["model"])
+            o2.load_state_dict(out["optim"])
+        for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+            assert torch.equal(bits(a), bits(b)), k
+        for p, q in zip(o.state_dict()["state"].values(), o2.state_dict()["state"].values()):
+            assert all(torch.equal(bits(p[k]), bits(q[k])) for k in p)
+        m3, o3 = make(2)
+        wrong = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8)).cuda()
+        before = [t.clone() for t in wrong.state_dict().values()]
+        with pytest.raises(resilient.IncompatibleCheckpointError, match="model/0.weight"):
+            ck.load({"model": wrong, "optim": o3})
+        assert all(torch.equal(a, b) for a, b in zip(before, wrong.state_dict().values()))

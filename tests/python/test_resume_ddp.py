@@ -64,6 +64,7 @@ def test_ddp_kill_and_resume_is_bit_exact(tmp_path):
     )
     assert sorted(os.listdir(tmp_path / "b")) == [
         "latest",
+        "resilient-root.json",
         "step-000000000003",
         "step-000000000005",
     ]

@@ -75,7 +75,8 @@ Checkpointer::Checkpointer(CheckpointOptions options) : options_(std::move(optio
 
 Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions options) {
   RESILIENT_RETURN_IF_ERROR(options.validate());
-  RESILIENT_RETURN_IF_ERROR(io::make_dirs(options.root));
+  // The root is created by the first save (prepare_tmp_dir), never by opening: a reader that
+  // mistyped the root must not leave an empty one behind.
   std::unique_ptr<Checkpointer> c(new Checkpointer(std::move(options)));
   // Slabs must hold whole chunks: round the slab size up to a multiple of the chunk size.
   auto pool_opts = c->options_.pool;

@@ -1,7 +1,7 @@
 """`resilient bench --world-size N`: N CPU processes (gloo) holding the same replicated state,
 as DDP ranks do. Compares, in one run:
 
-- ``sharded``: resilient's DistributedCheckpointer, every rank writing ~1/N, one global commit;
+- ``sharded``: resilient's Checkpointer (collective), every rank writing ~1/N, one global commit;
   restore: every rank reads what it needs from the shared directory;
 - ``sharded_redist``: the same save; restore reads each shard once and broadcasts it (gloo);
 - ``every_rank``: every rank writes the whole state with its own Checkpointer (N copies);
@@ -41,7 +41,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from resilient.bench.methods import drop_cache
     from resilient.bench.shapes import make_state, synthetic_shapes
     from resilient.checkpoint import Checkpointer
-    from resilient.distributed import DistributedCheckpointer
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -77,13 +76,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             dist.barrier()
             if method.startswith("sharded"):
                 mode = "redistribute" if method == "sharded_redist" else "direct"
-                ck = DistributedCheckpointer(d, keep=1, restore=mode)
+                ck = Checkpointer(d, keep=1, restore=mode)
                 saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
                 loads.append(timed(lambda ck=ck: ck.load(state)))
                 ck.close()
             elif method == "every_rank":
-                ck = Checkpointer(d / f"rank{rank}", keep=1)
+                ck = Checkpointer(d / f"rank{rank}", keep=1, distributed=False)
                 saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
                 loads.append(timed(lambda ck=ck: ck.load(state)))

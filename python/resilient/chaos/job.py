@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                               torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = {"model": net, "optim": opt, "meta": {"step": 0}}
-    ckpt = Checkpointer(os.environ["RESILIENT_CHAOS_CKPT_DIR"], keep=args.keep)
+    ckpt = Checkpointer(os.environ["RESILIENT_CHAOS_CKPT_DIR"], keep=args.keep, create=True,
+                        distributed=False)  # rank 0 saves alone; every rank loads
     t0 = time.time()
     try:
         loaded = ckpt.load(state)

@@ -1,15 +1,21 @@
-"""Sharded, fully parallel checkpoints for torch.distributed jobs (DDP, Megatron-style TP x DP)."""
+"""Former home of the multi-rank checkpointer, kept as documented aliases: the one
+``resilient.Checkpointer`` now serves any world size (docs/STATE.md)."""
 
 from __future__ import annotations
 
-from resilient.distributed.checkpointer import (
+from resilient.checkpoint import (
     CheckpointCommitError,
-    DistributedCheckpointer,
-    DistSaveHandle,
+    Checkpointer,
+    SaveHandle,
+    ShardSpec,
     default_store,
+    read_global,
 )
-from resilient.distributed.plan import ShardSpec
-from resilient.distributed.restore import read_global
+
+#: Alias of Checkpointer (collective when torch.distributed is initialized).
+DistributedCheckpointer = Checkpointer
+#: Alias of SaveHandle.
+DistSaveHandle = SaveHandle
 
 __all__ = [
     "CheckpointCommitError",

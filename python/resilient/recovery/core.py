@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from resilient.checkpoint.broadcast import broadcast_state
 from resilient.comm.process_group import (
     abort_process_group,
     join_process_group,
@@ -113,6 +114,9 @@ class Recovery:
         self.optimizer = optimizer
         self.backend = backend
         self.global_batch, self.micro_batch = global_batch, micro_batch
+        if checkpointer is not None and getattr(checkpointer, "world_size", 1) != 1:
+            raise ValueError("Recovery saves from rank 0 alone and its group changes on a "
+                             "failure: pass Checkpointer(root, distributed=False)")
         self.checkpointer = checkpointer
         self.checkpoint_every = checkpoint_every
         self.extra_state = extra_state if extra_state is not None else {}
@@ -425,18 +429,16 @@ class Recovery:
 
     def broadcast_state(self, src: int) -> None:
         """Copies model, optimizer and extra state from group rank ``src`` to every member
-        (how a lagging survivor or a joining rank receives state from a live peer)."""
+        (how a lagging survivor or a joining rank receives state from a live peer), in place
+        and without pickle (resilient.checkpoint.broadcast)."""
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 self._wait_work(dist.broadcast(t.data, group=self._group, group_src=src,
                                                 async_op=True))
-        objs = [{"optimizer": self.optimizer.state_dict(), "extra": self.extra_state,
-                 "step": self.step}]
-        dist.broadcast_object_list(objs, group=self._group, group_src=src, device=self._device)
-        if self.rank != src:
-            self.optimizer.load_state_dict(objs[0]["optimizer"])
-            self.extra_state.update(objs[0]["extra"])
-            self.step = objs[0]["step"]
+        step = {"step": self.step}
+        broadcast_state({"optimizer": self.optimizer, "extra": self.extra_state, "step": step},
+                        src, group=self._group, device=self._device)
+        self.step = int(step["step"])
 
     def _apply(self, decision: Decision) -> None:
         self.plan = decision.plan  # type: ignore[assignment]

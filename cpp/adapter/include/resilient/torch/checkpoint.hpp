@@ -5,7 +5,8 @@
 //   {...}})
 // and a checkpoint saved from Python with that structure loads here.
 //
-// Layout of the values document (format "resilient.state/1"):
+// Layout of the state document (rank 0's "state" in the values of format
+// "resilient.sharded/1", each tensor stored whole as "S/<name>#@0_0..."):
 //   {"model": {"$stateful": {"<param or buffer name>": {"$tensor":
 //   "model/<name>"}, ...}},
 //    "tensors": {"<name>": {"$tensor": "tensors/<name>"}, ...},
@@ -36,14 +37,15 @@ struct TrainState {
   nlohmann::json values = nlohmann::json::object();
 };
 
-/// Snapshots `state` and queues the write; returns when the tensors may change
-/// again. Errors: kInvalidArgument (unsupported dtype, undefined tensor), those
+/// Snapshots `state`, writes it and commits it (lineage record, merged manifest:
+/// the commit Python's rank 0 makes); returns once the step is committed.
+/// Errors: kInvalidArgument (unsupported dtype, undefined tensor), those
 /// of Checkpointer::save. Thread safety: as Checkpointer::save (one caller at a
 /// time).
 Result<std::shared_ptr<checkpoint::SaveHandle>> save(checkpoint::Checkpointer &ckpt, int64_t step,
                                                      TrainState &state);
 
-/// Loads `step` (or the newest committed step) into `state` in place:
+/// Loads `step` (or the head of the root's lineage) into `state` in place:
 /// parameters and buffers by name (dtype and shape must match: kInvalidArgument
 /// naming the tensor), tensors in `state.tensors` (created when absent), and
 /// `state.values`. Returns the step loaded; kNotFound when there is no

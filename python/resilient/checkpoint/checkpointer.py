@@ -1,0 +1,1007 @@
+"""One checkpointer for any world size: sharded, asynchronous saves and strict loads.
+
+Saving. Every rank calls ``save(step, state, rank_state)`` together (one process is the case of
+one rank). ``state`` is what data-parallel replicas hold in common (model, optimizer,
+scheduler); its tensors may be slices of global tensors (Megatron-style tensor parallelism,
+described by ShardSpec). ``rank_state`` is private to the rank (RNG streams, sampler position).
+One small all-gather lets every rank compute the same write plan (plan.plan_writes): each
+distinct piece of replicated state is written once in total, spread over the ranks that hold
+it, and every rank's fingerprint of each replicated tensor is compared, so state that differs
+between ranks is refused instead of being stitched together. Each rank snapshots its pieces and
+returns; its native engine writes its own shard into root/.tmp-step-N/ in the background.
+
+Committing (a background thread per rank, in save order): wait for the local shard to be
+durable and report "ok" or the error under a key of the job's store. Rank 0 waits for every
+report, writes the lineage record (root.py), then the native commit_shards() validates the rank
+manifests (all from this save: the save id) and commits one global manifest with the
+crash-consistent protocol of commit.cpp; then retention. Rank 0 publishes the outcome; every
+rank's handle.wait() returns or raises it, and the next save() raises it too. Any failure or
+timeout on any rank means no commit: the previous checkpoint is untouched.
+
+Loading (the contract of docs/STATE.md, implemented in contract.py). Rank 0 lists the current
+lineage; for each candidate step, newest first: every rank parses the manifest and plans its
+load against its live state without modifying it (plan phase); the ranks agree; only if every
+rank's plan fits (or strict=False) does every rank read exactly the saved pieces that overlap
+the tensors it holds (plan.plan_reads), and the ranks agree again; then each rank puts values in
+place and calls load_state_dict() on Stateful objects. A step that fails verification on any
+rank is skipped by all of them; a state that does not fit raises IncompatibleCheckpointError on
+every rank, with the target unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+
+from resilient import _C
+from resilient.checkpoint import codec, contract
+from resilient.checkpoint import root as roots
+from resilient.checkpoint.plan import (
+    Held,
+    Saved,
+    ShardSpec,
+    piece_name,
+    plan_writes,
+    split_piece_name,
+)
+from resilient.checkpoint.ranks import Ranks, wait_key
+from resilient.checkpoint.reader import Reader
+from resilient.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    ReplicaMismatchError,
+    ResilientError,
+    VersionMismatchError,
+)
+
+log = logging.getLogger("resilient.checkpoint")
+
+FORMAT = "resilient.sharded/1"
+RANK_FORMAT = "resilient.sharded-rank/1"
+MAX_STEP = 10**12 - 1  # step directories carry 12 digits
+_POLL_S = 0.2  # waits are sliced so that Ctrl-C (KeyboardInterrupt) gets through
+_SKIPPABLE = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
+
+
+class CheckpointCommitError(ResilientError):
+    """A save was not committed: a rank failed, or did not report in time."""
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` returns once the checkpoint is committed and durable."""
+
+    def __init__(self, step: int, native: Any, save_id: str, keep: list | None):
+        self.step = step
+        self.save_id = save_id
+        self._native = native
+        self._keep = keep  # the saved tensors, alive until the snapshot stops reading them
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._observed = False  # the error was raised to the caller
+        self._started = time.monotonic()
+        self._committed_s: float | None = None
+        self._local_error: BaseException | None = None
+        self._owner: Any = None
+
+    def done(self) -> bool:
+        """True once the save finished (committed or failed)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until committed; raises CheckpointCommitError (the same on every rank), or
+        TimeoutError. Interruptible (Ctrl-C); the save goes on in the background."""
+        if not _wait_event(self._event, timeout):
+            raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Blocks until the snapshot no longer reads the saved tensors; after that they may
+        change. Immediate for host tensors and for saves in "blocking" mode."""
+        _wait_native(self._native.wait_snapshot, timeout, self._native.done)
+        self._keep = None
+
+    def stats(self) -> dict[str, float]:
+        """Seconds from the save call: snapshot_s, written_s, durable_s (committed, once
+        done); bytes and stored_bytes of this rank's shard."""
+        s = dict(self._native.stats())
+        if self._committed_s is not None:
+            s["durable_s"] = self._committed_s
+        return s
+
+    local_stats = stats
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        if error is None:
+            self._committed_s = time.monotonic() - self._started
+        self._event.set()
+
+
+@dataclass
+class LoadReport:
+    """What the last load() did: the step restored, the newer steps skipped (with why), and,
+    for strict=False, what was left as it was (paths in the state)."""
+
+    step: int | None = None
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def tensor_descriptor(
+    name: str, t: torch.Tensor, keep: list[torch.Tensor], streams: dict | None = None
+) -> dict[str, Any]:
+    """The buffer descriptor the native engine reads: pointer, bytes, dtype, shape, device.
+
+    Called once per tensor inside save(), so the common case (a dense, contiguous CPU or CUDA
+    tensor) takes as few calls into torch as possible.
+    """
+    device = t.device
+    if device.type not in ("cpu", "cuda") or t.layout != torch.strided:
+        why = contract.unwritable(t) or f"{t.layout} tensors on {device}"
+        raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
+    if type(t) is not torch.Tensor and contract._is_dtensor(t):
+        raise TypeError(f"tensor {name!r} cannot be saved: it is {contract.unwritable(t)}")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    keep.append(t)
+    desc = {
+        "name": name,
+        "dtype": codec.dtype_name(t.dtype),
+        "shape": t.shape,
+        "ptr": t.data_ptr(),
+        "nbytes": t.nbytes,
+        "device": -1,
+    }
+    if device.type == "cuda":
+        # The engine copies on its own stream, ordered after the stream that produced the tensor;
+        # `keep` holds a reference so the caching allocator cannot reuse the memory meanwhile.
+        index = device.index
+        desc["device"] = index
+        streams = {} if streams is None else streams  # one lookup per device and save
+        stream = streams.get(index)
+        if stream is None:
+            stream = streams[index] = torch.cuda.current_stream(device).cuda_stream
+        desc["stream"] = stream
+    return desc
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+class Checkpointer:
+    """Saves and restores training state under ``root``, for one process or every rank of a
+    torch.distributed job (then every call is collective). See docs/STATE.md for what a load
+    guarantees.
+
+    Args:
+        root: checkpoint directory (the same path, on a shared file system, on every rank).
+        keep: committed checkpoints of the current lineage kept (<= 0: all).
+        create: the run may start fresh: create the root now if it does not exist, and let
+            load() return None for a root with no committed step. Without it, load() raises
+            CheckpointNotFoundError for a missing root (a mistyped path); the first save still
+            creates it.
+        distributed: None (default): every rank of the default process group takes part when
+            torch.distributed is initialized with more than one rank; False: this process alone
+            (a rank-0-only checkpoint); True: require a process group.
+        specs: ShardSpec per tensor name of `state` ("model/fc1.weight"); a key ending in "/*"
+            applies to tensors below it whose shape matches (optimizer state of a sharded param).
+        group: a gloo process group over all ranks for planning; default: a new one.
+        store: a torch.distributed Store shared by all ranks; default: the default group's.
+        timeout: seconds a save may take from snapshot to commit, and any single blocking step
+            of the engine (default 600, RESILIENT_DIST_TIMEOUT_S / RESILIENT_CKPT_TIMEOUT_S).
+        collective_timeout: seconds every rank has to enter a save or load (default 30,
+            RESILIENT_COLLECTIVE_TIMEOUT_S).
+        split_bytes: replicated tensors at least this large are split by rows across replicas
+            (default 1 MiB, RESILIENT_DIST_SPLIT_BYTES).
+        check_replicas: compare every rank's fingerprint of each replicated tensor at each save
+            (default on, RESILIENT_CHECK_REPLICAS=0 turns it off).
+        restore: "direct" (default, RESILIENT_DIST_RESTORE): every rank reads the pieces it needs
+            from the shared directory; "redistribute": rank r reads the shards of saved ranks
+            s with s % world == r and broadcasts them over the gloo group (storage read once).
+        options: engine options (zstd_level, chunk_bytes, pool_bytes, io_uring, o_direct,
+            pin_memory, queue_depth, request_bytes ...: docs/SETTINGS.md).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep: int = 3,
+        *,
+        create: bool = False,
+        distributed: bool | None = None,
+        specs: dict[str, ShardSpec] | None = None,
+        group: Any = None,
+        store: Any = None,
+        timeout: float | None = None,
+        collective_timeout: float | None = None,
+        split_bytes: int | None = None,
+        check_replicas: bool | None = None,
+        restore: str | None = None,
+        **options: Any,
+    ):
+        self.root = os.fspath(root)
+        self.keep = int(keep)
+        self.specs = dict(specs or {})
+        if timeout is None:
+            timeout = float(os.environ.get("RESILIENT_DIST_TIMEOUT_S", "600"))
+        if split_bytes is None:
+            split_bytes = _C.parse_bytes(os.environ.get("RESILIENT_DIST_SPLIT_BYTES", "1MiB"))
+        if check_replicas is None:
+            flag = os.environ.get("RESILIENT_CHECK_REPLICAS", "1").strip().lower()
+            check_replicas = flag not in ("0", "off", "false", "no")
+        self.timeout = float(timeout)
+        self.split_bytes = int(split_bytes)
+        self.check_replicas = bool(check_replicas)
+        self.restore = restore or os.environ.get("RESILIENT_DIST_RESTORE", "direct")
+        if self.restore not in ("direct", "redistribute"):
+            raise ValueError(f"restore must be 'direct' or 'redistribute', not {self.restore!r}")
+        self.create = bool(create)
+        self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
+        self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
+        error = None
+        if self.create and self.rank == 0:
+            try:
+                roots.ensure_root(self.root)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        error = self._ranks.broadcast(error)
+        if error is not None:
+            raise CheckpointNotFoundError(f"cannot create checkpoint root: {error}", self.root)
+        opts = _C.CheckpointOptions(self.root)
+        opts.keep = 0  # retention follows the lineage (roots.apply_retention), on rank 0
+        opts.rank, opts.world_size = self.rank, self.world_size
+        opts.timeout_s = self.timeout
+        for key, value in options.items():
+            if value is None:
+                continue
+            if not hasattr(opts, key):
+                raise TypeError(f"unknown checkpoint option {key!r}")
+            setattr(opts, key, value)
+        self.options = opts
+        self._native = _C.Checkpointer(opts)
+        self._plan_key: Any = None
+        self._plan: list = []
+        self._everyone: list = []
+        self._raised_ids: set[str] = set()
+        self._save_seq = 0
+        self._failed: list[SaveHandle] = []
+        self._in_flight: list[SaveHandle] = []
+        self._in_snapshot: SaveHandle | None = None
+        self._fenced: list[SaveHandle] = []
+        self._head: tuple[int, int | None] | None = None  # rank 0: parent of the next commit
+        self._max_seq: int | None = None
+        self._queue: queue.Queue[Any] = queue.Queue()
+        # The thread holds no reference to the checkpointer while idle (a handle in flight
+        # does), so one that is dropped unclosed is collected and its thread ends.
+        self._thread = threading.Thread(target=_commit_loop, args=(self._queue,),
+                                        name="resilient-commit", daemon=True)
+        self._thread.start()
+        weakref.finalize(self, self._queue.put, None)
+        self._closed = False
+        self._skip_error: BaseException | None = None
+        self.last_load = LoadReport()
+        _OPEN.add(self)
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, state: Any, rank_state: Any = None,
+             mode: str = "blocking") -> SaveHandle:
+        """Collective. Snapshots this rank's part of `state` (and its `rank_state`) and
+        returns; writing and the commit go on in the background.
+
+        mode "blocking": when this returns, the tensors may be modified (for CUDA tensors it
+        waits for the device-to-host copies). mode "overlap": returns once the copies are queued
+        on the engine's streams; the tensors must not change until ``wait_snapshot()`` (the hook
+        of ``attach(optimizer)`` orders the next ``optimizer.step()`` after them).
+
+        Raises the previous save's error if it failed (CheckpointCommitError), TypeError for
+        values that cannot be stored without pickle, ReplicaMismatchError when replicated
+        tensors differ between ranks, CollectiveError when not every rank calls it.
+        """
+        self._check_open()
+        if mode not in ("blocking", "overlap"):
+            raise ValueError("mode must be 'blocking' or 'overlap'")
+        step = int(step)
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be in [0, {MAX_STEP}], not {step}")
+        self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
+        enc = codec.encode(state)  # before entering: a rank that fails here never blocks others
+        held = [self._held(name, t) for name, t in enc.tensors.items()]
+        renc = codec.encode(rank_state) if rank_state is not None else None
+        self._ranks.enter("save", step)
+        key = hash((tuple(held), self.split_bytes))
+        prints = _fingerprints(enc.tensors) if self.check_replicas and self.world_size > 1 else None
+        failed = [h for h in self._failed if not h._observed]
+        report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
+        gathered = self._ranks.gather((key, prints, report))
+        for h in failed:
+            h._observed = True
+        self._raised_ids.update(i for _, _, rep in gathered for i, _ in rep)
+        errors = sorted({e for _, _, rep in gathered for _, e in rep})
+        if errors:
+            raise CheckpointCommitError(
+                f"a previous checkpoint was not committed (step {'; step '.join(errors)}); "
+                f"step {step} was not saved")
+        keys = [g[0] for g in gathered]
+        if keys != self._plan_key:
+            everyone = self._ranks.gather(held)
+            self._plan = plan_writes(everyone, self.rank, self.split_bytes)
+            self._plan_key = keys
+            self._everyone = everyone
+        if prints is not None:
+            _check_replicas(self._everyone, [g[1] for g in gathered])
+        keep: list[torch.Tensor] = []
+        streams: dict = {}
+        descs: list[dict[str, Any]] = []
+        by_name = {h.name: h for h in held}
+        for piece in self._plan:
+            t, h = enc.tensors[piece.name], by_name[piece.name]
+            offset = h.offset
+            if piece.rows is not None:
+                t = t.detach()[piece.rows[0] : piece.rows[1]]
+                offset = (h.offset[0] + piece.rows[0], *h.offset[1:])
+            d = tensor_descriptor("S/" + piece_name(piece.name, offset), t, keep, streams)
+            d["global_shape"], d["global_offset"] = list(h.global_shape), list(offset)
+            descs.append(d)
+        rank_doc = None
+        if renc is not None:
+            rank_doc = renc.doc
+            descs += [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
+                      for n, t in renc.tensors.items()]
+        self._save_seq += 1
+        save_id = f"{self._ranks.run_id}-{self._save_seq}"
+        values = {
+            "format": RANK_FORMAT,
+            "save_id": save_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "state": enc.doc if self.rank == 0 else None,
+            "rank_state": rank_doc,
+        }
+        if self.rank == 0:
+            roots.ensure_root(self.root)
+        native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
+        handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None)
+        handle._owner = self  # alive until committed, even if the caller drops it
+        if mode == "overlap":
+            self._in_snapshot = handle
+        self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+        self._queue.put(handle)
+        return handle
+
+    def _held(self, name: str, t: torch.Tensor) -> Held:
+        shape = tuple(t.shape)
+        spec = self.spec_for(name, shape, None)
+        if spec is not None:
+            spec.check(name, shape)
+        gshape, offset = (
+            (spec.global_shape, spec.offset) if spec else (shape, tuple(0 for _ in shape))
+        )
+        return Held(name, codec.dtype_name(t.dtype), t.element_size(), shape, tuple(gshape),
+                    tuple(offset))
+
+    def spec_for(
+        self, name: str, shape: tuple[int, ...] | None, saved_gshape: tuple | None
+    ) -> ShardSpec | None:
+        """The ShardSpec of tensor `name`: an exact key, else the longest matching "prefix/*" key
+        whose spec fits (same local shape, or, with no live tensor, the saved global shape)."""
+        spec = self.specs.get(name)
+        if spec is not None:
+            return spec
+        best = None
+        for pattern, s in self.specs.items():
+            if pattern.endswith("*") and fnmatchcase(name, pattern):
+                fits = (
+                    tuple(s.shape) == shape
+                    if shape is not None
+                    else tuple(s.global_shape) == saved_gshape
+                )
+                if fits and (best is None or len(pattern) > len(best[0])):
+                    best = (pattern, s)
+        return best[1] if best else None
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Waits until the last overlapped save no longer reads the saved tensors."""
+        handle, self._in_snapshot = self._in_snapshot, None
+        if handle is not None:
+            handle.wait_snapshot(timeout)
+
+    def fence(self) -> None:
+        """Orders the next GPU work after the last overlapped snapshot, without blocking.
+
+        Each CUDA device's current stream waits (on the device) for the snapshot's copies, so
+        kernels queued afterwards - the optimizer step - cannot change what is being copied,
+        while the host keeps queueing work. The saved tensors stay referenced until the save
+        completes. Host-only snapshots need nothing (their copies are done when save returns).
+        """
+        handle, self._in_snapshot = self._in_snapshot, None
+        if handle is None:
+            return
+        devices = {t.device for t in handle._keep or () if t.device.type == "cuda"}
+        for device in devices:
+            handle._native.fence_stream(torch.cuda.current_stream(device).cuda_stream)
+        self._fenced.append(handle)  # keeps the tensors alive until the copies complete
+        self._fenced = [h for h in self._fenced if not h.done()]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Makes `optimizer.step()` ordered after an overlapped snapshot (``fence()``), so a
+        checkpoint taken in "overlap" mode holds exactly the saved step's values, without
+        blocking the training thread. Returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.fence())
+
+    # -- committing (background thread) --------------------------------------------------
+    def _commit_one(self, handle: SaveHandle) -> None:
+        handle._local_error = None
+        try:
+            error = self._commit(handle)
+        except Exception as e:  # the store itself failed (a peer or rank 0 is gone)
+            error = f"coordination failed: {type(e).__name__}: {e}"
+        # One process: the failure keeps its type (OSError with errno, TimeoutError...).
+        # Several: every rank raises the same CheckpointCommitError (caused by its own).
+        exc: BaseException | None = None
+        if error is not None and self.world_size == 1 and handle._local_error is not None:
+            exc = handle._local_error
+        elif error is not None:
+            exc = CheckpointCommitError(
+                f"checkpoint of step {handle.step} was not committed: {error}")
+            exc.__cause__ = handle._local_error
+        if exc is not None:
+            log.error("%s", exc)
+            handle._observed = handle.save_id in self._raised_ids  # raised by save()
+            self._failed.append(handle)
+        handle._finish(exc)
+
+    def _commit(self, handle: SaveHandle) -> str | None:
+        store = self._ranks.store
+        prefix = f"resilient/ckpt/{handle.save_id}"
+        try:
+            handle._native.wait(self.timeout)
+            report = "ok"
+        except Exception as e:
+            report = f"error: rank {self.rank}: {type(e).__name__}: {e}"
+            handle._local_error = e
+        store.set(f"{prefix}/rank{self.rank}", report)
+        if self.rank == 0:
+            result = self._coordinate(handle, prefix)
+            store.set(f"{prefix}/result", result)
+        else:
+            wait_key(store, f"{prefix}/result", self.timeout, poll_s=0.05)
+            result = store.get(f"{prefix}/result").decode()
+        return None if result == "ok" else result.removeprefix("error: ")
+
+    def _coordinate(self, handle: SaveHandle, prefix: str) -> str:
+        store = self._ranks.store
+        errors = []
+        deadline = time.monotonic() + self.timeout
+        for r in range(self.world_size):
+            try:
+                wait_key(store, f"{prefix}/rank{r}", max(0.0, deadline - time.monotonic()),
+                         poll_s=0.05)
+                report = store.get(f"{prefix}/rank{r}").decode()
+            except Exception as e:
+                report = (
+                    f"error: rank {r} did not report within {self.timeout} s ({type(e).__name__})"
+                )
+            if report != "ok":
+                errors.append(report.removeprefix("error: "))
+            try:  # keep the job's store small over thousands of saves
+                store.delete_key(f"{prefix}/rank{r}")
+            except Exception:
+                pass
+        if errors:
+            # Nothing of this save is committed: give its space back (a full disk must not stay
+            # full of a failed save's shards).
+            shutil.rmtree(roots.tmp_dir(self.root, handle.step), ignore_errors=True)
+            return "error: " + "; ".join(errors)
+        try:
+            steps = self.steps()
+            if self._max_seq is None or self._head is None:
+                chain, info = roots.history(self.root, steps)
+                self._max_seq = roots.max_seq(info)
+                if self._head is None and chain:
+                    li = info[chain[0]]
+                    self._head = (chain[0], li.seq if li else None)
+            seq = self._max_seq + 1
+            roots.write_lineage(roots.tmp_dir(self.root, handle.step), seq, self._head)
+            _C.commit_shards(self.root, handle.step, self.world_size, handle.save_id)
+        except Exception as e:
+            return f"error: commit failed: {type(e).__name__}: {e}"
+        self._max_seq, self._head = seq, (handle.step, seq)
+        try:
+            roots.apply_retention(self.root, self.steps(), self.keep)
+        except Exception as e:  # a failed cleanup does not undo the commit
+            log.warning("checkpoint retention failed: %s", e)
+        return "ok"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until every save so far is committed; raises the first failure not already
+        raised by its handle's wait() or by save(). Interruptible (Ctrl-C)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in list(self._in_flight):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not _wait_event(h._event, left):
+                raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
+        self._in_flight = []
+        failed, self._failed = [h for h in self._failed if not h._observed], []
+        if failed:
+            for h in failed:
+                h._observed = True
+            raise failed[0]._error  # type: ignore[misc]
+
+    # -- loading --------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (every lineage)."""
+        return list(_C.committed_steps(self.root))
+
+    def lineage(self) -> list[int]:
+        """The steps of the current lineage, newest first: what load() tries, in order."""
+        return roots.history(self.root, self.steps())[0]
+
+    def latest_step(self) -> int | None:
+        """The newest step of the current lineage, or None."""
+        chain = self.lineage()
+        return chain[0] if chain else None
+
+    def load(self, state: Any, rank_state: Any = None, step: int | None = None, *,
+             strict: bool = True, world_change: str = "warn") -> int | None:
+        """Collective. Restores `state` (and this rank's `rank_state`) in place from `step`, or
+        from the newest step of the current lineage that verifies on every rank.
+
+        Returns the step restored, or None for a root with no committed step yet (only when
+        the root exists and resilient initialised it, or with create=True). Strict by default:
+        every tensor and value of the target is restored, or IncompatibleCheckpointError names
+        each missing, unexpected or mismatched key and nothing was modified. strict=False
+        restores what matches and lists the rest in ``last_load``. A step that fails
+        verification is skipped (``last_load.skipped``); CorruptCheckpointError when none
+        verifies. CheckpointNotFoundError for a missing or foreign root or an unknown step.
+        Per-rank state of a different world size: ranks that were not saved start fresh and
+        saved ranks that no longer exist are dropped, with a warning (world_change="raise":
+        IncompatibleCheckpointError).
+        """
+        self._check_open()
+        if world_change not in ("warn", "raise"):
+            raise ValueError("world_change must be 'warn' or 'raise'")
+        self.wait_snapshot()
+        self._wait_in_flight()
+        self._ranks.enter("load", step)
+        found = self._ranks.broadcast(self._candidates(step) if self.rank == 0 else None)
+        if isinstance(found, str):
+            raise CheckpointNotFoundError(found, self.root)
+        steps, seqs = found
+        if not steps:
+            self.last_load = LoadReport()
+            return None
+        skipped: list[tuple[int, str]] = []
+        for s in steps:
+            why = self._try_load(s, state, rank_state, strict, world_change)
+            if why is None:
+                self.last_load.skipped = skipped
+                if self.rank == 0:
+                    self._head = (s, seqs.get(s))
+                if skipped:
+                    log.warning("loaded step %d after skipping %s", s,
+                                "; ".join(f"step {k}: {w}" for k, w in skipped))
+                return s
+            log.warning("skipping checkpoint step %d: %s", s, why)
+            skipped.append((s, why))
+            if step is not None:
+                local, self._skip_error = self._skip_error, None
+                if local is not None:
+                    raise local
+                raise CorruptCheckpointError(f"step {s} of {self.root} failed to load: {why}")
+        self.last_load = LoadReport(skipped=skipped)
+        detail = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        raise CorruptCheckpointError(f"no checkpoint in {self.root} verifies: {detail}")
+
+    def _candidates(self, step: int | None) -> Any:
+        """Rank 0: (steps to try newest first, seq by step), or why there are none (a str)."""
+        if not roots.is_root(self.root):
+            if self.create and os.path.isdir(self.root):
+                return [], {}
+            return roots.why_not_root(self.root)
+        steps = self.steps()
+        chain, info = roots.history(self.root, steps)
+        seqs = {s: (li.seq if li else None) for s, li in info.items()}
+        if step is not None:
+            if step not in steps:
+                return f"no committed checkpoint for step {step} in {self.root} (it has {steps})"
+            return [step], seqs
+        return chain, seqs
+
+    def _try_load(self, step: int, state: Any, rank_state: Any, strict: bool,
+                  world_change: str) -> str | None:
+        """Loads `step` on every rank, or returns why it was skipped (the same on every rank).
+        Raises on every rank when the state does not fit or an unexpected error occurs."""
+        prepared: Any = None
+        self._skip_error = None
+        try:
+            prepared = self._prepare(step, state, rank_state, world_change)
+            outcome: Any = ("ok", prepared.issues if prepared.issues else None)
+        except _SKIPPABLE as e:
+            outcome = ("skip", f"rank {self.rank}: {type(e).__name__}: {e}")
+            self._skip_error = e
+        except IncompatibleCheckpointError as e:
+            outcome = ("incompatible", str(e))
+        except Exception as e:
+            outcome = ("fatal", f"rank {self.rank}: {type(e).__name__}: {e}")
+            prepared = e
+        outcomes = self._ranks.gather(outcome)
+        _raise_agreed(outcomes, outcome, prepared, strict, step)
+        skips = [o[1] for o in outcomes if o[0] == "skip"]
+        if skips:
+            return "; ".join(skips)
+        read_error: BaseException | None = None
+        try:
+            prepared.read()
+            read_outcome: Any = None
+        except _SKIPPABLE as e:
+            read_outcome, read_error = ("skip", f"rank {self.rank}: {type(e).__name__}: {e}"), e
+            self._skip_error = e
+        except Exception as e:
+            read_outcome, read_error = ("fatal", f"rank {self.rank}: {type(e).__name__}: {e}"), e
+        reads = [o for o in self._ranks.gather(read_outcome) if o is not None]
+        if read_error is not None and read_outcome[0] == "fatal":
+            raise read_error
+        fatal = [msg for kind, msg in reads if kind == "fatal"]
+        if fatal:
+            raise ResilientError(f"loading step {step} failed on another rank: {fatal[0]}")
+        if reads:
+            return "; ".join(msg for _, msg in reads)
+        prepared.finish()
+        issues = prepared.issues
+        self.last_load = LoadReport(step=step, missing=issues.missing,
+                                    unexpected=issues.unexpected, mismatched=issues.mismatched)
+        if issues:
+            log.warning("step %d loaded with strict=False; left as they were: %s", step,
+                        "; ".join(issues.missing + issues.unexpected + issues.mismatched)[:2000])
+        return None
+
+    def _prepare(self, step: int, state: Any, rank_state: Any, world_change: str) -> _Prepared:
+        manifest = self._native.manifest(step)
+        try:
+            values = json.loads(manifest.values_json)
+            fmt = values.get("format") if isinstance(values, dict) else None
+            if fmt != FORMAT:
+                raise VersionMismatchError(
+                    f"step {step}: checkpoint values format {fmt!r} is not {FORMAT!r} (written by "
+                    "another version of resilient)")
+            ranks = values["ranks"]
+            if not isinstance(ranks, list) or not ranks or not all(
+                    isinstance(r, dict) for r in ranks):
+                raise ValueError("no per-rank records")
+            entries: dict[str, dict] = {}
+            saved: dict[str, list[Saved]] = {}
+            for e in manifest.tensors():
+                if e["name"] in entries:
+                    raise ValueError(f"tensor {e['name']!r} listed twice")
+                entries[e["name"]] = e
+                if e["name"].startswith("S/"):
+                    split = split_piece_name(e["name"][2:])
+                    if split is None:
+                        raise ValueError(f"bad piece name {e['name']!r}")
+                    shape = tuple(e["shape"])
+                    saved.setdefault(split[0], []).append(Saved(
+                        e["name"], e["dtype"], shape, tuple(e.get("global_shape", shape)),
+                        split[1]))
+            for r in ranks:  # the whole document is well-formed before anything is planned
+                codec.decode(r.get("state"), _placeholder)
+                codec.decode(r.get("rank_state"), _placeholder)
+            prep = _Prepared(self, step, manifest, entries)
+            prep.plan_state(ranks[0].get("state"), state, saved)
+            if rank_state is not None:
+                prep.plan_rank_state(ranks, rank_state, world_change)
+            elif self.rank == 0 and len(ranks) > self.world_size and world_change == "raise":
+                raise IncompatibleCheckpointError(
+                    f"step {step} was saved by {len(ranks)} ranks, this job has "
+                    f"{self.world_size}")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            if isinstance(e, IncompatibleCheckpointError):
+                raise
+            raise CorruptCheckpointError(
+                f"step {step}: malformed checkpoint values: {type(e).__name__}: {e}",
+                path=roots.step_dir(self.root, step)) from e
+        return prep
+
+    # -- reading tools --------------------------------------------------------------------
+    def read_global(self, step: int | None = None) -> dict[str, torch.Tensor]:
+        """This process alone: every replicated tensor of `step` (default: the newest of the
+        lineage) assembled to its global shape, by logical name ("model/fc1.weight"), and
+        per-rank tensors as "R<rank>/<name>". For tools, tests and converting formats."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}", self.root)
+        manifest = self._native.manifest(step)
+        entries = {e["name"]: e for e in manifest.tensors()}
+        reader = Reader(self._native, manifest, entries)
+        saved: dict[str, list[Saved]] = {}
+        out: dict[str, Any] = {}
+        for e in entries.values():
+            shape = tuple(e["shape"])
+            split = split_piece_name(e["name"][2:]) if e["name"].startswith("S/") else None
+            if split is None:
+                s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
+                out[e["name"]] = reader.want(e["name"], None, e["dtype"], shape, None, [s])
+                continue
+            saved.setdefault(split[0], []).append(
+                Saved(e["name"], e["dtype"], shape, tuple(e.get("global_shape", shape)), split[1])
+            )
+        for name, pieces in saved.items():
+            g = pieces[0].global_shape
+            out[name] = reader.want(name, None, pieces[0].dtype, g, None, pieces)
+        reader.run()
+        return {n: w.out for n, w in out.items()}
+
+    def verify(self, step: int) -> None:
+        """Reads every chunk of `step` and checks its checksum; raises CorruptCheckpointError."""
+        self._native.verify(self._native.manifest(step))
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _wait_in_flight(self) -> None:
+        for h in list(self._in_flight):
+            _wait_event(h._event, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"checkpointer for {self.root} is closed")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for saves in flight (raising the first failure) and stops the commit thread.
+        Interruptible (Ctrl-C): the saves in flight go on until the process exits."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(timeout)
+        finally:
+            self._queue.put(None)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+            self._native.close(timeout)
+            _OPEN.discard(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def io_backend(self) -> str:
+        """ "io_uring" or "threads"."""
+        return self._native.io_backend
+
+
+class _Prepared:
+    """One rank's plan to load one step: what to read where, and how to finish."""
+
+    def __init__(self, ck: Checkpointer, step: int, manifest: Any, entries: dict[str, dict]):
+        self.ck, self.step, self.manifest, self.entries = ck, step, manifest, entries
+        self.reader = Reader(ck._native, manifest, entries)
+        self.issues = contract.Issues()
+        self.plans: list[tuple[contract.LoadPlan, dict[str, Any], Any]] = []
+        self.rank_dropped = False
+
+    def plan_state(self, doc: Any, state: Any, saved: dict[str, list[Saved]]) -> None:
+        wanted: dict[str, Any] = {}
+
+        def check(name: str, live: torch.Tensor | None, path: str) -> str | None:
+            pieces = saved.get(name)
+            if not pieces:
+                raise CorruptCheckpointError(
+                    f"step {self.step}: the values reference tensor {name!r}, which has no data")
+            if live is not None:
+                shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
+                spec = self.ck.spec_for(name, shape, None)
+                gshape = tuple(spec.global_shape) if spec else shape
+                if pieces[0].dtype != dtype or pieces[0].global_shape != gshape:
+                    return (f"checkpoint has {pieces[0].dtype}{list(pieces[0].global_shape)}, "
+                            f"the target has {dtype}{list(gshape)}")
+            else:
+                spec = self.ck.spec_for(name, None, pieces[0].global_shape)
+                shape = tuple(spec.shape) if spec else pieces[0].global_shape
+                dtype = pieces[0].dtype
+            try:
+                if spec is not None:
+                    spec.check(name, shape)
+                wanted[name] = self.reader.want(name, live, dtype, shape, spec, pieces)
+            except ValueError as e:
+                return _reason(e, name)
+            return None
+
+        plan = contract.plan_load(doc, state, check)
+        self.issues.extend(plan.issues)
+        self.plans.append((plan, wanted, None))
+
+    def plan_rank_state(self, ranks: list, rank_state: Any, world_change: str) -> None:
+        rank, world = self.ck.rank, self.ck.world_size
+        saved_world = len(ranks)
+        if world_change == "raise" and saved_world != world:
+            raise IncompatibleCheckpointError(
+                f"step {self.step} holds per-rank state of {saved_world} ranks, this job has "
+                f"{world} (world_change='raise')")
+        if rank == 0 and saved_world > world:
+            log.warning("step %d: per-rank state of ranks %d..%d dropped (saved by %d ranks, "
+                        "this job has %d)", self.step, world, saved_world - 1, saved_world, world)
+        if rank >= saved_world:
+            log.warning("step %d was saved by %d ranks: rank %d's per-rank state starts fresh",
+                        self.step, saved_world, rank)
+            self.rank_dropped = True
+            return
+        rdoc = ranks[rank].get("rank_state")
+        wanted: dict[str, Any] = {}
+
+        def check(name: str, live: torch.Tensor | None, path: str) -> str | None:
+            e = self.entries.get(f"R{rank}/{name}")
+            if e is None:
+                raise CorruptCheckpointError(
+                    f"step {self.step}: per-rank tensor {name!r} of rank {rank} has no data")
+            shape = tuple(e["shape"])
+            s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
+            if live is not None and (e["dtype"] != codec.dtype_name(live.dtype)
+                                     or shape != tuple(live.shape)):
+                return (f"checkpoint has {e['dtype']}{list(shape)}, the target has "
+                        f"{codec.dtype_name(live.dtype)}{list(live.shape)}")
+            try:
+                wanted[name] = self.reader.want(
+                    name, live, e["dtype"] if live is None else codec.dtype_name(live.dtype),
+                    shape if live is None else tuple(live.shape), None, [s])
+            except ValueError as err:
+                return _reason(err, name)
+            return None
+
+        if rdoc is None:
+            rdoc = {}
+        plan = contract.plan_load(rdoc, rank_state, check, root_path="<rank_state>")
+        self.issues.extend(plan.issues)
+        self.plans.append((plan, wanted, None))
+
+    def read(self) -> None:
+        if self.ck.restore == "redistribute" and self.ck.world_size > 1:
+            self.reader.run_redistributed(self.ck._ranks.group, self.ck.rank,
+                                          self.ck.world_size, None)
+        else:
+            self.reader.run()
+
+    def finish(self) -> None:
+        for plan, wanted, _ in self.plans:
+            plan.finish({name: w.result() for name, w in wanted.items()})
+
+
+def _commit_loop(work: queue.Queue) -> None:
+    """The commit thread: commits queued saves in order; None ends it."""
+    while True:
+        handle = work.get()
+        if handle is None:
+            return
+        owner, handle._owner = handle._owner, None
+        try:
+            owner._commit_one(handle)
+        finally:
+            del owner
+
+
+def _placeholder(kind: str, name: str) -> Any:
+    if not isinstance(name, str):
+        raise ValueError("malformed checkpoint values: a tensor name is not a string")
+    return torch.empty(0)
+
+
+def _reason(e: ValueError, name: str) -> str:
+    msg = str(e)
+    prefix = f"tensor {name!r}: "
+    return msg[len(prefix):] if msg.startswith(prefix) else msg
+
+
+def _raise_agreed(outcomes: list, mine: Any, prepared: Any, strict: bool, step: int) -> None:
+    """After the plan phase: raise the same kind of error on every rank when some rank's
+    plan failed for a reason other than corruption, or (strict) does not fit."""
+    fatal = [o[1] for o in outcomes if o[0] == "fatal"]
+    if fatal:
+        if mine[0] == "fatal":
+            raise prepared
+        raise ResilientError(f"loading step {step} failed on another rank: {fatal[0]}")
+    incompatible = [o[1] for o in outcomes if o[0] == "incompatible"]
+    if incompatible:
+        raise IncompatibleCheckpointError(incompatible[0] if mine[0] != "incompatible"
+                                          else mine[1])
+    if any(o[0] == "skip" for o in outcomes) or not strict:
+        return
+    if mine[1] is not None:
+        raise mine[1].error(f"step {step}")
+    unfit = [r for r, o in enumerate(outcomes) if o[1] is not None]
+    if unfit:
+        theirs = outcomes[unfit[0]][1]
+        raise IncompatibleCheckpointError(
+            f"on rank(s) {unfit}: {theirs.error(f'step {step}')}", theirs.missing,
+            theirs.unexpected, theirs.mismatched)
+
+
+def _fingerprints(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """A fingerprint of each tensor's bytes (wrapping sums of its 8-byte words and of its
+    tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors."""
+    sums = []
+    for t in tensors.values():
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        n8 = b.numel() // 8 * 8
+        try:
+            words = b[:n8].view(torch.int64)
+        except RuntimeError:  # misaligned storage offset
+            words = b[:n8].clone().view(torch.int64)
+        tail = b[n8:].to(torch.int64)
+        sums.append(torch.stack([words.sum(), tail.sum() + 256 * b.numel()]))
+    if not sums:
+        return []
+    host = [s.cpu() if s.device.type != "cpu" else s for s in sums]
+    return [(int(a), int(c)) for a, c in torch.stack(host).tolist()]
+
+
+def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -> None:
+    seen: dict[tuple, tuple[int, tuple[int, int]]] = {}
+    diffs = []
+    for rank, (held, prints) in enumerate(zip(held_by_rank, prints_by_rank)):
+        for h, fp in zip(held, prints or ()):
+            first = seen.setdefault(h.key, (rank, tuple(fp)))
+            if first[1] != tuple(fp):
+                diffs.append(f"{h.name!r} (rank {first[0]} vs rank {rank})")
+    if diffs:
+        raise ReplicaMismatchError(
+            f"replicated state differs between ranks: {', '.join(sorted(set(diffs))[:10])}; "
+            "state passed as `state` must be identical on every data-parallel rank (it is "
+            "written once); per-rank values (RNG state, running statistics) belong in "
+            "rank_state")
+
+
+def _wait_event(event: threading.Event, timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            return event.is_set()
+        if event.wait(left):
+            return True
+
+
+def _wait_native(wait: Any, timeout: float | None, done: Any) -> None:
+    """Calls a native wait(timeout) in slices so that KeyboardInterrupt gets through; a
+    TimeoutError of a finished operation is its own error, raised at once."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        try:
+            wait(max(0.0, left))
+            return
+        except TimeoutError:
+            if done() or (deadline is not None and time.monotonic() >= deadline):
+                raise
+
+
+def _close_at_exit() -> None:
+    """Process exit waits for saves in flight, bounded (RESILIENT_EXIT_TIMEOUT_S, default
+    60 s); a second Ctrl-C ends the wait."""
+    limit = float(os.environ.get("RESILIENT_EXIT_TIMEOUT_S", "60"))
+    for ck in list(_OPEN):
+        try:
+            ck.close(limit)
+        except BaseException as e:  # noqa: BLE001 - exiting anyway
+            log.error("checkpoint saves not finished at exit: %s", e)
+
+
+atexit.register(_close_at_exit)

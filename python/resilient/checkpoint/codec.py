@@ -1,0 +1,259 @@
+"""Turning training state into tensors plus a JSON document, and back, without pickle.
+
+A state is a nested structure of dicts (plain, ordered, with any hashable plain keys), lists,
+tuples (named or not), torch tensors, numpy arrays, objects with ``state_dict()`` and
+``load_state_dict()`` (Stateful: modules, optimizers, schedulers) and plain values (None, bool,
+int, float, str, bytes, numpy scalars). ``encode`` returns the JSON-able document, in which
+tensors are references by name, and the tensors by name; ``decode`` rebuilds plain types from a
+document (a named tuple as a plain tuple: a class made at load time could not be pickled).
+Nothing in a checkpoint can make loading run code or import anything: unknown tags are an error
+(docs/FORMAT.md lists the tags).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+TENSOR, NDARRAY, TUPLE, DICT, ODICT, NAMEDTUPLE = (
+    "$tensor", "$ndarray", "$tuple", "$dict", "$odict", "$namedtuple")
+FLOAT, BIGINT, BYTES, NPSCALAR, STATEFUL = "$float", "$bigint", "$bytes", "$npscalar", "$stateful"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: Deepest nesting a document may have; deeper ones are rejected (a corrupt or hostile file).
+MAX_DEPTH = 256
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects that follow the Stateful protocol (modules, optimizers, schedulers)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint")
+    return dt
+
+
+@dataclass
+class Encoded:
+    """The result of encode(): a JSON-able document and the tensors it references by name."""
+
+    doc: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def key_str(key: Any) -> str:
+    """A dict key as one component of a '/'-joined path."""
+    return str(key).replace("/", "%2F")
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and isinstance(getattr(type(obj), "_fields", None), tuple)
+
+
+def encode(state: Any) -> Encoded:
+    """Encodes `state`; tensor names are the '/'-joined key paths (unique, deterministic)."""
+    out = Encoded(doc=None)
+
+    def name_for(path: tuple[str, ...]) -> str:
+        base = "/".join(path) or "tensor"
+        name, n = base, 1
+        while name in out.tensors:
+            n += 1
+            name = f"{base}#{n}"
+        return name
+
+    def pairs(obj: dict, path: tuple[str, ...]) -> list:
+        return [[enc(k, (*path, "$key")), enc(v, (*path, key_str(k)))] for k, v in obj.items()]
+
+    def enc(obj: Any, path: tuple[str, ...]) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise ValueError(f"{'/'.join(path[:8])}...: state nested deeper than {MAX_DEPTH}")
+        if isinstance(obj, torch.Tensor):
+            name = name_for(path)
+            out.tensors[name] = obj
+            return {TENSOR: name}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise TypeError(
+                    f"{'/'.join(path)}: numpy object arrays cannot be saved without pickle"
+                )
+            name = name_for(path)
+            out.tensors[name] = torch.from_numpy(np.ascontiguousarray(obj))
+            return {NDARRAY: name}
+        if obj is None or isinstance(obj, (bool, str)):
+            if isinstance(obj, str):
+                obj.encode("utf-8")  # lone surrogates cannot be stored; fail here, clearly
+            return obj
+        if isinstance(obj, np.generic):
+            return {NPSCALAR: obj.dtype.str, "value": enc(obj.item(), path)}
+        if isinstance(obj, int):
+            return obj if _INT64_MIN <= obj <= _INT64_MAX else {BIGINT: str(obj)}
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {FLOAT: repr(obj)}
+        if isinstance(obj, (bytes, bytearray)):
+            return {BYTES: base64.b64encode(bytes(obj)).decode("ascii")}
+        if _is_namedtuple(obj):
+            values = [enc(v, (*path, str(f))) for f, v in zip(obj._fields, obj)]
+            return {NAMEDTUPLE: {"name": type(obj).__name__, "fields": list(obj._fields),
+                                 "values": values}}
+        if isinstance(obj, tuple):
+            return {TUPLE: [enc(v, (*path, str(i))) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, OrderedDict):
+            return {ODICT: pairs(obj, path)}
+        if isinstance(obj, dict):
+            keys = list(obj)
+            plain = all(isinstance(k, str) and not k.startswith("$") for k in keys)
+            if plain and keys == sorted(keys):  # a JSON object keeps sorted keys only
+                return {k: enc(v, (*path, key_str(k))) for k, v in obj.items()}
+            return {DICT: pairs(obj, path)}
+        if is_stateful(obj):
+            return {STATEFUL: enc(obj.state_dict(), path)}
+        raise TypeError(
+            f"{'/'.join(path) or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
+            "use tensors, numpy arrays, plain values, containers or objects with state_dict()"
+        )
+
+    out.doc = enc(state, ())
+    return out
+
+
+def tag_of(obj: dict) -> str | None:
+    """The "$" key of a tagged dict; None for a plain dict. A tagged dict holds its tag alone
+    ($npscalar: and "value"); anything else is malformed."""
+    tags = [k for k in obj if isinstance(k, str) and k.startswith("$")]
+    if not tags:
+        return None
+    allowed = 2 if tags[0] == NPSCALAR and "value" in obj else 1
+    if len(tags) > 1 or len(obj) != allowed:
+        raise ValueError(f"malformed checkpoint values: a tagged object with keys "
+                         f"{sorted(map(str, obj))[:4]}")
+    return tags[0]
+
+
+def hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(hashable(k) for k in key)
+    if isinstance(key, dict):
+        raise ValueError("malformed checkpoint values: a mapping used as a dict key")
+    return key
+
+
+def unwrap(doc: Any) -> Any:
+    """The saved state_dict of a Stateful object stands for itself."""
+    while isinstance(doc, dict) and len(doc) == 1 and STATEFUL in doc:
+        doc = doc[STATEFUL]
+    return doc
+
+
+def dict_items(doc: dict) -> list[tuple[Any, Any]] | None:
+    """(key, value document) pairs of a saved dict (plain, $dict or $odict); None otherwise."""
+    tag = tag_of(doc)
+    if tag is None:
+        return list(doc.items())
+    if tag in (DICT, ODICT):
+        items = doc[tag]
+        if not isinstance(items, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in items
+        ):
+            raise ValueError(f"malformed checkpoint values: {tag} is not a list of pairs")
+        out = [(hashable(decode(k, _no_tensors)), v) for k, v in items]
+        if len({k for k, _ in out}) != len(out):
+            raise ValueError("malformed checkpoint values: a dict with duplicate keys")
+        return out
+    return None
+
+
+def _no_tensors(kind: str, name: str) -> Any:
+    raise ValueError("malformed checkpoint values: a tensor used as a dict key")
+
+
+def decode(doc: Any, tensor_for: Callable[[str, str], torch.Tensor]) -> Any:
+    """Rebuilds plain types from `doc` (a Stateful object's state as its plain state dict);
+    `tensor_for(kind, name)` supplies each tensor. Raises ValueError for a malformed document."""
+
+    def dec(obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"malformed checkpoint values: nested deeper than {MAX_DEPTH}")
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, list):
+            return [dec(v, depth + 1) for v in obj]
+        if not isinstance(obj, dict):
+            raise ValueError(f"unexpected {type(obj).__name__} in checkpoint values")
+        tag = tag_of(obj)
+        if tag is None:
+            return {k: dec(v, depth + 1) for k, v in obj.items()}
+        value = obj[tag]
+        if tag == TENSOR:
+            return tensor_for("tensor", value)
+        if tag == NDARRAY:
+            return tensor_for("ndarray", value).numpy()
+        if tag == TUPLE:
+            return tuple(dec(v, depth + 1) for v in _list(value, tag))
+        if tag in (DICT, ODICT):
+            items = {k: dec(v, depth + 1) for k, v in dict_items(obj) or ()}
+            return OrderedDict(items) if tag == ODICT else items
+        if tag == NAMEDTUPLE:  # a named tuple target keeps its type (contract.py); here a tuple
+            if not isinstance(value, dict):
+                raise ValueError("malformed checkpoint values: $namedtuple")
+            return tuple(dec(v, depth + 1) for v in _list(value.get("values"), tag))
+        if tag == FLOAT:
+            return float(value)
+        if tag == BIGINT:
+            return int(value)
+        if tag == BYTES:
+            return base64.b64decode(value, validate=True)
+        if tag == NPSCALAR:
+            return np.dtype(value).type(dec(obj.get("value"), depth + 1))
+        if tag == STATEFUL:
+            return dec(value, depth + 1)
+        raise ValueError(f"unknown tag {tag!r} in checkpoint values")
+
+    return dec(doc, 0)
+
+
+def _list(value: Any, tag: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"malformed checkpoint values: {tag} holds no list")
+    return value
+
+
+def tensor_refs(doc: Any) -> list[str]:
+    """Every tensor name a document references, in document order."""
+    out: list[str] = []
+
+    def walk(d: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"malformed checkpoint values: nested deeper than {MAX_DEPTH}")
+        if isinstance(d, list):
+            for v in d:
+                walk(v, depth + 1)
+        elif isinstance(d, dict):
+            tag = tag_of(d)
+            if tag in (TENSOR, NDARRAY):
+                if not isinstance(d[tag], str):
+                    raise ValueError("malformed checkpoint values: a tensor name is not a string")
+                out.append(d[tag])
+            else:
+                for v in d.values():
+                    walk(v, depth + 1)
+
+    walk(doc, 0)
+    return out

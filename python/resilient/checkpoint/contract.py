@@ -1,0 +1,268 @@
+"""The load contract: match a saved state document against the caller's live state, report
+every difference before anything is written, then put the restored values in place.
+
+``plan_load(doc, target, check)`` walks the saved document and the target side by side and
+returns a LoadPlan: the saved tensors to read (each into the target's own tensor, or into a new
+one where the target has none), and the keys that are missing, unexpected or mismatched. Only
+``LoadPlan.finish()``, called after every tensor was read, changes the target: it stores the
+non-tensor values, fills containers, and calls ``load_state_dict()`` on Stateful objects.
+
+Matching rules (docs/STATE.md):
+- a Stateful object and its ``state_dict()`` are interchangeable on both sides: a saved object is
+  its state dict; an object target is matched through its current ``state_dict()`` and then gets
+  ``load_state_dict()`` with the restored dict;
+- a non-empty dict matches key by key: a key only in the target is *missing*, a key only in the
+  checkpoint *unexpected*; an empty dict (``{}``, a fresh optimizer's ``state``) is filled with
+  everything saved at that place; ``None`` is replaced by whatever was saved;
+- lists and tuples match item by item and must have the same length;
+- a tensor or array target must be a saved tensor of the same dtype and shape (sharded
+  checkpointers check global shapes and coverage in `check`), and writable in place;
+- plain values (numbers, strings, bytes) are replaced by the saved plain value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from resilient.checkpoint import codec
+from resilient.errors import IncompatibleCheckpointError
+
+#: check(name, target tensor or None, path) -> None if the saved tensor `name` can be read into
+#: the target (and registers the read), else why not.
+Check = Callable[[str, "torch.Tensor | None", str], "str | None"]
+
+_PLAIN = (bool, int, float, str, bytes, bytearray, np.generic)
+
+
+@dataclass
+class Issues:
+    """Differences between a checkpoint and a target, by '/'-joined key path."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def extend(self, other: Issues) -> None:
+        self.missing += other.missing
+        self.unexpected += other.unexpected
+        self.mismatched += other.mismatched
+
+    def error(self, what: str) -> IncompatibleCheckpointError:
+        parts = []
+        for label, keys in (("missing from the checkpoint", self.missing),
+                            ("not in the target state", self.unexpected),
+                            ("mismatched", self.mismatched)):
+            if keys:
+                shown = ", ".join(keys[:20]) + (f" ... ({len(keys)} in all)" if len(keys) > 20
+                                                 else "")
+                parts.append(f"{label}: {shown}")
+        hint = ""
+        if self.unexpected and not self.missing:
+            hint = (" (pass strict=False to load what matches; a fresh optimizer's state_dict() "
+                    "has no state yet: pass the optimizer object itself)")
+        return IncompatibleCheckpointError(
+            f"{what} does not fit the target state; nothing was modified. " + "; ".join(parts)
+            + hint, self.missing, self.unexpected, self.mismatched)
+
+
+def unwritable(t: Any) -> str | None:
+    """Why the engine cannot write into tensor `t` in place, or None."""
+    if isinstance(t, np.ndarray):
+        return None if t.flags.writeable else "a read-only numpy array"
+    if _is_dtensor(t):
+        return ("a DTensor (FSDP2 / tensor-parallel sharded state), which this version "
+                "cannot load in place; load into full tensors (e.g. before fully_shard)")
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    if t.device.type == "meta":
+        return ("on the meta device (no storage); materialize it first, e.g. "
+                "module.to_empty(device=...)")
+    if t.device.type not in ("cpu", "cuda"):
+        return f"on {t.device}, which the engine cannot write"
+    if t.numel() and t.data_ptr() == 0:
+        return "a tensor without storage"
+    return None
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+class LoadPlan:
+    """What a load will do; nothing in the target changed yet. See the module docstring."""
+
+    def __init__(self) -> None:
+        self.issues = Issues()
+        self.new: dict[str, str] = {}  # saved tensor name -> path, read into new tensors
+        self._finish: Callable[[], Any] | None = None
+        self._tensors: dict[str, Any] = {}
+
+    def finish(self, tensors: dict[str, Any]) -> Any:
+        """Puts the restored values in place; `tensors` holds the new tensors by saved name.
+        Returns the restored state (the target itself where it could be updated in place)."""
+        self._tensors = tensors
+        return self._finish() if self._finish is not None else None
+
+
+def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadPlan:
+    """Matches saved `doc` against `target` (see the module docstring). Never modifies `target`
+    (it calls ``state_dict()`` of Stateful objects). Raises ValueError for a malformed doc."""
+    plan = LoadPlan()
+    issues = plan.issues
+
+    def join(path: str, key: Any) -> str:
+        k = codec.key_str(key)
+        return f"{path}/{k}" if path else k
+
+    def fill(d: Any, path: str) -> Callable[[], Any]:
+        for name in codec.tensor_refs(d):
+            why = check(name, None, path)
+            if why is not None:
+                issues.mismatched.append(f"'{path}': {why}" if path else f"<root>: {why}")
+            plan.new[name] = path
+
+        def tensor_for(kind: str, name: str) -> Any:
+            return plan._tensors[name]
+
+        return lambda: codec.decode(d, tensor_for)
+
+    def walk(d: Any, t: Any, path: str, depth: int) -> Callable[[], Any] | None:
+        if depth > codec.MAX_DEPTH:
+            raise ValueError(f"malformed checkpoint values: nested deeper than {codec.MAX_DEPTH}")
+        d = codec.unwrap(d)
+        if t is None:
+            return fill(d, path)
+        where = f"'{path}'" if path else "<root>"
+        tag = codec.tag_of(d) if isinstance(d, dict) else None
+        if isinstance(t, (torch.Tensor, np.ndarray)):
+            if tag not in (codec.TENSOR, codec.NDARRAY):
+                issues.mismatched.append(f"{where}: the checkpoint has {_kind(d)}, the target a "
+                                         "tensor")
+                return None
+            why = unwritable(t)
+            live = t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
+            why = why or check(d[tag], live, path)
+            if why is not None:
+                issues.mismatched.append(f"{where}: {why}")
+                return None
+            return lambda: t
+        if codec.is_stateful(t):
+            live = t.state_dict()
+            inner = walk(d, live, path, depth + 1)
+            if inner is None:
+                return None
+
+            def restore_object() -> Any:
+                restored = inner()
+                if not (isinstance(t, torch.nn.Module) and _all_in_place(restored, live)):
+                    t.load_state_dict(restored)
+                return t
+
+            return restore_object
+        if isinstance(t, dict):
+            items = codec.dict_items(d) if isinstance(d, dict) else None
+            if items is None:
+                issues.mismatched.append(f"{where}: the checkpoint has {_kind(d)}, the target "
+                                         "a dict")
+                return None
+            saved = dict(items)
+            if not t:  # an empty dict takes everything saved here
+                parts = {k: fill(v, join(path, k)) for k, v in items}
+            else:
+                parts = {}
+                for k in t:
+                    if k in saved:
+                        part = walk(saved[k], t[k], join(path, k), depth + 1)
+                        if part is not None:
+                            parts[k] = part
+                    else:
+                        issues.missing.append(join(path, k))
+                issues.unexpected += [join(path, k) for k in saved if k not in t]
+
+            def restore_dict() -> Any:
+                for k, part in parts.items():
+                    value = part()
+                    if k not in t or t[k] is not value:
+                        t[k] = value
+                return t
+
+            return restore_dict
+        if isinstance(t, (list, tuple)):
+            want = "list" if isinstance(t, list) else "tuple"
+            seq = _sequence(d, want)
+            if seq is None:
+                issues.mismatched.append(f"{where}: the checkpoint has {_kind(d)}, the target a "
+                                         f"{want}")
+                return None
+            if len(seq) != len(t):
+                issues.mismatched.append(f"{where}: the checkpoint has {len(seq)} items, the "
+                                         f"target {len(t)}")
+                return None
+            fields = getattr(type(t), "_fields", None)
+            keys = fields if isinstance(fields, tuple) else range(len(t))
+            parts_l = [walk(v, x, join(path, k), depth + 1) for v, x, k in zip(seq, t, keys)]
+
+            def restore_seq() -> Any:
+                values = [x if part is None else part() for part, x in zip(parts_l, t)]
+                if isinstance(t, list):
+                    t[:] = values
+                    return t
+                return type(t)(*values) if isinstance(fields, tuple) else type(t)(values)
+
+            return restore_seq
+        if isinstance(t, _PLAIN):
+            if _kind(d) not in ("a value", "None"):
+                issues.mismatched.append(f"{where}: the checkpoint has {_kind(d)}, the target "
+                                         f"a {type(t).__name__}")
+                return None
+            return fill(d, path)
+        issues.mismatched.append(f"{where}: cannot load into a {type(t).__name__} (no "
+                                 "state_dict()/load_state_dict())")
+        return None
+
+    plan._finish = walk(doc, target, root_path, 0)
+    return plan
+
+
+def _all_in_place(restored: Any, live: Any) -> bool:
+    """True when a module's restored state dict is its live one with every tensor written in
+    place, so load_state_dict() would only copy each tensor onto itself."""
+    if restored is not live or not isinstance(live, dict):
+        return False
+    return all(isinstance(v, torch.Tensor) for v in live.values())
+
+
+def _sequence(d: Any, want: str) -> list | None:
+    if isinstance(d, list):
+        return d if want == "list" else None
+    if isinstance(d, dict) and len(d) == 1:
+        if codec.TUPLE in d and isinstance(d[codec.TUPLE], list):
+            return d[codec.TUPLE] if want == "tuple" else None
+        if codec.NAMEDTUPLE in d and isinstance(d[codec.NAMEDTUPLE], dict):
+            values = d[codec.NAMEDTUPLE].get("values")
+            return values if want == "tuple" and isinstance(values, list) else None
+    return None
+
+
+def _kind(d: Any) -> str:
+    if d is None:
+        return "None"
+    if isinstance(d, list):
+        return "a list"
+    if isinstance(d, dict):
+        tag = codec.tag_of(d)
+        return {None: "a dict", codec.DICT: "a dict", codec.ODICT: "a dict",
+                codec.TENSOR: "a tensor", codec.NDARRAY: "an array", codec.TUPLE: "a tuple",
+                codec.NAMEDTUPLE: "a tuple"}.get(tag, "a value")
+    return "a value"

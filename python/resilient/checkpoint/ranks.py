@@ -1,0 +1,142 @@
+"""The ranks one checkpointer spans, and the few collectives it needs between them.
+
+One process (no torch.distributed, or ``distributed=False``) is the case of one rank: gathers
+return the caller's own object and the store is an in-process HashStore, so the save, commit and
+load code is the same for 1 and N ranks. With N ranks, small objects travel over a gloo group
+and the commit protocol's reports over the job's store.
+
+Every collective call of a checkpointer first *enters*: each rank adds itself to a counter in
+the store; the last one in marks the entry complete. A rank that waits longer than
+``collective_timeout`` (default 30 s) for that mark raises CollectiveError saying how many ranks
+arrived, instead of blocking in gloo for the process group's timeout (the usual cause is a save
+guarded by ``if rank == 0``). The entry also checks that every rank passed the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from resilient.errors import CollectiveError
+
+
+def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005) -> None:
+    """Waits until `key` is set in `store`, polling with check(): a blocking store.wait() holds
+    the TCPStore client's connection for its whole duration, so the commit thread's wait would
+    stall the main thread's store calls (and the other way round). TimeoutError when late."""
+    deadline = time.monotonic() + timeout
+    delay = min(poll_s, 0.001)
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"store key {key!r} not set within {timeout:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, poll_s)
+
+
+def default_store() -> Any:
+    """The store of the default process group (torchrun's or init_process_group's)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class Ranks:
+    """rank, world_size, gather(obj), broadcast(obj), enter(op, arg) and a store."""
+
+    def __init__(
+        self,
+        distributed: bool | None,
+        group: Any,
+        store: Any,
+        timeout: float,
+        collective_timeout: float | None,
+    ):
+        if distributed is None:
+            distributed = dist.is_available() and dist.is_initialized() and (
+                dist.get_world_size() > 1)
+        if distributed and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("a distributed checkpointer needs "
+                               "torch.distributed.init_process_group() first")
+        self.distributed = bool(distributed)
+        if collective_timeout is None:
+            collective_timeout = float(os.environ.get("RESILIENT_COLLECTIVE_TIMEOUT_S", "30"))
+        self.collective_timeout = float(collective_timeout)
+        self._seq = 0
+        self.broken = ""
+        if not self.distributed:
+            self.rank, self.world_size, self.group = 0, 1, None
+            self.store = store if store is not None else dist.HashStore()
+            self.run_id = os.urandom(6).hex()
+            return
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = (group if group is not None
+                      else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
+        self.store = store if store is not None else default_store()
+        run = [os.urandom(6).hex() if self.rank == 0 else None]
+        dist.broadcast_object_list(run, src=0, group=self.group)
+        self.run_id = run[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def enter(self, op: str, arg: Any) -> None:
+        """Collective entry check (module docstring). Raises CollectiveError on every rank that
+        entered when some rank did not come within collective_timeout, or came with another
+        `arg`."""
+        if not self.distributed:
+            return
+        if self.broken:
+            raise CollectiveError(f"this checkpointer is out of step with its peers after an "
+                                  f"earlier error ({self.broken}); close it and create a new one")
+        self._seq += 1
+        prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
+        mine = json.dumps(arg)
+        self.store.set(f"{prefix}/arg{self.rank}", mine)
+        if self.store.add(f"{prefix}/count", 1) == self.world_size:
+            self.store.set(f"{prefix}/all", "1")
+        try:
+            wait_key(self.store, f"{prefix}/all", self.collective_timeout)
+        except Exception as e:
+            arrived = self.store.add(f"{prefix}/count", 0)
+            self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
+            raise CollectiveError(
+                f"{op}() is collective: every rank of the process group must call it (rank "
+                f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} ranks "
+                f"did within {self.collective_timeout:g} s; a call guarded by `if rank == 0` "
+                "does this; for a checkpoint written by one process pass distributed=False)"
+            ) from e
+        if self.rank == 0:
+            others = [self.store.get(f"{prefix}/arg{r}").decode() for r in range(self.world_size)]
+            verdict = "ok" if len(set(others)) == 1 else json.dumps(
+                {r: json.loads(a) for r, a in enumerate(others)})
+            self.store.set(f"{prefix}/verdict", verdict)
+        wait_key(self.store, f"{prefix}/verdict", self.collective_timeout)
+        verdict = self.store.get(f"{prefix}/verdict").decode()
+        if verdict != "ok":
+            raise CollectiveError(f"{op}() was called with different arguments on different "
+                                  f"ranks (rank: argument): {verdict}")
+        if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
+            old = f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}"
+            for key in [f"{old}/count", f"{old}/all", f"{old}/verdict"] + [
+                    f"{old}/arg{r}" for r in range(self.world_size)]:
+                try:
+                    self.store.delete_key(key)
+                except Exception:
+                    pass

@@ -1,0 +1,218 @@
+"""A checkpoint root on disk: recognising one, creating it, its lineage and its retention.
+
+A root is a directory that resilient initialised: it holds ``resilient-root.json`` (written when
+the root is created: by the first save, or by ``Checkpointer(..., create=True)``), or, for roots
+written before that file existed, at least one ``step-*`` directory. Anything else - a missing
+path, a step directory, a DCP or torch.save directory - is not a root, and loading from it raises
+CheckpointNotFoundError saying what it is, so a mistyped path never reads as "no checkpoint yet".
+
+Lineage. Every commit writes ``lineage.json`` (``seq``: a commit sequence number, larger than
+every earlier commit's in the root; ``parent``: the step and seq the writer had resumed from or
+last committed) into its step directory before the directory is renamed into place, so it is
+committed atomically with the step. The *current lineage* is the chain of parents from the
+commit with the largest seq. ``load()`` without a step walks that chain, newest first; after
+``load(step=k)`` the next commit names k as its parent, so it starts a new branch and the steps
+saved after k on the old branch are no longer in the lineage: retention deletes them, and a crash
+after that first commit resumes the new branch. Steps without ``lineage.json`` (older roots) are
+ancestors of each other in step order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+
+from resilient.errors import CheckpointNotFoundError
+
+MARKER = "resilient-root.json"
+LINEAGE = "lineage.json"
+_STEP_DIR = re.compile(r"^step-(\d{12})$")
+_MAX_LINEAGE_BYTES = 4096
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:012d}")
+
+
+def tmp_dir(root: str, step: int) -> str:
+    return os.path.join(root, f".tmp-step-{step:012d}")
+
+
+def _names(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def is_root(path: str) -> bool:
+    """True for a directory resilient initialised (a marker, a step or a save in progress)."""
+    names = _names(path)
+    return any(_STEP_DIR.match(n) or n.startswith((MARKER, ".tmp-step-")) for n in names)
+
+
+def why_not_root(path: str) -> str:
+    """Says what `path` is, for a path that is not a checkpoint root."""
+    if not os.path.exists(path):
+        return (f"checkpoint root {path} does not exist (for a run that may start fresh, "
+                "pass create=True, or save first)")
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a checkpoint root directory"
+    names = set(_names(path))
+    if "manifest.json" in names and _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        return (f"{path} is one step of a resilient checkpoint; pass its parent directory "
+                f"as the root and step={int(os.path.basename(os.path.normpath(path))[5:])}")
+    if ".metadata" in names:
+        return f"{path} is a torch.distributed.checkpoint (DCP) directory, not a resilient root"
+    saved = sorted(n for n in names if n.endswith((".pt", ".pth", ".bin", ".safetensors")))
+    if saved:
+        return (f"{path} holds {', '.join(saved[:3])} (torch.save / safetensors files), not a "
+                "resilient checkpoint root")
+    if not names:
+        return (f"{path} is an empty directory that resilient did not initialise (pass "
+                "create=True to start a new run there)")
+    return (f"{path} is not a resilient checkpoint root (no {MARKER}, no step-* directories; "
+            f"it holds {', '.join(sorted(names)[:3])}{'...' if len(names) > 3 else ''})")
+
+
+def ensure_root(path: str) -> None:
+    """Makes `path` a checkpoint root: creates it (and its parents) and the marker, made
+    durable. A directory holding anything that is not a resilient root is refused."""
+    if is_root(path):
+        if not os.path.exists(os.path.join(path, MARKER)):
+            _write_marker(path)
+        return
+    if os.path.isdir(path) and _names(path):
+        raise CheckpointNotFoundError(
+            why_not_root(path) + "; refusing to create a checkpoint root there", path)
+    os.makedirs(path, exist_ok=True)
+    _write_marker(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    _fsync_dir(parent)
+
+
+def _write_marker(path: str) -> None:
+    body = json.dumps({"format": "resilient-root", "version": 1}) + "\n"
+    write_atomic(os.path.join(path, MARKER), body)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes `path` through a temporary file, fsync and rename, then fsyncs the directory."""
+    tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """One commit's place in the root's history."""
+
+    seq: int
+    parent_step: int | None
+    parent_seq: int | None
+
+
+def read_lineage(root: str, step: int) -> Lineage | None:
+    """The lineage record of committed `step`; None for a step written without one. A record
+    that cannot be parsed counts as none (the step itself is verified when loaded)."""
+    path = os.path.join(step_dir(root, step), LINEAGE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, _MAX_LINEAGE_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw.decode())
+        seq, parent = doc["seq"], doc.get("parent")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            return None
+        if parent is None:
+            return Lineage(seq, None, None)
+        ps, pq = parent["step"], parent.get("seq")
+        if not isinstance(ps, int) or (pq is not None and not isinstance(pq, int)):
+            return None
+        return Lineage(seq, ps, pq)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
+def write_lineage(directory: str, seq: int, parent: tuple[int, int | None] | None) -> None:
+    doc = {"seq": seq, "parent": None if parent is None else {"step": parent[0],
+                                                              "seq": parent[1]}}
+    write_atomic(os.path.join(directory, LINEAGE), json.dumps(doc) + "\n")
+
+
+def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | None]]:
+    """The current lineage (newest first) among committed `steps`, and each step's record."""
+    info = {s: read_lineage(root, s) for s in steps}
+    recorded = [s for s in steps if info[s] is not None]
+    if not recorded:
+        return sorted(steps, reverse=True), info
+    head = max(recorded, key=lambda s: info[s].seq)  # type: ignore[union-attr]
+    chain, seen, cur = [head], {head}, head
+    while True:
+        li = info[cur]
+        if li is None:  # an older root's steps: ancestors in step order
+            chain += [s for s in sorted(steps, reverse=True) if s < cur and info[s] is None]
+            break
+        p = li.parent_step
+        if p is None or p not in info or p in seen:
+            break
+        pl = info[p]
+        if (pl.seq if pl is not None else None) != li.parent_seq:
+            break  # the parent's directory was replaced by a later commit of that step
+        chain.append(p)
+        seen.add(p)
+        cur = p
+    return chain, info
+
+
+def max_seq(info: dict[int, Lineage | None]) -> int:
+    return max((li.seq for li in info.values() if li is not None), default=0)
+
+
+def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
+    """Deletes every committed step outside the newest `keep` of the current lineage (all of
+    the lineage when keep <= 0, but always the abandoned branches), leftovers of earlier
+    deletions, and points `latest` at the head. Returns the deleted steps."""
+    chain, _ = history(root, steps)
+    kept = set(chain if keep <= 0 else chain[:keep])
+    deleted = []
+    for s in steps:
+        if s in kept:
+            continue
+        trash = os.path.join(root, f".trash-step-{s:012d}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(step_dir(root, s), trash)  # a half-deleted step never looks committed
+        except FileNotFoundError:
+            continue
+        deleted.append(s)
+    if deleted:
+        _fsync_dir(root)
+    for name in _names(root):
+        if name.startswith(".trash-step-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if chain:
+        write_atomic(os.path.join(root, "latest"), f"step-{chain[0]:012d}\n")
+    return deleted

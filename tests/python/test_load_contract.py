@@ -1,0 +1,426 @@
+"""The load contract (docs/STATE.md), one process: each case of the load-contract issue as a
+regression test. Multi-rank cases: test_load_contract_dist.py; generated states:
+test_load_contract_props.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import resilient
+from resilient import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from resilient.training import CheckpointManager
+
+
+def trained(seed: int = 0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    s = torch.optim.lr_scheduler.StepLR(o, 2, 0.5)
+    for _ in range(3):
+        m(torch.randn(5, 4)).pow(2).sum().backward()
+        o.step()
+        s.step()
+    return m, o, s
+
+
+def fresh(seed: int = 1):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=0.5)
+    s = torch.optim.lr_scheduler.StepLR(o, 2, 0.5)
+    return m, o, s
+
+
+def same(a, b) -> bool:
+    """Bit-exact equality of nested state (tensors by bytes)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_restored(m, o, s, m2, o2, s2):
+    assert same(m.state_dict(), m2.state_dict())
+    assert same(o.state_dict(), o2.state_dict())
+    assert s.state_dict() == s2.state_dict()
+    assert o2.param_groups[0]["lr"] == o.param_groups[0]["lr"]
+
+
+# 1. objects and state dicts are interchangeable, all four ways -------------------------------
+@pytest.mark.parametrize("save_as", ["objects", "state_dicts"])
+def test_saved_state_dicts_load_into_objects_and_back(tmp_path, save_as):
+    m, o, s = trained()
+    state = ({"model": m, "optim": o, "sched": s} if save_as == "objects" else
+             {"model": m.state_dict(), "optim": o.state_dict(), "sched": s.state_dict()})
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(7, state).wait()
+        m2, o2, s2 = fresh()
+        assert ck.load({"model": m2, "optim": o2, "sched": s2}) == 7
+        assert_restored(m, o, s, m2, o2, s2)
+        # The DCP idiom: load into state dicts, then load_state_dict() them.
+        m3, o3, s3 = fresh(2)
+        sd = {"model": m3.state_dict(), "optim": o3.state_dict(), "sched": s3.state_dict()}
+        assert ck.load(sd) == 7
+        assert same(m3.state_dict(), m.state_dict())  # module tensors land in place
+        o3.load_state_dict(sd["optim"])
+        s3.load_state_dict(sd["sched"])
+        assert_restored(m, o, s, m3, o3, s3)
+
+
+def test_get_state_dict_and_stateful_app_state_idioms(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    m, o, _ = trained()
+    msd, osd = get_state_dict(m, o)
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": msd, "optim": osd}).wait()
+        m2, o2, _ = fresh()
+        msd2, osd2 = get_state_dict(m2, o2)  # initialises the optimizer's state
+        assert ck.load({"model": msd2, "optim": osd2}) == 1
+        set_state_dict(m2, o2, model_state_dict=msd2, optim_state_dict=osd2)
+        assert same(m.state_dict(), m2.state_dict())
+        assert same(o.state_dict(), o2.state_dict())
+
+        class AppState:  # the DCP Stateful app-state idiom
+            def __init__(self, model, optim):
+                self.model, self.optim = model, optim
+
+            def state_dict(self):
+                msd, osd = get_state_dict(self.model, self.optim)
+                return {"model": msd, "optim": osd}
+
+            def load_state_dict(self, sd):
+                set_state_dict(self.model, self.optim, model_state_dict=sd["model"],
+                               optim_state_dict=sd["optim"])
+
+        ck.save(2, {"app": AppState(m, o)}).wait()
+        m3, o3, _ = fresh(3)
+        assert ck.load({"app": AppState(m3, o3)}) == 2
+        assert same(m.state_dict(), m3.state_dict()) and same(o.state_dict(), o3.state_dict())
+
+
+# 2. targets the engine cannot write raise, naming the tensor ---------------------------------
+def test_meta_targets_raise_and_nothing_changes(tmp_path):
+    m, o, _ = trained()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": m}).wait()
+        with torch.device("meta"):
+            meta = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        with pytest.raises(IncompatibleCheckpointError, match="'model/0.weight'.*meta device"):
+            ck.load({"model": meta})
+        with pytest.raises(TypeError, match="meta"):
+            ck.save(2, {"model": meta})
+
+
+DTENSOR = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    import resilient
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    root = sys.argv[1]
+    plain = nn.Linear(4, 4)
+    with resilient.Checkpointer(root) as ck:
+        ck.save(1, {"model": plain}).wait()
+        sharded = nn.Linear(4, 4)
+        fully_shard(sharded)
+        before = {k: v.full_tensor().clone() for k, v in sharded.state_dict().items()}
+        try:
+            ck.load({"model": sharded})
+            print("LOADED")
+        except resilient.IncompatibleCheckpointError as e:
+            print("RAISED", e)
+        after = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+        print("UNCHANGED", all(torch.equal(before[k], after[k]) for k in before))
+        try:
+            ck.save(2, {"model": sharded})
+            print("SAVED")
+        except TypeError as e:
+            print("SAVE-RAISED", e)
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_dtensor_targets_raise_instead_of_loading_nothing(tmp_path, free_port):
+    out = subprocess.run([sys.executable, "-c", DTENSOR, str(tmp_path / "c"), str(free_port)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "RAISED" in out.stdout and "'model/weight'" in out.stdout and "DTensor" in out.stdout
+    assert "UNCHANGED True" in out.stdout
+    assert "SAVE-RAISED" in out.stdout and "DTensor" in out.stdout, out.stdout
+
+
+# 3. the manager reads live objects at every save ---------------------------------------------
+def test_manager_refuses_state_dicts_captured_once(tmp_path):
+    m, o, s = trained()
+    with pytest.raises(TypeError, match=r"\['optim'\]\['param_groups'\]\[0\]\['lr'\].*captured|"
+                       r"state_dict\(\) taken once"):
+        CheckpointManager(tmp_path / "c", {"model": m.state_dict(), "optim": o.state_dict()})
+    with pytest.raises(TypeError, match="sched"):
+        CheckpointManager(tmp_path / "c", {"model": m, "sched": s.state_dict()})
+
+
+def test_manager_saves_the_state_as_of_each_save(tmp_path):
+    m, o, s = trained()
+    mgr = CheckpointManager(tmp_path / "c", lambda: {"model": m, "optim": o, "sched": s},
+                            every=1, create=True, rng=False)
+    assert mgr.restore() == 0
+    mgr.save(1).wait()
+    m(torch.randn(5, 4)).sum().backward()
+    o.step()
+    s.step()
+    mgr.save(2).wait()
+    mgr.close()
+    m2, o2, s2 = fresh()
+    mgr2 = CheckpointManager(tmp_path / "c", {"model": m2, "optim": o2, "sched": s2}, rng=False)
+    assert mgr2.restore() == 2
+    assert_restored(m, o, s, m2, o2, s2)
+    assert o2.state_dict()["state"][0]["step"].item() == 4  # not the empty state of step 0
+    mgr2.close()
+
+
+# 5. strict by default: every difference named, nothing modified -------------------------------
+def test_renamed_missing_and_unexpected_keys_raise_with_target_unchanged(tmp_path):
+    m, o, _ = trained()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": m, "optim": o}).wait()
+        m2, o2, _ = fresh()
+        before = {k: v.clone() for k, v in m2.state_dict().items()}
+        with pytest.raises(IncompatibleCheckpointError) as info:
+            ck.load({"net": m2, "optim": o2})
+        assert info.value.missing == ["net"] and info.value.unexpected == ["model"]
+        assert same(before, m2.state_dict()) and o2.state_dict()["state"] == {}
+        with pytest.raises(IncompatibleCheckpointError, match="sched"):
+            ck.load({"model": m2, "optim": o2, "sched": torch.optim.lr_scheduler.StepLR(o2, 1)})
+        assert same(before, m2.state_dict())
+        # strict=False restores what matches and reports the rest
+        assert ck.load({"net": m2, "optim": o2}, strict=False) == 1
+        assert ck.last_load.missing == ["net"] and ck.last_load.unexpected == ["model"]
+        assert same(o.state_dict(), o2.state_dict())
+
+
+def test_kind_dtype_shape_and_length_changes_are_mismatches(tmp_path):
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"t": torch.ones(3), "f": 0.5, "l": [1, 2, 3], "x": torch.ones(2, 2)}).wait()
+        cases = [
+            ({"t": 1.0}, "'t'"),                    # a tensor saved, a float wanted
+            ({"f": torch.zeros(1)}, "'f'"),         # a float saved, a tensor wanted
+            ({"l": [0, 0]}, "'l': the checkpoint has 3 items"),
+            ({"x": torch.zeros(2, 2, dtype=torch.float64)}, "'x': checkpoint has float32"),
+            ({"x": torch.zeros(4)}, r"'x': checkpoint has float32\[2, 2\]"),
+        ]
+        for bad, why in cases:
+            target = {"t": torch.zeros(3), "f": 0.0, "l": [0, 0, 0], "x": torch.zeros(2, 2)}
+            target.update(bad)
+            snapshot = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in target.items()}
+            with pytest.raises(IncompatibleCheckpointError, match=why):
+                ck.load(target)
+            assert same(snapshot, target)
+
+
+def test_a_module_wrapped_differently_names_the_keys(tmp_path):
+    m, _, _ = trained()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": m}).wait()
+        wrapped = nn.Module()
+        wrapped.module = fresh()[0]
+        with pytest.raises(IncompatibleCheckpointError, match="model/module.0.weight"):
+            ck.load({"model": wrapped})
+
+
+# 6. "no checkpoint yet" only for a root resilient initialised ---------------------------------
+def test_roots_that_are_not_checkpoint_roots_raise(tmp_path):
+    m, _, _ = trained()
+    root = tmp_path / "run"
+    with resilient.Checkpointer(root) as ck:
+        ck.save(3, {"model": m}).wait()
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        resilient.Checkpointer(tmp_path / "rnu").load({"model": m})
+    assert not (tmp_path / "rnu").exists()  # opening never creates
+    with pytest.raises(CheckpointNotFoundError, match="one step of a resilient checkpoint.*step=3"):
+        resilient.Checkpointer(root / "step-000000000003").load({"model": m})
+    dcp_dir = tmp_path / "dcp"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": m.state_dict()}, checkpoint_id=str(dcp_dir), no_dist=True)
+    with pytest.raises(CheckpointNotFoundError, match="DCP"):
+        resilient.Checkpointer(dcp_dir).load({"model": m})
+    (tmp_path / "ts").mkdir()
+    torch.save(m.state_dict(), tmp_path / "ts" / "model.pt")
+    with pytest.raises(CheckpointNotFoundError, match="torch.save"):
+        resilient.Checkpointer(tmp_path / "ts").load({"model": m})
+    with pytest.raises(CheckpointNotFoundError, match="refusing"):
+        resilient.Checkpointer(tmp_path / "ts", create=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="did not initialise"):
+        resilient.Checkpointer(tmp_path / "empty").load({})
+    with pytest.raises(CheckpointNotFoundError, match="step 9"):
+        resilient.Checkpointer(root).load({"model": m}, step=9)
+    # create=True: a fresh run
+    with resilient.Checkpointer(tmp_path / "new", create=True) as ck:
+        assert ck.load({"model": m}) is None
+    assert (tmp_path / "new" / "resilient-root.json").exists()
+    with resilient.Checkpointer(tmp_path / "new") as ck:  # initialised: no step yet is fine
+        assert ck.load({"model": m}) is None
+
+
+# 7. lineage: a rollback starts a new branch ---------------------------------------------------
+def test_rollback_starts_a_branch_and_retention_keeps_its_lineage(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=3) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, {"w": torch.full((4,), float(s))}).wait()
+        state = {"w": torch.zeros(4)}
+        assert ck.load(state, step=10) == 10  # a loss spike: back to 10
+        ck.save(11, {"w": torch.full((4,), 11.0)}).wait()
+        ck.save(12, {"w": torch.full((4,), 12.0)}).wait()
+        assert ck.steps() == [10, 11, 12] and ck.lineage() == [12, 11, 10]
+    with resilient.Checkpointer(root, keep=3) as ck:  # after a crash: the new branch
+        assert ck.load(state) == 12 and torch.equal(state["w"], torch.full((4,), 12.0))
+        ck.save(20, {"w": torch.full((4,), 20.5)}).wait()  # a step number used on the old branch
+        assert ck.lineage() == [20, 12, 11]
+    assert (root / "latest").read_text() == "step-000000000020\n"
+
+
+def test_a_branch_survives_while_its_first_save_is_pending(tmp_path):
+    """Until the first save of a new branch commits, the old head stays the head (a crash
+    right after load(step=k) resumes where the run was, not at k)."""
+    with resilient.Checkpointer(tmp_path / "c", keep=0) as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"w": torch.full((2,), float(s))}).wait()
+        ck.load({"w": torch.zeros(2)}, step=1)
+        assert ck.lineage() == [3, 2, 1]
+        ck.save(4, {"w": torch.zeros(2)}).wait()
+        assert ck.lineage() == [4, 1] and ck.steps() == [1, 4]
+
+
+# 9. errors come at the next call; waits are interruptible -------------------------------------
+def test_a_failed_save_is_raised_by_the_next_save(tmp_path, small_tmpfs):
+    with resilient.Checkpointer(small_tmpfs, keep=5) as ck:
+        ck.save(1, {"w": torch.ones(1 << 20)}).wait()
+        ck.save(2, {"w": torch.full((4 << 20,), 2.0)})  # 16 MiB: does not fit, not waited for
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ck._in_flight[-1].done():
+            time.sleep(0.05)
+        with pytest.raises(resilient.checkpoint.CheckpointCommitError, match="step 2.*No space"):
+            ck.save(3, {"w": torch.ones(1 << 20)})
+        ck.save(3, {"w": torch.ones(1 << 20)}).wait()  # raised once; the space came back
+        assert ck.steps() == [1, 3]
+
+
+SLOW_SAVER = textwrap.dedent("""
+    import sys, time, torch, resilient
+    ck = resilient.Checkpointer(sys.argv[1])
+    ck.save(1, {"w": torch.ones(1 << 10)}).wait()
+    h = ck.save(2, {"w": torch.ones(4 << 20)})
+    print("waiting", flush=True)
+    t0 = time.monotonic()
+    try:
+        h.wait()
+    except KeyboardInterrupt:
+        print(f"interrupted {time.monotonic() - t0:.2f}", flush=True)
+""")
+
+
+def test_ctrl_c_interrupts_wait_and_leaves_the_previous_checkpoint(tmp_path):
+    env = dict(os.environ, RESILIENT_FAULT_OPS="write", RESILIENT_FAULT_ERRNO="0",
+               RESILIENT_FAULT_DELAY_MS="400", RESILIENT_FAULT_PATH="step-000000000002",
+               RESILIENT_EXIT_TIMEOUT_S="2", RESILIENT_O_DIRECT="off")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        exit_s = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert "interrupted" in out, (out, err)
+    assert exit_s < 10, f"exit took {exit_s:.1f} s"  # bounded: RESILIENT_EXIT_TIMEOUT_S
+    with resilient.Checkpointer(tmp_path / "c") as ck:  # step 2 finished at exit, or never
+        state = {"w": torch.zeros(1 << 10)}
+        assert ck.load(state, step=1) == 1 and torch.equal(state["w"], torch.ones(1 << 10))
+        assert ck.load({}) in (1, 2) and ck.last_load.skipped == []
+
+
+# 10. plain types out; order and named tuples survive ------------------------------------------
+def test_loading_into_an_empty_dict_gives_plain_types(tmp_path):
+    m, o, s = trained()
+    Point = collections.namedtuple("Point", ["x", "y"])
+    state = {"model": m, "optim": o, "sched": s, "b": {"z": 1, "a": 2},
+             "od": collections.OrderedDict([("q", 1), ("b", 2)]), "pt": Point(1, torch.ones(2)),
+             "arr": np.arange(3)}
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, state).wait()
+        out: dict = {}
+        assert ck.load(out) == 1
+    assert isinstance(out["model"], collections.OrderedDict)
+    assert same(dict(out["model"]), dict(m.state_dict()))
+    assert list(out["b"]) == ["z", "a"] and isinstance(out["od"], collections.OrderedDict)
+    assert list(out["od"]) == ["q", "b"]
+    assert out["pt"][0] == 1 and type(out["pt"]) is tuple  # a plain type: torch.save takes it
+    assert isinstance(out["arr"], np.ndarray)
+    out.pop("arr")  # numpy arrays are not among torch.load(weights_only)'s types
+    torch.save(out, tmp_path / "plain.pt")  # plain types: torch.save(weights_only) takes them
+    torch.load(tmp_path / "plain.pt", weights_only=True)
+    o2 = torch.optim.AdamW(fresh()[0].parameters())
+    o2.load_state_dict(out["optim"])  # a usable optimizer state dict
+    assert o2.param_groups[0]["lr"] == o.param_groups[0]["lr"]
+
+
+def test_a_named_tuple_target_keeps_its_type(tmp_path):
+    Point = collections.namedtuple("Point", ["x", "y"])
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"p": Point(3, torch.ones(2))}).wait()
+        target = {"p": Point(0, torch.zeros(2))}
+        ck.load(target)
+    assert isinstance(target["p"], Point) and target["p"].x == 3
+
+
+def test_manifest_values_say_which_format(tmp_path):
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+    doc = json.loads((tmp_path / "c" / "step-000000000001" / "manifest.json").read_text())
+    assert doc["values"]["format"] == "resilient.sharded/1" and doc["world_size"] == 1
+    lineage = json.loads((tmp_path / "c" / "step-000000000001" / "lineage.json").read_text())
+    assert lineage == {"seq": 1, "parent": None}
+
+
+def test_a_malformed_values_document_is_corrupt_and_falls_back(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=5) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+        ck.save(2, {"w": torch.full((2,), 2.0)}).wait()
+    manifest = root / "step-000000000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["values"]["ranks"][0]["state"] = {"w": {"$tensor": "renamed"}}
+    manifest.write_text(json.dumps(doc))
+    with resilient.Checkpointer(root) as ck:
+        state = {"w": torch.zeros(2)}
+        assert ck.load(state) == 1 and ck.last_load.skipped[0][0] == 2
+        with pytest.raises(CorruptCheckpointError, match="renamed"):
+            ck.load(state, step=2)
