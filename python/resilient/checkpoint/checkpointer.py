@@ -89,6 +89,7 @@ class SaveHandle:
         self._native = native
         self._keep = keep  # the saved tensors, alive until the snapshot stops reading them
         self._event = threading.Event()
+        self._retained = threading.Event()  # set once the commit thread is done with it
         self._error: BaseException | None = None
         self._observed = False  # the error was raised to the caller
         self._started = time.monotonic()
@@ -296,6 +297,12 @@ class Checkpointer:
                                         name="resilient-commit", daemon=True)
         self._thread.start()
         weakref.finalize(self, self._queue.put, None)
+        # Freeing deleted steps' space (unlinking large files) runs on a thread of its own, so
+        # neither the next commit nor a load waits for it.
+        self._purge: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=_purge_loop, args=(self._purge,), name="resilient-purge",
+                         daemon=True).start()
+        weakref.finalize(self, self._purge.put, None)
         self._closed = False
         self._skip_error: BaseException | None = None
         self.last_load = LoadReport()
@@ -468,6 +475,9 @@ class Checkpointer:
             handle._observed = handle.save_id in self._raised_ids  # raised by save()
             self._failed.append(handle)
         handle._finish(exc)
+        if exc is None and self.rank == 0:
+            self._retain()
+        handle._retained.set()
 
     def _commit(self, handle: SaveHandle) -> str | None:
         store = self._ranks.store
@@ -525,20 +535,26 @@ class Checkpointer:
         except Exception as e:
             return f"error: commit failed: {type(e).__name__}: {e}"
         self._max_seq, self._head = seq, (handle.step, seq)
+        return "ok"
+
+    def _retain(self) -> None:
+        """Rank 0, after a commit was reported: deletes what retention no longer keeps (off the
+        save's critical path: deleting a large step takes a while)."""
         try:
-            roots.apply_retention(self.root, self.steps(), self.keep)
+            if roots.apply_retention(self.root, self.steps(), self.keep):
+                self._purge.put(self.root)
         except Exception as e:  # a failed cleanup does not undo the commit
             log.warning("checkpoint retention failed: %s", e)
-        return "ok"
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits until every save so far is committed; raises the first failure not already
         raised by its handle's wait() or by save(). Interruptible (Ctrl-C)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self._in_flight):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not _wait_event(h._event, left):
-                raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
+            for event in (h._event, h._retained):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not _wait_event(event, left):
+                    raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
         self._in_flight = []
         failed, self._failed = [h for h in self._failed if not h._observed], []
         if failed:
@@ -755,8 +771,11 @@ class Checkpointer:
 
     # -- lifetime -------------------------------------------------------------------------
     def _wait_in_flight(self) -> None:
+        """Waits for the saves in flight and the retention after them (a load must not race
+        the deletion of old steps for the disk)."""
         for h in list(self._in_flight):
             _wait_event(h._event, None)
+            _wait_event(h._retained, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -883,6 +902,11 @@ class _Prepared:
     def finish(self) -> None:
         for plan, wanted, _ in self.plans:
             plan.finish({name: w.result() for name, w in wanted.items()})
+
+
+def _purge_loop(work: queue.Queue) -> None:
+    while (path := work.get()) is not None:
+        roots.purge_trash(path)
 
 
 def _commit_loop(work: queue.Queue) -> None:

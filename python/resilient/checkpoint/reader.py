@@ -78,10 +78,13 @@ class Reader:
                     shape, dtype = tuple(e["shape"]), dtype_from_name(e["dtype"])
                     buffers[c.entry] = torch.empty(shape, dtype=dtype)
                     ptrs[c.entry] = buffers[c.entry].data_ptr()
+        # In the manifest's order, which is the files' order: the engine reads runs of
+        # consecutive extents in one request.
+        order = {name: i for i, name in enumerate(self._entries)}
         targets = [
             {"name": n, "ptr": p, "nbytes": self._entries[n]["nbytes"],
              "device": devices.get(n, -1)}
-            for n, p in ptrs.items()
+            for n, p in sorted(ptrs.items(), key=lambda item: order[item[0]])
         ]
         if devices and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites

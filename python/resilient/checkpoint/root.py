@@ -100,8 +100,9 @@ def _write_marker(path: str) -> None:
     write_atomic(os.path.join(path, MARKER), body)
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Writes `path` through a temporary file, fsync and rename, then fsyncs the directory."""
+def write_atomic(path: str, text: str, sync_dir: bool = True) -> None:
+    """Writes `path` through a temporary file, fsync and rename, then fsyncs the directory
+    (unless the caller fsyncs it later, as the commit does for a step's directory)."""
     tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
@@ -110,7 +111,8 @@ def write_atomic(path: str, text: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    if sync_dir:
+        _fsync_dir(os.path.dirname(path))
 
 
 def _fsync_dir(path: str) -> None:
@@ -119,6 +121,14 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read(64)
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,8 @@ def read_lineage(root: str, step: int) -> Lineage | None:
 def write_lineage(directory: str, seq: int, parent: tuple[int, int | None] | None) -> None:
     doc = {"seq": seq, "parent": None if parent is None else {"step": parent[0],
                                                               "seq": parent[1]}}
-    write_atomic(os.path.join(directory, LINEAGE), json.dumps(doc) + "\n")
+    # The commit fsyncs the step's directory after its manifest, and renames it last.
+    write_atomic(os.path.join(directory, LINEAGE), json.dumps(doc) + "\n", sync_dir=False)
 
 
 def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | None]]:
@@ -194,8 +205,9 @@ def max_seq(info: dict[int, Lineage | None]) -> int:
 
 def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
     """Deletes every committed step outside the newest `keep` of the current lineage (all of
-    the lineage when keep <= 0, but always the abandoned branches), leftovers of earlier
-    deletions, and points `latest` at the head. Returns the deleted steps."""
+    the lineage when keep <= 0, but always the abandoned branches) by renaming it to a
+    `.trash-step-*` directory (purge_trash() frees the space), and points `latest` at the head.
+    Returns the deleted steps."""
     chain, _ = history(root, steps)
     kept = set(chain if keep <= 0 else chain[:keep])
     deleted = []
@@ -210,9 +222,14 @@ def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
         deleted.append(s)
     if deleted:
         _fsync_dir(root)
+    latest = os.path.join(root, "latest")
+    if chain and _read(latest) != f"step-{chain[0]:012d}\n":  # after a rollback
+        write_atomic(latest, f"step-{chain[0]:012d}\n")
+    return deleted
+
+
+def purge_trash(root: str) -> None:
+    """Removes the `.trash-step-*` directories retention (or a crash during it) left."""
     for name in _names(root):
         if name.startswith(".trash-step-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    if chain:
-        write_atomic(os.path.join(root, "latest"), f"step-{chain[0]:012d}\n")
-    return deleted
