@@ -296,6 +296,7 @@ def test_rollback_starts_a_branch_and_retention_keeps_its_lineage(tmp_path):
         assert ck.load(state, step=10) == 10  # a loss spike: back to 10
         ck.save(11, {"w": torch.full((4,), 11.0)}).wait()
         ck.save(12, {"w": torch.full((4,), 12.0)}).wait()
+        ck.wait()
         assert ck.steps() == [10, 11, 12] and ck.lineage() == [12, 11, 10]
     with resilient.Checkpointer(root, keep=3) as ck:  # after a crash: the new branch
         assert ck.load(state) == 12 and torch.equal(state["w"], torch.full((4,), 12.0))
@@ -313,6 +314,7 @@ def test_a_branch_survives_while_its_first_save_is_pending(tmp_path):
         ck.load({"w": torch.zeros(2)}, step=1)
         assert ck.lineage() == [3, 2, 1]
         ck.save(4, {"w": torch.zeros(2)}).wait()
+        ck.wait()  # and the retention after it
         assert ck.lineage() == [4, 1] and ck.steps() == [1, 4]
 
 

@@ -193,7 +193,8 @@ def mutate(target: dict, kind: str, pick: int) -> bool:
             del d[k]
         return True
     if kind in ("dtype", "shape", "kind"):
-        ts = [p for p, v in nodes if isinstance(v, torch.Tensor)]
+        ts = [p for p, v in nodes if isinstance(v, torch.Tensor)
+              and isinstance(parent_of(target, p), (dict, list))]
         if not ts:
             return False
         path = ts[pick % len(ts)]
@@ -206,13 +207,7 @@ def mutate(target: dict, kind: str, pick: int) -> bool:
             new = torch.zeros((*t.shape, 2), dtype=t.dtype)
         else:
             new = 1.5
-        if isinstance(parent, tuple):
-            grand = parent_of(target, path[:-1]) if len(path) > 1 else target
-            items = list(parent)
-            items[path[-1]] = new
-            grand[path[-2]] = tuple(items)
-        else:
-            parent[path[-1]] = new
+        parent[path[-1]] = new
         return True
     lists = [(p, v) for p, v in nodes if isinstance(v, list)]
     if not lists:
