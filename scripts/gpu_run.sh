@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ab bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +39,8 @@ build() {
     return 1
   fi
   cp build/gpu/bindings/_C*.so python/resilient/
+  # A carried .baseline/resilient (an earlier commit's Python package) runs on the same _C.so.
+  [ -d .baseline/resilient ] && cp build/gpu/bindings/_C*.so .baseline/resilient/
   # Use the machine's own OpenSSL at run time (the carried one was only for linking).
   rm -f $LIBDIR/libssl.so.3 $LIBDIR/libcrypto.so.3
   python -c "import resilient._C, torch; print('built; torch', torch.__version__, 'cuda', torch.cuda.is_available())"
@@ -85,6 +87,16 @@ for stage in "$@"; do
                  python benchmarks/train_attribution.py --batch 64 --every 16 --rounds 8 \
                    --json "$OUT/attribution.json" --dir /tmp 2>&1 | tail -n 8 ;;
     gpt) bench gpt1b --model gpt-1b --repeat 3 --train ;;  # every row and goal in one run
+    contract) log "load contract on the GPU (idiom matrix, overlap mode)"
+              python -m pytest -q -p no:cacheprovider tests/python/test_gpu_checkpoint.py \
+                tests/python/test_load_contract.py >"$OUT/contract.log" 2>&1; tail -n 15 "$OUT/contract.log" ;;
+    ab) # The checkpoint rows of a carried baseline package (.baseline) and of this tree,
+        # alternated in one run (ABAB), so the comparison shares the machine's disk and day.
+        for v in base new base new; do
+          if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
+          PYTHONPATH=$pp bench "ab-$v-$RANDOM" --model gpt-1b --repeat 2 \
+            --methods raw,resilient,resilient_overlap
+        done ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"

@@ -110,8 +110,8 @@ def same(a, b) -> bool:
 
 def wrap(state: dict, which: list[bool]) -> dict:
     """Top-level dict entries as Box objects where `which` says so (the object idiom)."""
-    return {k: Box(v) if w and isinstance(v, dict) else v
-            for (k, v), w in zip(state.items(), which)}
+    return {k: Box(v) if i < len(which) and which[i] and isinstance(v, dict) else v
+            for i, (k, v) in enumerate(state.items())}
 
 
 def snapshot(x):
