@@ -128,6 +128,8 @@ void register_checkpoint(pyb::module_& m) {
       .def("tensors", &tensor_list)
       .def("to_json", [](const Manifest& mf) { return to_json(mf); });
 
+  m.def("seal_manifest", [](const std::string& text) { return unwrap(seal_manifest(text)); }, pyb::arg("text"),
+        "Reseals a manifest's JSON text (after editing it by hand): docs/FORMAT.md.");
   m.def("parse_manifest", [](const std::string& text, const std::string& origin) {
     return unwrap(parse_manifest(text, origin));
   }, pyb::arg("text"), pyb::arg("origin") = "<string>");

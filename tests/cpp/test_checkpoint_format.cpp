@@ -25,9 +25,17 @@ Manifest sample() {
   return m;
 }
 
-StatusCode parse_code(const std::string& text) { return parse_manifest(text, "m.json").status().code(); }
+// Parses `text` resealed, so that each test reaches the check it is about (the seal has its own).
+StatusCode parse_code(const std::string& text) {
+  auto sealed = seal_manifest(text);
+  return parse_manifest(sealed.ok() ? *sealed : text, "m.json").status().code();
+}
 
-nlohmann::json sample_json() { return nlohmann::json::parse(to_json(sample())); }
+nlohmann::json sample_json() {
+  auto j = nlohmann::json::parse(to_json(sample()));
+  j.erase("manifest_xxh3");
+  return j;
+}
 
 TEST(Format, RoundTrips) {
   auto m = parse_manifest(to_json(sample()), "m.json");
@@ -50,10 +58,46 @@ TEST(Format, RejectsGarbageAndTruncation) {
 TEST(Format, UnknownVersionIsVersionMismatch) {
   auto j = sample_json();
   j["version"] = 99;
-  auto r = parse_manifest(j.dump(), "m.json");
+  auto r = parse_manifest(seal_manifest(j.dump()).value(), "m.json");
   EXPECT_EQ(r.status().code(), StatusCode::kVersionMismatch);
   EXPECT_NE(r.status().message().find("99"), std::string::npos);
   EXPECT_EQ(r.status().path(), "m.json");
+}
+
+TEST(Format, EveryAlteredByteBreaksTheSeal) {
+  const std::string text = to_json(sample());
+  ASSERT_TRUE(parse_manifest(text, "m.json").ok());
+  for (size_t i = 0; i < text.size(); ++i) {
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string bad = text;
+      bad[i] = static_cast<char>(bad[i] ^ (1 << bit));
+      auto r = parse_manifest(bad, "m.json");
+      ASSERT_FALSE(r.ok()) << "byte " << i << " bit " << bit << " of " << text;
+      EXPECT_EQ(r.status().code(), StatusCode::kCorrupt) << i;
+    }
+  }
+}
+
+TEST(Format, UnsealedVersionTwoIsCorruptAndVersionOneStillReads) {
+  auto j = sample_json();
+  EXPECT_EQ(parse_manifest(j.dump(), "m.json").status().code(), StatusCode::kCorrupt);
+  j["version"] = 1;
+  EXPECT_TRUE(parse_manifest(j.dump(), "m.json").ok());
+  auto resealed = seal_manifest(to_json(sample()));  // resealing a sealed text is idempotent
+  ASSERT_TRUE(resealed.ok());
+  EXPECT_EQ(*resealed, to_json(sample()));
+}
+
+TEST(Format, DeepNestingIsCorruptNotACrash) {
+  std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  auto j = sample_json();
+  std::string text = j.dump();
+  text.insert(text.size() - 1, ",\"x\":" + deep);
+  EXPECT_EQ(parse_code(text), StatusCode::kCorrupt);
+  std::string quoted = ",\"y\":\"" + std::string(1000, '[') + "\"";  // brackets in a string count not
+  std::string ok = j.dump();
+  ok.insert(ok.size() - 1, quoted);
+  EXPECT_EQ(parse_code(ok), StatusCode::kOk);
 }
 
 TEST(Format, RejectsPathsThatEscapeTheDirectory) {

@@ -245,7 +245,7 @@ def test_values_with_unknown_tags_are_rejected(tmp_path):
     manifest = _step_dir(tmp_path, 1) / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["values"]["ranks"][0]["state"] = {"$pickle": "Y29zCnN5c3RlbQ=="}
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(resilient._C.seal_manifest(json.dumps(doc)))
     with resilient.Checkpointer(tmp_path) as ckpt:
         with pytest.raises(CorruptCheckpointError, match="unknown tag"):
             ckpt.load({}, step=1)

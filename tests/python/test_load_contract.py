@@ -301,6 +301,7 @@ def test_rollback_starts_a_branch_and_retention_keeps_its_lineage(tmp_path):
     with resilient.Checkpointer(root, keep=3) as ck:  # after a crash: the new branch
         assert ck.load(state) == 12 and torch.equal(state["w"], torch.full((4,), 12.0))
         ck.save(20, {"w": torch.full((4,), 20.5)}).wait()  # a step number used on the old branch
+        ck.wait()  # and the retention after it
         assert ck.lineage() == [20, 12, 11]
     assert (root / "latest").read_text() == "step-000000000020\n"
 
@@ -412,6 +413,44 @@ def test_manifest_values_say_which_format(tmp_path):
     assert lineage == {"seq": 1, "parent": None}
 
 
+def test_an_edited_manifest_fails_its_seal_and_falls_back(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=5) as ck:
+        ck.save(1, {"lr": 0.001, "w": torch.ones(2)}).wait()
+        ck.save(2, {"lr": 0.001, "w": torch.full((2,), 2.0)}).wait()
+    manifest = root / "step-000000000002" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace("0.001", "0.003"))  # one digit
+    with resilient.Checkpointer(root) as ck:
+        state = {"lr": 0.0, "w": torch.zeros(2)}
+        assert ck.load(state) == 1 and state["lr"] == 0.001
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            ck.load(state, step=2)
+
+
+def test_every_bit_flip_of_a_manifest_is_caught(tmp_path):
+    """A bounded sweep (every bit of the first and last 300 bytes, every 11th bit between):
+    no flip loads different state. benchmarks/RESULTS.md records the full sweep."""
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=5) as ck:
+        ck.save(1, {"model": {"w": torch.arange(4.0)}, "lr": 0.001, "step": 1}).wait()
+    manifest = root / "step-000000000001" / "manifest.json"
+    good = manifest.read_bytes()
+    n = len(good) * 8
+    bits = [b for b in range(n) if b < 2400 or b >= n - 2400 or b % 11 == 0]
+    for bit in bits:
+        bad = bytearray(good)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(bytes(bad))
+        state = {"model": {"w": torch.zeros(4)}, "lr": 0.0, "step": 0}
+        with resilient.Checkpointer(root) as ck:
+            try:
+                ck.load(state, step=1)
+            except (CorruptCheckpointError, IncompatibleCheckpointError, OSError):
+                continue
+        raise AssertionError(f"bit {bit} flipped and the load succeeded: {state}")
+    manifest.write_bytes(good)
+
+
 def test_a_malformed_values_document_is_corrupt_and_falls_back(tmp_path):
     root = tmp_path / "c"
     with resilient.Checkpointer(root, keep=5) as ck:
@@ -420,7 +459,7 @@ def test_a_malformed_values_document_is_corrupt_and_falls_back(tmp_path):
     manifest = root / "step-000000000002" / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["values"]["ranks"][0]["state"] = {"w": {"$tensor": "renamed"}}
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(resilient._C.seal_manifest(json.dumps(doc)))  # a consistent, wrong doc
     with resilient.Checkpointer(root) as ck:
         state = {"w": torch.zeros(2)}
         assert ck.load(state) == 1 and ck.last_load.skipped[0][0] == 2

@@ -1,9 +1,12 @@
 #include "resilient/checkpoint/format.hpp"
 
+#include <xxhash.h>
+
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <string_view>
 
 namespace resilient::checkpoint {
 namespace {
@@ -38,6 +41,42 @@ bool parse_hex64(const std::string& s, uint64_t* out) {
   }
   *out = v;
   return true;
+}
+
+constexpr std::string_view kSealPrefix = "{\"manifest_xxh3\":\"";
+constexpr size_t kSealEnd = kSealPrefix.size() + 16;  // the digits, then `",` or `"}`
+constexpr int kMaxDepth = 512;
+
+// XXH3-64 of `text` with the seal's 16 digits read as '0's.
+uint64_t seal_hash(std::string text) {
+  text.replace(kSealPrefix.size(), 16, 16, '0');
+  return XXH3_64bits(text.data(), text.size());
+}
+
+bool has_seal(const std::string& text) {
+  return text.size() > kSealEnd + 1 && std::string_view(text).substr(0, kSealPrefix.size()) == kSealPrefix &&
+         text[kSealEnd] == '"' && (text[kSealEnd + 1] == ',' || text[kSealEnd + 1] == '}');
+}
+
+// The deepest nesting of objects and arrays in a JSON text (strings skipped), so that a hostile
+// text cannot exhaust the recursive parser's stack; stops counting past `limit`.
+int json_depth(const std::string& text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) return deepest;
+    } else if (c == '}' || c == ']') --depth;
+  }
+  return deepest;
 }
 
 // A shard file name must be a plain name: no separators, no "." or "..", no NUL, not hidden.
@@ -144,11 +183,32 @@ std::string to_json(const Manifest& m) {
   j["tensors"] = std::move(tensors);
   j["values"] = m.values;
   j["meta"] = m.meta;
-  return j.dump();
+  return seal_manifest(j.dump()).value();
+}
+
+Result<std::string> seal_manifest(const std::string& text) {
+  if (text.empty() || text[0] != '{') return Status(StatusCode::kInvalidArgument, "a manifest is a JSON object");
+  std::string rest = has_seal(text) ? text.substr(kSealEnd + 1) : text.substr(1);
+  if (!rest.empty() && rest[0] == ',') rest.erase(0, 1);
+  const bool empty_object = rest == "}";
+  std::string out = std::string(kSealPrefix) + std::string(16, '0') + (empty_object ? "\"" : "\",") + rest;
+  const std::string digits = hex64(seal_hash(out));
+  out.replace(kSealPrefix.size(), 16, digits);
+  return out;
 }
 
 Result<Manifest> parse_manifest(const std::string& text, const std::string& origin) {
   if (text.size() > kMaxManifestBytes) return corrupt(origin, "manifest larger than 1 GiB");
+  const bool sealed = has_seal(text);
+  if (sealed) {
+    uint64_t stored = 0;
+    if (!parse_hex64(text.substr(kSealPrefix.size(), 16), &stored) || stored != seal_hash(text)) {
+      return corrupt(origin, "manifest checksum mismatch (the file was altered or damaged)");
+    }
+  }
+  if (json_depth(text, kMaxDepth) > kMaxDepth) {
+    return corrupt(origin, "nested deeper than " + std::to_string(kMaxDepth) + " levels");
+  }
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return corrupt(origin, "not valid JSON (truncated or corrupt)");
   if (!j.is_object()) return corrupt(origin, "top level is not an object");
@@ -158,13 +218,14 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
   }
   Manifest m;
   if (!get_to(j, "version", &m.version)) return corrupt(origin, "missing version");
-  if (m.version != kFormatVersion) {
+  if (m.version < kOldestFormatVersion || m.version > kFormatVersion) {
     Status s(StatusCode::kVersionMismatch,
              "checkpoint format version " + std::to_string(m.version) + " is not supported (this build reads version " +
                  std::to_string(kFormatVersion) + ")");
     s.with_path(origin);
     return s;
   }
+  if (m.version >= 2 && !sealed) return corrupt(origin, "manifest seal missing (version 2 manifests are sealed)");
   if (!get_to(j, "step", &m.step) || m.step < 0) return corrupt(origin, "missing or negative step");
   if (!get_to(j, "world_size", &m.world_size) || m.world_size < 1) return corrupt(origin, "bad world_size");
 

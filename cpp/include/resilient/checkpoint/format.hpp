@@ -13,7 +13,9 @@
 
 namespace resilient::checkpoint {
 
-inline constexpr int kFormatVersion = 1;
+/// Version 2 manifests are sealed (seal_manifest); version 1 (unsealed) is still read.
+inline constexpr int kFormatVersion = 2;
+inline constexpr int kOldestFormatVersion = 1;
 inline constexpr const char* kFormatName = "resilient-checkpoint";
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr uint64_t kMaxManifestBytes = 1ull << 30;
@@ -62,10 +64,19 @@ struct Manifest {
   nlohmann::json meta = nlohmann::json::object();    // free-form: timings, host, library version
 };
 
+/// The manifest's JSON text, sealed (seal_manifest).
 std::string to_json(const Manifest& m);
-/// Parses and validates: format name and version (kVersionMismatch), field types, counts and
-/// sizes (kCorrupt), file names that could escape the directory (kCorrupt), nbytes equal to
-/// shape x dtype size and to the sum of chunk raw sizes. `origin` names the file in errors.
+/// Seals a manifest's JSON text: `{"manifest_xxh3":"<16 hex>",` followed by the rest of the
+/// object, where the hex digits are XXH3-64 of the whole text with those digits as '0's. An
+/// existing seal is replaced (tools that edit a manifest by hand reseal it). Every byte a reader
+/// trusts is covered, and the check runs before the text is parsed. Errors: kInvalidArgument
+/// when `text` does not start with '{'.
+Result<std::string> seal_manifest(const std::string& text);
+/// Parses and validates: the seal (kCorrupt when it does not match, or when a version 2
+/// manifest has none), nesting depth (at most 512), format name and version (kVersionMismatch),
+/// field types, counts and sizes (kCorrupt), file names that could escape the directory
+/// (kCorrupt), nbytes equal to shape x dtype size and to the sum of chunk raw sizes. `origin`
+/// names the file in errors.
 Result<Manifest> parse_manifest(const std::string& text, const std::string& origin);
 /// Checks chunk extents against the real shard file sizes (truncation) — kCorrupt naming the file.
 Status check_extents(const Manifest& m, const std::vector<uint64_t>& file_sizes);
