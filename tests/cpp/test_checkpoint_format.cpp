@@ -100,6 +100,12 @@ TEST(Format, DeepNestingIsCorruptNotACrash) {
   EXPECT_EQ(parse_code(ok), StatusCode::kOk);
 }
 
+TEST(Format, DuplicateTensorNamesAreCorrupt) {
+  auto j = sample_json();
+  j["tensors"][1] = j["tensors"][0];
+  EXPECT_EQ(parse_code(j.dump()), StatusCode::kCorrupt);
+}
+
 TEST(Format, RejectsPathsThatEscapeTheDirectory) {
   for (const char* bad : {"../../etc/passwd", "/etc/passwd", "a/b.data", "..", ".hidden", ""}) {
     auto j = sample_json();

@@ -325,3 +325,39 @@ def test_kill_9_during_saves_never_leaves_a_corrupt_latest(tmp_path):
             assert state["step"] == step and torch.equal(
                 state["w"], torch.full((1 << 20,), float(step))
             )
+
+
+def test_a_fifo_or_a_symlink_in_place_of_a_shard_is_refused_not_followed(tmp_path):
+    _save_steps(tmp_path)
+    data = _step_dir(tmp_path, 2) / "rank-00000.data"
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.data"
+    os.rename(data, outside)
+    os.mkfifo(data)  # used to block open() forever
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        state = {"w": torch.zeros(1000), "step": 0}
+        t0 = time.monotonic()
+        assert ckpt.load(state) == 1 and state["step"] == 1
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+            ckpt.load(state, step=2)
+    data.unlink()
+    os.symlink(outside, data)  # the right bytes, but outside the root: refused
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+            ckpt.load({"w": torch.zeros(1000), "step": 0}, step=2)
+
+
+def test_a_planted_symlink_in_a_save_directory_is_not_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    root = tmp_path / "root"
+    _save_steps(root, steps=(1,))
+    tmp = root / ".tmp-step-000000000002"
+    tmp.mkdir()
+    os.symlink(victim, tmp / "rank-00000.data")
+    with resilient.Checkpointer(root, keep=5) as ckpt:
+        h = ckpt.save(2, {"w": torch.full((1000,), 2.0), "step": 2})
+        with pytest.raises(OSError):
+            h.wait(60)
+        assert ckpt.steps() == [1]
+    assert victim.read_text() == "precious"

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <string_view>
+#include <unordered_set>
 
 namespace resilient::checkpoint {
 namespace {
@@ -249,6 +250,7 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
     return corrupt(origin, "bad tensors list");
   }
   m.tensors.reserve(tensors->size());
+  std::unordered_set<std::string> names;
   for (const auto& tj : *tensors) {
     TensorEntry t;
     if (!tj.is_object() || !get_to(tj, "name", &t.name) || !get_to(tj, "dtype", &t.dtype) ||
@@ -302,6 +304,7 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
       t.chunks.push_back(c);
     }
     if (raw_total != t.nbytes) return corrupt(origin, what + "chunks do not cover the tensor");
+    if (!names.insert(t.name).second) return corrupt(origin, "tensor '" + t.name + "' is listed twice");
     m.tensors.push_back(std::move(t));
   }
   if (auto v = j.find("values"); v != j.end()) m.values = *v;

@@ -1,5 +1,7 @@
 #include "resilient/io/file.hpp"
 
+#include <fcntl.h>
+
 #include <dirent.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -28,16 +30,50 @@ std::string base_name(const std::string& path) {
   return pos == std::string::npos ? path : path.substr(pos + 1);
 }
 
+// Files are opened without following a symlink in the last component, and without blocking
+// (a FIFO planted in place of a shard would block open() forever); anything that is not a
+// regular file is refused. O_NONBLOCK is cleared again once the file is known to be regular.
+constexpr int kSafeOpen = O_NOFOLLOW | O_NONBLOCK;
+
+Result<int> checked_regular(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    sys::close(fd);
+    return Status::from_errno(err, "fstat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    sys::close(fd);
+    return Status(StatusCode::kCorrupt, "not a regular file").with_path(path);
+  }
+  int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+// A symlink met when reading a checkpoint makes it corrupt (load falls back); when writing, it
+// is an I/O error (ELOOP) of that save.
+Status open_error(int err, int flags, const char* what, const std::string& path) {
+  if (err == ELOOP && (flags & O_ACCMODE) == O_RDONLY) {
+    return Status(StatusCode::kCorrupt, "is a symbolic link (refused)").with_path(path);
+  }
+  if (err == ELOOP) return Status::from_errno(err, "refusing to write through a symbolic link", path);
+  return Status::from_errno(err, what, path);
+}
+
 // Opens with the O_DIRECT policy. On kAuto an EINVAL from the O_DIRECT open (the file system
 // refuses direct I/O: tmpfs on older kernels, some network file systems) retries buffered and
 // logs once per file system.
 Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags, Feature direct,
                                               const char* what) {
   if (direct != Feature::kOff) {
-    int fd = sys::open(path.c_str(), flags | O_DIRECT);
-    if (fd >= 0) return std::make_pair(fd, true);
+    int fd = sys::open(path.c_str(), flags | O_DIRECT | kSafeOpen);
+    if (fd >= 0) {
+      RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
+      return std::make_pair(fd, true);
+    }
     int err = errno;
-    if (err != EINVAL) return Status::from_errno(err, what, path);
+    if (err != EINVAL) return open_error(err, flags, what, path);
     if (direct == Feature::kOn) {
       return Status(StatusCode::kUnavailable,
                     "O_DIRECT refused by the file system and RESILIENT_O_DIRECT=on (" + path + ")")
@@ -53,8 +89,9 @@ Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags
         << "); using buffered I/O with fsync";
     log_once(key.str(), LogLevel::kInfo, msg.str());
   }
-  int fd = sys::open(path.c_str(), flags);
-  if (fd < 0) return Status::from_errno(errno, what, path);
+  int fd = sys::open(path.c_str(), flags | kSafeOpen);
+  if (fd < 0) return open_error(errno, flags, what, path);
+  RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
   return std::make_pair(fd, false);
 }
 
@@ -203,8 +240,9 @@ Status write_file_atomic(const std::string& path, const std::string& bytes) {
 }
 
 Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
-  int fd = sys::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return Status::from_errno(errno, "open", path);
+  int fd = sys::open(path.c_str(), O_RDONLY | kSafeOpen);
+  if (fd < 0) return open_error(errno, O_RDONLY, "open", path);
+  RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     int err = errno;
