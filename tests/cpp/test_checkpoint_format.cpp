@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "resilient/checkpoint/format.hpp"
 
 namespace resilient::checkpoint {
@@ -161,6 +163,12 @@ TEST(Format, Names) {
   EXPECT_EQ(parse_step_dir_name("step-000000000042"), 42);
   EXPECT_EQ(parse_step_dir_name("step-00000000004x"), -1);
   EXPECT_EQ(parse_step_dir_name(".tmp-step-000000000042"), -1);
+  // Steps past 12 digits: one name each, the whole int64 range, nothing beyond.
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(parse_step_dir_name(step_dir_name(big)), big);
+  EXPECT_EQ(parse_step_dir_name(step_dir_name(1'763'900'000'000)), 1'763'900'000'000);
+  EXPECT_EQ(parse_step_dir_name("step-0000000000042"), -1);    // a second name for 42
+  EXPECT_EQ(parse_step_dir_name("step-9223372036854775808"), -1);  // int64 overflow
   EXPECT_EQ(shard_file_name(3), "rank-00003.data");
   EXPECT_EQ(dtype_size("bfloat16"), 2u);
   EXPECT_EQ(dtype_size("nope"), 0u);

@@ -465,3 +465,17 @@ def test_a_malformed_values_document_is_corrupt_and_falls_back(tmp_path):
         assert ck.load(state) == 1 and ck.last_load.skipped[0][0] == 2
         with pytest.raises(CorruptCheckpointError, match="renamed"):
             ck.load(state, step=2)
+
+
+def test_steps_cover_the_int64_range(tmp_path):
+    """A millisecond timestamp as the step: saved, listed, loaded and retained like any other."""
+    big = [10**12 - 1, 1_763_900_000_000, 2**63 - 1]
+    with resilient.Checkpointer(tmp_path / "c", keep=2) as ck:
+        for s in big:
+            ck.save(s, {"w": torch.full((2,), float(s % 1000))}).wait()
+        ck.wait()
+        assert ck.steps() == big[1:] and ck.lineage() == big[:0:-1]
+        state = {"w": torch.zeros(2)}
+        assert ck.load(state) == 2**63 - 1
+        with pytest.raises(ValueError, match="step must be"):
+            ck.save(-1, {"w": torch.zeros(2)})

@@ -147,11 +147,16 @@ std::string step_dir_name(int64_t step) {
 }
 
 int64_t parse_step_dir_name(const std::string& name) {
-  if (name.size() != 17 || name.rfind("step-", 0) != 0) return -1;
+  // 12 digits, more only for steps of 10^12 and above (what step_dir_name writes: no leading
+  // zeros beyond the 12), so every step has exactly one name.
+  if (name.size() < 17 || name.size() > 24 || name.rfind("step-", 0) != 0) return -1;
+  if (name.size() > 17 && name[5] == '0') return -1;
   int64_t v = 0;
   for (size_t i = 5; i < name.size(); ++i) {
     if (name[i] < '0' || name[i] > '9') return -1;
-    v = v * 10 + (name[i] - '0');
+    const int d = name[i] - '0';
+    if (v > (std::numeric_limits<int64_t>::max() - d) / 10) return -1;
+    v = v * 10 + d;
   }
   return v;
 }

@@ -71,7 +71,7 @@ log = logging.getLogger("resilient.checkpoint")
 
 FORMAT = "resilient.sharded/1"
 RANK_FORMAT = "resilient.sharded-rank/1"
-MAX_STEP = 10**12 - 1  # step directories carry 12 digits
+MAX_STEP = 2**63 - 1  # step-<12 or more digits>: the whole int64 range
 _POLL_S = 0.2  # waits are sliced so that Ctrl-C (KeyboardInterrupt) gets through
 _SKIPPABLE = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
 

@@ -30,7 +30,7 @@ from resilient.errors import CheckpointNotFoundError
 
 MARKER = "resilient-root.json"
 LINEAGE = "lineage.json"
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
+_STEP_DIR = re.compile(r"^step-(\d{12}|[1-9]\d{12,18})$")
 _MAX_LINEAGE_BYTES = 4096
 
 
@@ -214,7 +214,7 @@ def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
     for s in steps:
         if s in kept:
             continue
-        trash = os.path.join(root, f".trash-step-{s:012d}-{uuid.uuid4().hex[:8]}")
+        trash = os.path.join(root, f".trash-step-{s:012d}-{uuid.uuid4().hex[:8]}")  # any width
         try:
             os.rename(step_dir(root, s), trash)  # a half-deleted step never looks committed
         except FileNotFoundError:
