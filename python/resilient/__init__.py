@@ -11,6 +11,7 @@ from resilient.errors import (
     ReplicaMismatchError,
     ResilientError,
     ResourceExhaustedError,
+    RootInUseError,
     UnavailableError,
     VersionMismatchError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ReplicaMismatchError",
     "ResilientError",
     "ResourceExhaustedError",
+    "RootInUseError",
     "UnavailableError",
     "VersionMismatchError",
     "__version__",

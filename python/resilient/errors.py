@@ -83,3 +83,8 @@ class CancelledError(ResilientError):
 
 class ResourceExhaustedError(ResilientError):
     """A configured budget (host memory pool, queue) cannot satisfy the request."""
+
+
+class RootInUseError(ResilientError):
+    """Another writer (another process, or another Checkpointer in this one) is saving to the
+    same checkpoint root: one writer per root."""

@@ -479,3 +479,35 @@ def test_steps_cover_the_int64_range(tmp_path):
         assert ck.load(state) == 2**63 - 1
         with pytest.raises(ValueError, match="step must be"):
             ck.save(-1, {"w": torch.zeros(2)})
+
+
+TWO_WRITERS = textwrap.dedent("""
+    import sys, time, torch, resilient
+    ck = resilient.Checkpointer(sys.argv[1], keep=2)
+    ck.save(1, {"w": torch.ones(4)}).wait()
+    print("holding", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_one_writer_per_root(tmp_path):
+    root = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(root)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        with resilient.Checkpointer(root) as ck:
+            assert ck.load({"w": torch.zeros(4)}) == 1  # readers are never refused
+            t0 = time.monotonic()
+            with pytest.raises(resilient.RootInUseError, match=f"pid {proc.pid}"):
+                ck.save(2, {"w": torch.zeros(4)})
+            assert time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+        proc.wait(30)
+    with resilient.Checkpointer(root) as ck:  # the kernel dropped the dead writer's lock
+        ck.save(2, {"w": torch.zeros(4)}).wait()
+        with pytest.raises(resilient.RootInUseError, match="this process"):
+            resilient.Checkpointer(root).save(3, {"w": torch.zeros(4)})
+    with resilient.Checkpointer(root) as ck:  # closed: free again
+        ck.save(3, {"w": torch.zeros(4)}).wait()

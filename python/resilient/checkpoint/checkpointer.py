@@ -304,6 +304,8 @@ class Checkpointer:
                          daemon=True).start()
         weakref.finalize(self, self._purge.put, None)
         self._closed = False
+        self._lock = roots.WriterLock(self.root)
+        weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
         self.last_load = LoadReport()
         _OPEN.add(self)
@@ -385,6 +387,7 @@ class Checkpointer:
         }
         if self.rank == 0:
             roots.ensure_root(self.root)
+            self._lock.acquire()  # one writer per root (RootInUseError)
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None)
         handle._owner = self  # alive until committed, even if the caller drops it
@@ -794,6 +797,7 @@ class Checkpointer:
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout)
             self._native.close(timeout)
+            self._lock.release()
             _OPEN.discard(self)
 
     def __enter__(self) -> Checkpointer:

@@ -26,9 +26,10 @@ import shutil
 import uuid
 from dataclasses import dataclass
 
-from resilient.errors import CheckpointNotFoundError
+from resilient.errors import CheckpointNotFoundError, RootInUseError
 
 MARKER = "resilient-root.json"
+LOCK = ".writer.lock"
 LINEAGE = "lineage.json"
 _STEP_DIR = re.compile(r"^step-(\d{12}|[1-9]\d{12,18})$")
 _MAX_LINEAGE_BYTES = 4096
@@ -233,3 +234,46 @@ def purge_trash(root: str) -> None:
     for name in _names(root):
         if name.startswith(".trash-step-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+_LOCKED: set[str] = set()  # roots this process writes to (POSIX locks do not exclude a process)
+
+
+class WriterLock:
+    """One writer per root: an advisory POSIX lock (fcntl, which NFS and Lustre honour) on
+    `root/.writer.lock`, held while a checkpointer saves; the kernel drops it when the process
+    dies, so a crashed writer never blocks the next one. The file names its holder."""
+
+    def __init__(self, root: str):
+        self.root = os.path.realpath(root)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        if self.fd is not None:
+            return
+        import fcntl
+        import socket
+
+        if self.root in _LOCKED:
+            raise RootInUseError(f"another Checkpointer of this process is saving to {self.root}; "
+                                 "close it first (one writer per root)")
+        path = os.path.join(self.root, LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RootInUseError(f"{self.root} is being written by another process ({holder}); "
+                                 "one writer per root: use another root, or stop that job") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        _LOCKED.add(self.root)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        _LOCKED.discard(self.root)
+        fd, self.fd = self.fd, None
+        os.close(fd)  # drops the lock
