@@ -264,8 +264,9 @@ class WriterLock:
         except OSError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RootInUseError(f"{self.root} is being written by another process ({holder}); "
-                                 "one writer per root: use another root, or stop that job") from None
+            raise RootInUseError(
+                f"{self.root} is being written by another process ({holder}); one writer per "
+                "root: use another root, or stop that job") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
