@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 
 import pytest
+
+from procs import run_bounded
 
 WORLD = 2
 
@@ -72,7 +72,8 @@ def _scenario(rank: int, root: str) -> dict:
     assert torch.equal(state["w"], big) and torch.equal(mine["x"], torch.full((3,), float(rank)))
     ckpt.restore = "direct"
     out["steps_after_retention"] = ckpt.steps()
-    out["leftovers"] = sorted(n for n in os.listdir(root) if n.startswith("."))
+    out["leftovers"] = sorted(n for n in os.listdir(root)
+                              if n.startswith(".") and n != ".writer.lock")
 
     wrong = {"w": torch.zeros(256, 1024), "small": state["small"], "lr": 0.0}
     try:
@@ -107,20 +108,9 @@ def _worker(rank: int, port: int, root: str, result_dir: str) -> None:
 
 
 def _run(root, result_dir, timeout=150):
-    proc = subprocess.Popen(
-        [sys.executable, __file__, str(root), str(result_dir)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"scenario timed out:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    rc, output = run_bounded([sys.executable, __file__, str(root), str(result_dir)], timeout,
+                             "scenario")
+    assert rc == 0, output[-4000:]
     return [json.load(open(result_dir / f"rank{r}.json")) for r in range(WORLD)]
 
 

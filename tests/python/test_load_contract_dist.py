@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
+
+from procs import run_bounded
 
 
 def _model():
@@ -117,16 +117,9 @@ def _worker(rank: int, phase: str, world: int, port: int, root: str, results: st
 
 
 def _run(phase: str, world: int, root, results, timeout=150) -> list[dict]:
-    proc = subprocess.Popen([sys.executable, __file__, phase, str(world), str(root), str(results)],
-                            start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{phase} timed out:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root),
+                              str(results)], timeout, phase)
+    assert rc == 0, output[-4000:]
     return [json.load(open(results / f"{phase}-{world}-rank{r}.json")) for r in range(world)]
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from procs import run_bounded
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 N, K = 7, 5
@@ -22,23 +22,12 @@ N, K = 7, 5
 
 def run_example(script: str, *args: str, timeout: float = 150, expect_kill: bool = False) -> None:
     """Runs an example in its own session; kills the whole group on timeout."""
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / script), *args],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} {args} timed out:\n{output[-4000:]}")
+    rc, output = run_bounded([sys.executable, str(EXAMPLES / script), *args], timeout,
+                             f"{script} {args}")
     if expect_kill:
-        assert proc.returncode != 0 and "SIGKILL" in output, output[-4000:]
+        assert rc != 0 and "SIGKILL" in output, output[-4000:]
     else:
-        assert proc.returncode == 0, output[-4000:]
+        assert rc == 0, output[-4000:]
 
 
 def global_state(root: Path, step: int) -> dict:
@@ -63,6 +52,7 @@ def test_ddp_kill_and_resume_is_bit_exact(tmp_path):
         expect_kill=True,
     )
     assert sorted(os.listdir(tmp_path / "b")) == [
+        ".writer.lock",
         "latest",
         "resilient-root.json",
         "step-000000000003",
