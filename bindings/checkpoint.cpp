@@ -3,6 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <xxhash.h>
+
+#include <cstdio>
+#include <string_view>
+
 #include "errors.hpp"
 #include "register.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
@@ -128,6 +133,12 @@ void register_checkpoint(pyb::module_& m) {
       .def("tensors", &tensor_list)
       .def("to_json", [](const Manifest& mf) { return to_json(mf); });
 
+  m.def("xxh3_hex", [](const pyb::bytes& data) {
+    std::string_view v = data;
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(XXH3_64bits(v.data(), v.size())));
+    return std::string(buf);
+  }, pyb::arg("data"), "XXH3-64 of `data`, 16 lowercase hex digits (lineage records).");
   m.def("seal_manifest", [](const std::string& text) { return unwrap(seal_manifest(text)); }, pyb::arg("text"),
         "Reseals a manifest's JSON text (after editing it by hand): docs/FORMAT.md.");
   m.def("parse_manifest", [](const std::string& text, const std::string& origin) {

@@ -119,3 +119,11 @@ def test_shard_spec_checks():
     with pytest.raises(ValueError, match="w.*differs from its shard spec"):
         s.check("w", (4, 4))
     s.check("w", (5, 4))
+
+
+def test_overlapping_pieces_are_refused_even_when_the_volume_adds_up():
+    from resilient.checkpoint.plan import Saved, plan_reads
+
+    pieces = [Saved("a", "float32", (4,), (8,), (0,)), Saved("b", "float32", (4,), (8,), (2,))]
+    with pytest.raises(ValueError, match="overlap"):
+        plan_reads("t", "float32", (6,), ShardSpec((8,), (0,), (6,)), pieces)

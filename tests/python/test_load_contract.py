@@ -409,8 +409,9 @@ def test_manifest_values_say_which_format(tmp_path):
         ck.save(1, {"w": torch.ones(2)}).wait()
     doc = json.loads((tmp_path / "c" / "step-000000000001" / "manifest.json").read_text())
     assert doc["values"]["format"] == "resilient.sharded/1" and doc["world_size"] == 1
-    lineage = json.loads((tmp_path / "c" / "step-000000000001" / "lineage.json").read_text())
-    assert lineage == {"seq": 1, "parent": None}
+    body, digest = (tmp_path / "c" / "step-000000000001" / "lineage.json").read_text().split()
+    assert json.loads(body) == {"seq": 1, "step": 1, "parent": None}
+    assert digest == resilient._C.xxh3_hex(body.encode())
 
 
 def test_an_edited_manifest_fails_its_seal_and_falls_back(tmp_path):
@@ -511,3 +512,66 @@ def test_one_writer_per_root(tmp_path):
             resilient.Checkpointer(root).save(3, {"w": torch.zeros(4)})
     with resilient.Checkpointer(root) as ck:  # closed: free again
         ck.save(3, {"w": torch.zeros(4)}).wait()
+
+
+def test_a_passing_io_error_is_raised_not_skipped(tmp_path):
+    """EIO is no proof of corruption: skipping the step would branch the next save off its
+    parent and retention would delete it."""
+    import errno
+
+    from resilient import _C
+
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=3) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"w": torch.full((4,), float(s))}).wait()
+    _C.install_fault_hook(["open"], errno.EIO, path_contains="step-000000000300/rank-0", count=1)
+    try:
+        with resilient.Checkpointer(root, keep=3) as ck:
+            state = {"w": torch.zeros(4)}
+            with pytest.raises(OSError) as info:
+                ck.load(state)
+            assert info.value.errno == errno.EIO
+            assert ck.load(state) == 300 and state["w"][0] == 300  # the fault has passed
+    finally:
+        _C.clear_fault_hook()
+
+
+def test_a_module_whose_state_dict_copies_still_gets_loaded(tmp_path):
+    class Copying(nn.Linear):  # like FSDP1's full state dict: state_dict() hands out clones
+        def state_dict(self, *args, **kwargs):
+            return {k: v.clone() for k, v in super().state_dict(*args, **kwargs).items()}
+
+    torch.manual_seed(0)
+    src = Copying(2, 2)
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"m": src}).wait()
+        dst = Copying(2, 2)
+        with torch.no_grad():
+            dst.weight.zero_()
+        assert ck.load({"m": dst}) == 1
+    assert torch.equal(dst.weight, src.weight)
+
+
+def test_a_top_level_tuple_target_is_refused(tmp_path):
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, (torch.ones(2), 7)).wait()
+        target = (torch.zeros(2), 0)
+        with pytest.raises(IncompatibleCheckpointError, match="tuple cannot be restored"):
+            ck.load(target)
+        assert torch.equal(target[0], torch.zeros(2))
+
+
+def test_a_damaged_lineage_record_deletes_nothing(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=0) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, {"w": torch.full((2,), float(s))}).wait()
+    record = root / "step-000000000100" / "lineage.json"
+    record.write_text(record.read_text().replace('"seq":1', '"seq":9'))  # fails its checksum
+    with resilient.Checkpointer(root, keep=1) as ck:
+        state = {"w": torch.zeros(2)}
+        assert ck.load(state) == 300
+        ck.save(310, {"w": torch.zeros(2)}).wait()
+        ck.wait()
+        assert ck.steps() == [100, 200, 300, 310]  # unsure of the lineage: nothing deleted

@@ -43,6 +43,29 @@ def _phase_save2(rank: int, world: int, root: str) -> dict:
     ck.save(2, {"model": m}, rank_state={"x": torch.full((2,), float(rank)), "r": rank}).wait(60)
     out["steps"] = ck.steps()
     ck.close()
+    # Another process holds the writer lock of a second root: every rank raises, none writes.
+    locked = root + "-locked"
+    holder = None
+    if rank == 0:
+        import subprocess
+        import sys
+
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, locked], stdout=subprocess.PIPE,
+                                  text=True)
+        assert holder.stdout.readline().strip() == "holding"
+    import torch.distributed as dist
+
+    dist.barrier()
+    other = resilient.Checkpointer(locked, keep=3, collective_timeout=10)
+    try:
+        other.save(1, {"model": m})
+        out["locked"] = "saved"
+    except resilient.RootInUseError as e:
+        out["locked"] = str(e)
+    out["locked_leftovers"] = sorted(os.listdir(locked))
+    if holder is not None:
+        holder.kill()
+        holder.wait(30)
     guarded = resilient.Checkpointer(root, keep=3, collective_timeout=2)
     t0 = time.monotonic()
     if rank == 0:
@@ -53,6 +76,15 @@ def _phase_save2(rank: int, world: int, root: str) -> dict:
             out["guarded"] = str(e)
     out["guarded_s"] = time.monotonic() - t0
     return out
+
+
+HOLDER = """
+import sys, time, torch, resilient
+ck = resilient.Checkpointer(sys.argv[1])
+ck.save(7, {"w": torch.ones(2)}).wait()
+print("holding", flush=True)
+time.sleep(120)
+"""
 
 
 def _phase_load(rank: int, world: int, root: str) -> dict:
@@ -135,6 +167,9 @@ def test_world_size_changes_replica_checks_and_guarded_saves(tmp_path):
         assert "'ema'" in r["replica"] and "rank_state" in r["replica"], r["replica"]
         assert r["steps"] == [2]
     assert "collective" in saved[0]["guarded"] and "1 of 2" in saved[0]["guarded"]
+    for r in saved:  # a root locked by another process: every rank refuses, nothing written
+        assert "another process" in r["locked"], r["locked"]
+        assert not any(n.startswith(".tmp-step-000000000001") for n in r["locked_leftovers"])
     assert saved[0]["guarded_s"] < 10
 
     expect = float(sum(p.detach().double().sum() for p in _model().parameters()))

@@ -1,6 +1,9 @@
 #include "resilient/torch/checkpoint.hpp"
 
 #include <unistd.h>
+#include <xxhash.h>
+
+#include <cstdio>
 
 #include <algorithm>
 #include <utility>
@@ -25,6 +28,12 @@ using nlohmann::json;
 constexpr const char *kRankFormat = "resilient.sharded-rank/1";
 constexpr const char *kFormat = "resilient.sharded/1";
 
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
 // Stored name of a whole (unsplit) tensor: "S/<name>#@0_0..." (python's plan.piece_name).
 std::string piece_name(const std::string &name, size_t dims) {
   std::string out = "S/" + name + "#@";
@@ -32,11 +41,18 @@ std::string piece_name(const std::string &name, size_t dims) {
   return out;
 }
 
-// The lineage record of a committed step (root.py): seq, or nullopt for none.
+// The lineage record of a committed step (root.py: a line of JSON, then its XXH3-64 in hex):
+// seq, or nullopt for none or a damaged one.
 std::optional<int64_t> lineage_seq(const std::string &root, int64_t step) {
   auto text = io::read_small_file(root + "/" + checkpoint::step_dir_name(step) + "/lineage.json", 4096);
   if (!text.ok()) return std::nullopt;
-  json doc = json::parse(*text, nullptr, false);
+  const auto nl = text->find('\n');
+  if (nl == std::string::npos) return std::nullopt;
+  const std::string body = text->substr(0, nl);
+  std::string digest = text->substr(nl + 1);
+  while (!digest.empty() && digest.back() == '\n') digest.pop_back();
+  if (digest != hex64(XXH3_64bits(body.data(), body.size()))) return std::nullopt;
+  json doc = json::parse(body, nullptr, false);
   if (!doc.is_object() || !doc.contains("seq") || !doc["seq"].is_number_integer()) return std::nullopt;
   return doc["seq"].get<int64_t>();
 }
@@ -209,10 +225,11 @@ Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t
   RESILIENT_ASSIGN_OR_RETURN(auto handle, ckpt.save(step, specs, std::move(values), false));
   RESILIENT_RETURN_IF_ERROR(handle->wait(opts.timeout));
   RESILIENT_ASSIGN_OR_RETURN(Head head, lineage_head(opts.root));
-  json lineage = {{"seq", head.max_seq + 1}, {"parent", nullptr}};
+  json lineage = {{"seq", head.max_seq + 1}, {"step", step}, {"parent", nullptr}};
   if (head.step) lineage["parent"] = {{"step", *head.step}, {"seq", head.seq ? json(*head.seq) : json()}};
+  const std::string body = lineage.dump();
   RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(checkpoint::tmp_dir_path(opts.root, step) + "/lineage.json",
-                                                  lineage.dump() + "\n"));
+                                                  body + "\n" + hex64(XXH3_64bits(body.data(), body.size())) + "\n"));
   RESILIENT_RETURN_IF_ERROR(checkpoint::commit_shards(opts.root, step, 1, save_id));
   return handle;
 }

@@ -64,6 +64,7 @@ from resilient.errors import (
     IncompatibleCheckpointError,
     ReplicaMismatchError,
     ResilientError,
+    RootInUseError,
     VersionMismatchError,
 )
 
@@ -73,7 +74,11 @@ FORMAT = "resilient.sharded/1"
 RANK_FORMAT = "resilient.sharded-rank/1"
 MAX_STEP = 2**63 - 1  # step-<12 or more digits>: the whole int64 range
 _POLL_S = 0.2  # waits are sliced so that Ctrl-C (KeyboardInterrupt) gets through
-_SKIPPABLE = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
+# What makes load() skip a step for its parent: bytes that failed verification, a format this
+# build cannot read, a missing file. Any other error (EIO, ESTALE, a timeout) may be passing and
+# is raised: skipping a good step would make the next save branch off its parent and
+# retention delete it.
+_SKIPPABLE = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError)
 
 
 class CheckpointCommitError(ResilientError):
@@ -185,6 +190,15 @@ def tensor_descriptor(
     return desc
 
 
+def _check_savable(name: str, t: torch.Tensor) -> None:
+    """Raises TypeError for a tensor tensor_descriptor() would refuse (checked before a save's
+    collectives, so that one rank's refusal cannot leave the others inside them)."""
+    if (t.device.type not in ("cpu", "cuda") or t.layout != torch.strided
+            or (type(t) is not torch.Tensor and contract._is_dtensor(t))):
+        why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
+        raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
+
+
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -283,6 +297,7 @@ class Checkpointer:
         self._plan: list = []
         self._everyone: list = []
         self._raised_ids: set[str] = set()
+        self._lock_ids = threading.Lock()  # _raised_ids and _observed: main vs commit thread
         self._save_seq = 0
         self._failed: list[SaveHandle] = []
         self._in_flight: list[SaveHandle] = []
@@ -307,6 +322,7 @@ class Checkpointer:
         self._lock = roots.WriterLock(self.root)
         weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
+        self._dirty: int | None = None  # a skipped step whose failed read wrote into the target
         self.last_load = LoadReport()
         _OPEN.add(self)
 
@@ -332,19 +348,40 @@ class Checkpointer:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"step must be in [0, {MAX_STEP}], not {step}")
         self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
-        enc = codec.encode(state)  # before entering: a rank that fails here never blocks others
+        # Everything that can fail on one rank alone happens before entering (the others then
+        # get CollectiveError) or travels through the gather below (every rank raises).
+        enc = codec.encode(state)
         held = [self._held(name, t) for name, t in enc.tensors.items()]
         renc = codec.encode(rank_state) if rank_state is not None else None
+        for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
+            _check_savable(name, t)
         self._ranks.enter("save", step)
+        problem = None
+        try:
+            if self.rank == 0:
+                roots.ensure_root(self.root)
+                self._lock.acquire()  # one writer per root
+            prints = (_fingerprints(enc.tensors) if self.check_replicas and self.world_size > 1
+                      else None)
+        except Exception as e:
+            problem, prints = e, None
         key = hash((tuple(held), self.split_bytes))
-        prints = _fingerprints(enc.tensors) if self.check_replicas and self.world_size > 1 else None
         failed = [h for h in self._failed if not h._observed]
         report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
-        gathered = self._ranks.gather((key, prints, report))
-        for h in failed:
-            h._observed = True
-        self._raised_ids.update(i for _, _, rep in gathered for i, _ in rep)
-        errors = sorted({e for _, _, rep in gathered for _, e in rep})
+        why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
+        gathered = self._ranks.gather((key, prints, report, why))
+        self._save_seq += 1  # every rank, whatever happens next: save ids stay in step
+        with self._lock_ids:
+            for h in failed:
+                h._observed = True
+            self._raised_ids.update(i for g in gathered for i, _ in g[2])
+        if problem is not None:
+            raise problem
+        whys = [g[3] for g in gathered if g[3] is not None]
+        if whys:
+            kind = RootInUseError if whys[0][0] == "RootInUseError" else ResilientError
+            raise kind(f"step {step} was not saved: {whys[0][1]}")
+        errors = sorted({e for g in gathered for _, e in g[2]})
         if errors:
             raise CheckpointCommitError(
                 f"a previous checkpoint was not committed (step {'; step '.join(errors)}); "
@@ -375,7 +412,6 @@ class Checkpointer:
             rank_doc = renc.doc
             descs += [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
                       for n, t in renc.tensors.items()]
-        self._save_seq += 1
         save_id = f"{self._ranks.run_id}-{self._save_seq}"
         values = {
             "format": RANK_FORMAT,
@@ -385,9 +421,6 @@ class Checkpointer:
             "state": enc.doc if self.rank == 0 else None,
             "rank_state": rank_doc,
         }
-        if self.rank == 0:
-            roots.ensure_root(self.root)
-            self._lock.acquire()  # one writer per root (RootInUseError)
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None)
         handle._owner = self  # alive until committed, even if the caller drops it
@@ -475,8 +508,9 @@ class Checkpointer:
             exc.__cause__ = handle._local_error
         if exc is not None:
             log.error("%s", exc)
-            handle._observed = handle.save_id in self._raised_ids  # raised by save()
-            self._failed.append(handle)
+            with self._lock_ids:
+                handle._observed = handle.save_id in self._raised_ids  # raised by save()
+                self._failed.append(handle)
         handle._finish(exc)
         if exc is None and self.rank == 0:
             self._retain()
@@ -496,7 +530,9 @@ class Checkpointer:
             result = self._coordinate(handle, prefix)
             store.set(f"{prefix}/result", result)
         else:
-            wait_key(store, f"{prefix}/result", self.timeout, poll_s=0.05)
+            # Rank 0 gives every rank `timeout` from its own start, then publishes: wait for
+            # that (a rank that gave up earlier could report a failure rank 0 then committed).
+            wait_key(store, f"{prefix}/result", 2 * self.timeout + 60, poll_s=0.05)
             result = store.get(f"{prefix}/result").decode()
         return None if result == "ok" else result.removeprefix("error: ")
 
@@ -531,9 +567,10 @@ class Checkpointer:
                 self._max_seq = roots.max_seq(info)
                 if self._head is None and chain:
                     li = info[chain[0]]
-                    self._head = (chain[0], li.seq if li else None)
+                    self._head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
             seq = self._max_seq + 1
-            roots.write_lineage(roots.tmp_dir(self.root, handle.step), seq, self._head)
+            roots.write_lineage(roots.tmp_dir(self.root, handle.step), handle.step, seq,
+                                self._head)
             _C.commit_shards(self.root, handle.step, self.world_size, handle.save_id)
         except Exception as e:
             return f"error: commit failed: {type(e).__name__}: {e}"
@@ -601,14 +638,23 @@ class Checkpointer:
         self.wait_snapshot()
         self._wait_in_flight()
         self._ranks.enter("load", step)
-        found = self._ranks.broadcast(self._candidates(step) if self.rank == 0 else None)
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = self._candidates(step)
+            except Exception as e:  # every rank must hear it, not wait in the broadcast
+                found = ("error", f"cannot list {self.root}: {type(e).__name__}: {e}")
+        found = self._ranks.broadcast(found)
         if isinstance(found, str):
             raise CheckpointNotFoundError(found, self.root)
+        if found[0] == "error":
+            raise ResilientError(found[1])
         steps, seqs = found
         if not steps:
             self.last_load = LoadReport()
             return None
         skipped: list[tuple[int, str]] = []
+        self._dirty = None
         for s in steps:
             why = self._try_load(s, state, rank_state, strict, world_change)
             if why is None:
@@ -638,15 +684,26 @@ class Checkpointer:
             return roots.why_not_root(self.root)
         steps = self.steps()
         chain, info = roots.history(self.root, steps)
-        seqs = {s: (li.seq if li else None) for s, li in info.items()}
+        seqs = {s: (li.seq if isinstance(li, roots.Lineage) else None) for s, li in info.items()}
         if step is not None:
             if step not in steps:
                 return f"no committed checkpoint for step {step} in {self.root} (it has {steps})"
             return [step], seqs
-        return chain, seqs
+        # A step whose lineage record is damaged is no candidate (but is never deleted).
+        return [s for s in chain if info.get(s) is not roots.DAMAGED], seqs
 
     def _try_load(self, step: int, state: Any, rank_state: Any, strict: bool,
                   world_change: str) -> str | None:
+        try:
+            return self._try_load_step(step, state, rank_state, strict, world_change)
+        except IncompatibleCheckpointError as e:
+            if self._dirty is not None:  # "nothing was modified" is no longer true
+                e.args = (f"{e.args[0]} (but a failed read of step {self._dirty}, skipped "
+                          "before this one, already wrote part of its data into the target)",)
+            raise
+
+    def _try_load_step(self, step: int, state: Any, rank_state: Any, strict: bool,
+                       world_change: str) -> str | None:
         """Loads `step` on every rank, or returns why it was skipped (the same on every rank).
         Raises on every rank when the state does not fit or an unexpected error occurs."""
         prepared: Any = None
@@ -683,11 +740,27 @@ class Checkpointer:
         if fatal:
             raise ResilientError(f"loading step {step} failed on another rank: {fatal[0]}")
         if reads:
+            self._dirty = step  # the target may hold part of this step's bytes
             return "; ".join(msg for _, msg in reads)
-        prepared.finish()
+        finish_error: BaseException | None = None
+        try:
+            prepared.finish()
+        except Exception as e:  # e.g. a load_state_dict() that raises on this rank
+            finish_error = e
+        finished = self._ranks.gather(None if finish_error is None else
+                                      f"rank {self.rank}: {type(finish_error).__name__}: "
+                                      f"{finish_error}")
+        if finish_error is not None:
+            raise finish_error
+        if any(f is not None for f in finished):
+            raise ResilientError(f"loading step {step} failed on another rank while putting "
+                                 f"values in place: {[f for f in finished if f][0]}")
         issues = prepared.issues
         self.last_load = LoadReport(step=step, missing=issues.missing,
                                     unexpected=issues.unexpected, mismatched=issues.mismatched)
+        if issues and self._dirty is not None:
+            log.warning("entries left as they were may hold bytes of step %d, whose read failed "
+                        "before this load", self._dirty)
         if issues:
             log.warning("step %d loaded with strict=False; left as they were: %s", step,
                         "; ".join(issues.missing + issues.unexpected + issues.mismatched)[:2000])
@@ -786,17 +859,27 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for saves in flight (raising the first failure) and stops the commit thread.
-        Interruptible (Ctrl-C): the saves in flight go on until the process exits."""
+        Interruptible (Ctrl-C): the checkpointer then stays open, its saves go on, and the exit
+        handler closes it (bounded by RESILIENT_EXIT_TIMEOUT_S)."""
         if self._closed:
             return
-        self._closed = True
         try:
             self.wait(timeout)
-        finally:
-            self._queue.put(None)
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._shutdown(timeout)
+            raise
+        self._shutdown(timeout)
+
+    def _shutdown(self, timeout: float | None) -> None:
+        self._closed = True
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        try:
             self._native.close(timeout)
+        finally:
             self._lock.release()
             _OPEN.discard(self)
 

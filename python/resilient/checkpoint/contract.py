@@ -165,7 +165,7 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
 
             def restore_object() -> Any:
                 restored = inner()
-                if not (isinstance(t, torch.nn.Module) and _all_in_place(restored, live)):
+                if not (isinstance(t, torch.nn.Module) and _all_in_place(t, restored, live)):
                     t.load_state_dict(restored)
                 return t
 
@@ -231,16 +231,24 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
                                  "state_dict()/load_state_dict())")
         return None
 
+    if isinstance(target, tuple):  # nothing could put a new tuple where the caller holds it
+        issues.mismatched.append(f"{root_path or '<root>'}: a tuple cannot be restored in place; "
+                                 "pass a dict or a list")
+        return plan
     plan._finish = walk(doc, target, root_path, 0)
     return plan
 
 
-def _all_in_place(restored: Any, live: Any) -> bool:
-    """True when a module's restored state dict is its live one with every tensor written in
-    place, so load_state_dict() would only copy each tensor onto itself."""
+def _all_in_place(module: torch.nn.Module, restored: Any, live: Any) -> bool:
+    """True when a module's restored state dict is its live one and every tensor in it shares
+    memory with one of the module's own parameters or buffers, so load_state_dict() would only
+    copy each tensor onto itself. A state_dict() that hands out copies (FSDP1's full state
+    dict, an override, a hook) gets load_state_dict()."""
     if restored is not live or not isinstance(live, dict):
         return False
-    return all(isinstance(v, torch.Tensor) for v in live.values())
+    own = {t.data_ptr() for t in (*module.parameters(), *module.buffers())}
+    return all(isinstance(v, torch.Tensor) and (v.numel() == 0 or v.data_ptr() in own)
+               for v in live.values())
 
 
 def _sequence(d: Any, want: str) -> list | None:

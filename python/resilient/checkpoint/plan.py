@@ -188,6 +188,7 @@ def plan_reads(
             )
     copies: list[Copy] = []
     covered = 0
+    boxes: list[tuple[tuple[int, int], ...]] = []
     for s in saved:
         src, dst, vol = [], [], 1
         for d in range(len(shape)):
@@ -201,7 +202,12 @@ def plan_reads(
             vol *= hi - lo
         if vol == 0 and shape:
             continue
-        copies.append(Copy(s.entry, tuple(src), tuple(dst)))
+        box = tuple(dst)
+        if any(_overlap(box, other) for other in boxes):
+            raise ValueError(f"tensor {name!r}: two saved pieces overlap (a damaged manifest or "
+                             "inconsistent shard specs)")
+        boxes.append(box)
+        copies.append(Copy(s.entry, tuple(src), box))
         covered += vol
     want = math.prod(shape)
     if covered != want:
@@ -210,3 +216,8 @@ def plan_reads(
             f"rank needs at offset {list(offset)} (pieces overlap or are missing)"
         )
     return copies
+
+
+def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
+    """True when two boxes (begin, end per dim) share an element; 0-d boxes always do."""
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))

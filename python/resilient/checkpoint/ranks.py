@@ -25,13 +25,17 @@ import torch.distributed as dist
 from resilient.errors import CollectiveError
 
 
-def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005) -> None:
+def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005,
+             abort: str | None = None) -> None:
     """Waits until `key` is set in `store`, polling with check(): a blocking store.wait() holds
     the TCPStore client's connection for its whole duration, so the commit thread's wait would
-    stall the main thread's store calls (and the other way round). TimeoutError when late."""
+    stall the main thread's store calls (and the other way round). TimeoutError when late;
+    CollectiveError as soon as the key `abort` is set."""
     deadline = time.monotonic() + timeout
     delay = min(poll_s, 0.001)
     while not store.check([key]):
+        if abort is not None and store.check([abort]):
+            raise CollectiveError(store.get(abort).decode())
         if time.monotonic() >= deadline:
             raise TimeoutError(f"store key {key!r} not set within {timeout:g} s")
         time.sleep(delay)
@@ -111,11 +115,14 @@ class Ranks:
         self.store.set(f"{prefix}/arg{self.rank}", mine)
         if self.store.add(f"{prefix}/count", 1) == self.world_size:
             self.store.set(f"{prefix}/all", "1")
+        broken = f"{prefix}/broken"  # set by a rank that gave up: late arrivals give up too
         try:
-            wait_key(self.store, f"{prefix}/all", self.collective_timeout)
+            wait_key(self.store, f"{prefix}/all", self.collective_timeout, abort=broken)
         except Exception as e:
             arrived = self.store.add(f"{prefix}/count", 0)
             self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
+            self.store.set(broken, f"{op}() is collective and rank {self.rank} gave up waiting "
+                           f"for the others ({self.broken})")
             raise CollectiveError(
                 f"{op}() is collective: every rank of the process group must call it (rank "
                 f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} ranks "
@@ -126,15 +133,24 @@ class Ranks:
             others = [self.store.get(f"{prefix}/arg{r}").decode() for r in range(self.world_size)]
             verdict = "ok" if len(set(others)) == 1 else json.dumps(
                 {r: json.loads(a) for r, a in enumerate(others)})
+            if self.store.check([broken]):
+                verdict = self.store.get(broken).decode()
             self.store.set(f"{prefix}/verdict", verdict)
-        wait_key(self.store, f"{prefix}/verdict", self.collective_timeout)
+        try:
+            wait_key(self.store, f"{prefix}/verdict", self.collective_timeout, abort=broken)
+        except CollectiveError:
+            self.broken = f"{op}({arg!r}): a peer gave up"
+            raise
         verdict = self.store.get(f"{prefix}/verdict").decode()
         if verdict != "ok":
+            self.broken = f"{op}({arg!r}): {verdict[:200]}"
+            if not verdict.startswith("{"):
+                raise CollectiveError(verdict)
             raise CollectiveError(f"{op}() was called with different arguments on different "
                                   f"ranks (rank: argument): {verdict}")
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
             old = f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}"
-            for key in [f"{old}/count", f"{old}/all", f"{old}/verdict"] + [
+            for key in [f"{old}/count", f"{old}/all", f"{old}/verdict", f"{old}/broken"] + [
                     f"{old}/arg{r}" for r in range(self.world_size)]:
                 try:
                     self.store.delete_key(key)

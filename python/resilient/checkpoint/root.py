@@ -19,6 +19,7 @@ ancestors of each other in step order.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 
+from resilient import _C
 from resilient.errors import CheckpointNotFoundError, RootInUseError
 
 MARKER = "resilient-root.json"
@@ -141,58 +143,77 @@ class Lineage:
     parent_seq: int | None
 
 
-def read_lineage(root: str, step: int) -> Lineage | None:
-    """The lineage record of committed `step`; None for a step written without one. A record
-    that cannot be parsed counts as none (the step itself is verified when loaded)."""
+#: The lineage record of a step exists but fails its checksum or does not parse.
+DAMAGED = "damaged"
+
+
+def read_lineage(root: str, step: int) -> Lineage | str | None:
+    """The lineage record of committed `step`: a Lineage, None for a step written without one
+    (older roots), or DAMAGED. Raises OSError for any other read error (which may be passing:
+    it must not change what counts as the lineage)."""
     path = os.path.join(step_dir(root, step), LINEAGE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return DAMAGED
+        raise
     try:
         raw = os.read(fd, _MAX_LINEAGE_BYTES + 1)
     finally:
         os.close(fd)
     try:
-        doc = json.loads(raw.decode())
+        body, digest = raw.decode().rstrip("\n").split("\n")
+        if _C.xxh3_hex(body.encode()) != digest:
+            return DAMAGED
+        doc = json.loads(body)
         seq, parent = doc["seq"], doc.get("parent")
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            return None
+        if not isinstance(seq, int) or isinstance(seq, bool) or doc.get("step") != step:
+            return DAMAGED
         if parent is None:
             return Lineage(seq, None, None)
         ps, pq = parent["step"], parent.get("seq")
         if not isinstance(ps, int) or (pq is not None and not isinstance(pq, int)):
-            return None
+            return DAMAGED
         return Lineage(seq, ps, pq)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None
+        return DAMAGED
 
 
-def write_lineage(directory: str, seq: int, parent: tuple[int, int | None] | None) -> None:
-    doc = {"seq": seq, "parent": None if parent is None else {"step": parent[0],
-                                                              "seq": parent[1]}}
+def write_lineage(directory: str, step: int, seq: int,
+                  parent: tuple[int, int | None] | None) -> None:
+    """Writes a step's lineage record: one line of JSON, then its XXH3-64 (hex)."""
+    doc = {"seq": seq, "step": step, "parent": None if parent is None else {
+        "step": parent[0], "seq": parent[1]}}
+    body = json.dumps(doc, separators=(",", ":"))
     # The commit fsyncs the step's directory after its manifest, and renames it last.
-    write_atomic(os.path.join(directory, LINEAGE), json.dumps(doc) + "\n", sync_dir=False)
+    write_atomic(os.path.join(directory, LINEAGE), f"{body}\n{_C.xxh3_hex(body.encode())}\n",
+                 sync_dir=False)
 
 
-def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | None]]:
-    """The current lineage (newest first) among committed `steps`, and each step's record."""
+def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | str | None]]:
+    """The current lineage (newest first) among committed `steps`, and each step's record. A
+    DAMAGED record ends the walk (its parent is unknown); it is never chosen as the head."""
     info = {s: read_lineage(root, s) for s in steps}
-    recorded = [s for s in steps if info[s] is not None]
+    recorded = [s for s in steps if isinstance(info[s], Lineage)]
     if not recorded:
-        return sorted(steps, reverse=True), info
-    head = max(recorded, key=lambda s: info[s].seq)  # type: ignore[union-attr]
+        return sorted((s for s in steps if info[s] is None), reverse=True), info
+    head = max(recorded, key=lambda s: (info[s].seq, s))  # type: ignore[union-attr]
     chain, seen, cur = [head], {head}, head
     while True:
         li = info[cur]
         if li is None:  # an older root's steps: ancestors in step order
             chain += [s for s in sorted(steps, reverse=True) if s < cur and info[s] is None]
             break
+        if li == DAMAGED:
+            break
         p = li.parent_step
         if p is None or p not in info or p in seen:
             break
         pl = info[p]
-        if (pl.seq if pl is not None else None) != li.parent_seq:
+        if pl != DAMAGED and (pl.seq if pl is not None else None) != li.parent_seq:
             break  # the parent's directory was replaced by a later commit of that step
         chain.append(p)
         seen.add(p)
@@ -200,8 +221,10 @@ def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage |
     return chain, info
 
 
-def max_seq(info: dict[int, Lineage | None]) -> int:
-    return max((li.seq for li in info.values() if li is not None), default=0)
+def max_seq(info: dict[int, Lineage | str | None]) -> int:
+    """The largest seq recorded, plus one for every damaged record (whose seq is unknown)."""
+    damaged = sum(1 for li in info.values() if li == DAMAGED)
+    return max((li.seq for li in info.values() if isinstance(li, Lineage)), default=0) + damaged
 
 
 def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
@@ -209,8 +232,15 @@ def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
     the lineage when keep <= 0, but always the abandoned branches) by renaming it to a
     `.trash-step-*` directory (purge_trash() frees the space), and points `latest` at the head.
     Returns the deleted steps."""
-    chain, _ = history(root, steps)
+    chain, info = history(root, steps)
     kept = set(chain if keep <= 0 else chain[:keep])
+    damaged = [s for s in steps if info[s] == DAMAGED]
+    if damaged:  # the lineage is not known for sure: delete nothing
+        import logging
+
+        logging.getLogger("resilient.checkpoint").warning(
+            "retention skipped in %s: the lineage records of steps %s are damaged", root, damaged)
+        return []
     deleted = []
     for s in steps:
         if s in kept:
