@@ -361,3 +361,8 @@ def test_a_planted_symlink_in_a_save_directory_is_not_written_through(tmp_path):
             h.wait(60)
         assert ckpt.steps() == [1]
     assert victim.read_text() == "precious"
+
+
+def test_a_pool_below_one_slab_is_refused_at_once(tmp_path):
+    with pytest.raises(ValueError, match="pool_bytes .* less than one host buffer slab"):
+        resilient.Checkpointer(tmp_path, pool_bytes=1 << 20)

@@ -575,3 +575,22 @@ def test_a_damaged_lineage_record_deletes_nothing(tmp_path):
         ck.save(310, {"w": torch.zeros(2)}).wait()
         ck.wait()
         assert ck.steps() == [100, 200, 300, 310]  # unsure of the lineage: nothing deleted
+
+
+def test_a_crashed_saves_leftovers_are_removed_by_the_next_writer(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+    stale = root / ".tmp-step-000000000002"  # a writer killed while saving step 2
+    stale.mkdir()
+    (stale / "rank-00000.data").write_bytes(b"x" * 4096)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    with resilient.Checkpointer(root) as ck:
+        ck.save(3, {"w": torch.ones(2)}).wait()
+        ck.wait()
+    deadline = time.monotonic() + 10
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stale.exists()
+    assert not [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]

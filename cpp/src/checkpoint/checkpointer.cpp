@@ -35,6 +35,13 @@ Status CheckpointOptions::validate() const {
     return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
   }
   if (timeout <= Duration::zero()) return bad("timeout must be positive");
+  // A slab holds whole chunks (create() rounds it up); a budget below one slab fails every save.
+  const uint64_t slab = io::align_up(std::max(pool.slab_bytes, chunk_bytes), chunk_bytes);
+  if (pool.budget_bytes != 0 && pool.budget_bytes < slab) {  // 0: half of physical memory
+    return bad("pool_bytes (RESILIENT_POOL_BYTES) is " + std::to_string(pool.budget_bytes) +
+               " bytes, less than one host buffer slab of " + std::to_string(slab) +
+               " bytes (slab_bytes rounded up to chunk_bytes): every save would fail");
+  }
   return io.validate();
 }
 

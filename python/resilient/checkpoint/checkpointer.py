@@ -320,6 +320,7 @@ class Checkpointer:
         weakref.finalize(self, self._purge.put, None)
         self._closed = False
         self._lock = roots.WriterLock(self.root)
+        self._created = time.time() - 1.0  # older leftovers are a crashed writer's (mtime slack)
         weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
         self._dirty: int | None = None  # a skipped step whose failed read wrote into the target
@@ -581,7 +582,12 @@ class Checkpointer:
         """Rank 0, after a commit was reported: deletes what retention no longer keeps (off the
         save's critical path: deleting a large step takes a while)."""
         try:
-            if roots.apply_retention(self.root, self.steps(), self.keep):
+            deleted = roots.apply_retention(self.root, self.steps(), self.keep)
+            for path in roots.stale_saves(self.root, self._created):  # crashed saves' leftovers
+                name = f".trash-{os.path.basename(path)[5:]}-{os.urandom(4).hex()}"
+                os.rename(path, os.path.join(self.root, name))
+                deleted.append(path)
+            if deleted:
                 self._purge.put(self.root)
         except Exception as e:  # a failed cleanup does not undo the commit
             log.warning("checkpoint retention failed: %s", e)

@@ -266,6 +266,22 @@ def purge_trash(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def stale_saves(root: str, before: float) -> list[str]:
+    """`.tmp-step-*` directories not touched since `before` (a wall-clock time): saves that a
+    crashed earlier writer left (the writer lock excludes a live one; a save of this writer
+    touches its directory after it started)."""
+    out = []
+    for name in _names(root):
+        if name.startswith(".tmp-step-"):
+            path = os.path.join(root, name)
+            try:
+                if os.lstat(path).st_mtime < before:
+                    out.append(path)
+            except FileNotFoundError:
+                continue
+    return out
+
+
 _LOCKED: set[str] = set()  # roots this process writes to (POSIX locks do not exclude a process)
 
 
