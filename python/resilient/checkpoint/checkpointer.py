@@ -595,12 +595,8 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Waits until every save so far is committed; raises the first failure not already
         raised by its handle's wait() or by save(). Interruptible (Ctrl-C)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in list(self._in_flight):
-            for event in (h._event, h._retained):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not _wait_event(event, left):
-                    raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
+        if not self._wait_in_flight(timeout):
+            raise TimeoutError(f"checkpoint saves still in flight after {timeout} s")
         self._in_flight = []
         failed, self._failed = [h for h in self._failed if not h._observed], []
         if failed:
@@ -791,14 +787,11 @@ class Checkpointer:
                 if e["name"] in entries:
                     raise ValueError(f"tensor {e['name']!r} listed twice")
                 entries[e["name"]] = e
-                if e["name"].startswith("S/"):
-                    split = split_piece_name(e["name"][2:])
-                    if split is None:
-                        raise ValueError(f"bad piece name {e['name']!r}")
-                    shape = tuple(e["shape"])
-                    saved.setdefault(split[0], []).append(Saved(
-                        e["name"], e["dtype"], shape, tuple(e.get("global_shape", shape)),
-                        split[1]))
+                piece = _piece(e)
+                if piece is not None:
+                    saved.setdefault(piece[0], []).append(piece[1])
+                elif e["name"].startswith("S/"):
+                    raise ValueError(f"bad piece name {e['name']!r}")
             for r in ranks:  # the whole document is well-formed before anything is planned
                 codec.decode(r.get("state"), _placeholder)
                 codec.decode(r.get("rank_state"), _placeholder)
@@ -832,15 +825,13 @@ class Checkpointer:
         saved: dict[str, list[Saved]] = {}
         out: dict[str, Any] = {}
         for e in entries.values():
-            shape = tuple(e["shape"])
-            split = split_piece_name(e["name"][2:]) if e["name"].startswith("S/") else None
-            if split is None:
+            piece = _piece(e)
+            if piece is None:
+                shape = tuple(e["shape"])
                 s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
                 out[e["name"]] = reader.want(e["name"], None, e["dtype"], shape, None, [s])
                 continue
-            saved.setdefault(split[0], []).append(
-                Saved(e["name"], e["dtype"], shape, tuple(e.get("global_shape", shape)), split[1])
-            )
+            saved.setdefault(piece[0], []).append(piece[1])
         for name, pieces in saved.items():
             g = pieces[0].global_shape
             out[name] = reader.want(name, None, pieces[0].dtype, g, None, pieces)
@@ -852,12 +843,16 @@ class Checkpointer:
         self._native.verify(self._native.manifest(step))
 
     # -- lifetime -------------------------------------------------------------------------
-    def _wait_in_flight(self) -> None:
+    def _wait_in_flight(self, timeout: float | None = None) -> bool:
         """Waits for the saves in flight and the retention after them (a load must not race
-        the deletion of old steps for the disk)."""
+        the deletion of old steps for the disk). False when `timeout` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self._in_flight):
-            _wait_event(h._event, None)
-            _wait_event(h._retained, None)
+            for event in (h._event, h._retained):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not _wait_event(event, left):
+                    return False
+        return True
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1013,6 +1008,17 @@ def _commit_loop(work: queue.Queue) -> None:
             owner._commit_one(handle)
         finally:
             del owner
+
+
+def _piece(e: dict) -> tuple[str, Saved] | None:
+    """(logical name, Saved) of a manifest entry that is a piece of replicated state
+    ("S/<name>#@<offset>"); None for any other entry."""
+    split = split_piece_name(e["name"][2:]) if e["name"].startswith("S/") else None
+    if split is None:
+        return None
+    shape = tuple(e["shape"])
+    return split[0], Saved(e["name"], e["dtype"], shape, tuple(e.get("global_shape", shape)),
+                           split[1])
 
 
 def _placeholder(kind: str, name: str) -> Any:
