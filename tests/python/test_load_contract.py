@@ -589,8 +589,6 @@ def test_a_crashed_saves_leftovers_are_removed_by_the_next_writer(tmp_path):
     with resilient.Checkpointer(root) as ck:
         ck.save(3, {"w": torch.ones(2)}).wait()
         ck.wait()
-    deadline = time.monotonic() + 10
-    while stale.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # close() returns after the purge thread freed what retention set aside
     assert not stale.exists()
     assert not [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]

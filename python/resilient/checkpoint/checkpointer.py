@@ -315,8 +315,9 @@ class Checkpointer:
         # Freeing deleted steps' space (unlinking large files) runs on a thread of its own, so
         # neither the next commit nor a load waits for it.
         self._purge: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=_purge_loop, args=(self._purge,), name="resilient-purge",
-                         daemon=True).start()
+        self._purger = threading.Thread(target=_purge_loop, args=(self._purge,),
+                                        name="resilient-purge", daemon=True)
+        self._purger.start()
         weakref.finalize(self, self._purge.put, None)
         self._closed = False
         self._lock = roots.WriterLock(self.root)
@@ -878,6 +879,9 @@ class Checkpointer:
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self._purge.put(None)  # deleted steps' space is freed before close() returns
+        if threading.current_thread() is not self._thread:
+            self._purger.join(timeout)
         try:
             self._native.close(timeout)
         finally:
