@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ab bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ab profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +96,14 @@ for stage in "$@"; do
           if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
           PYTHONPATH=$pp bench "ab-$v-$RANDOM" --model gpt-1b --repeat 2 \
             --methods raw,resilient,resilient_overlap
+        done ;;
+    profile-load) # load() and overlapped-save timings, the carried baseline package and this tree
+        for v in base new; do
+          if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
+          log "profile load ($v)"
+          (cd /tmp && PYTHONPATH=$pp python "$OLDPWD/benchmarks/profile_load.py" --device cuda \
+            --model gpt-1b --pause 2) >"$OUT/profile-load-$v.log" 2>&1
+          grep -E "state|keep=|load\)|_C.read|contract|import" "$OUT/profile-load-$v.log" | head -20
         done ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;

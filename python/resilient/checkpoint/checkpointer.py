@@ -38,6 +38,7 @@ import queue
 import shutil
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -88,7 +89,8 @@ class CheckpointCommitError(ResilientError):
 class SaveHandle:
     """A save in flight. ``wait()`` returns once the checkpoint is committed and durable."""
 
-    def __init__(self, step: int, native: Any, save_id: str, keep: list | None):
+    def __init__(self, step: int, native: Any, save_id: str, keep: list | None,
+                 started: float | None = None):
         self.step = step
         self.save_id = save_id
         self._native = native
@@ -97,7 +99,7 @@ class SaveHandle:
         self._retained = threading.Event()  # set once the commit thread is done with it
         self._error: BaseException | None = None
         self._observed = False  # the error was raised to the caller
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started  # the save() call
         self._committed_s: float | None = None
         self._local_error: BaseException | None = None
         self._owner: Any = None
@@ -190,6 +192,20 @@ def tensor_descriptor(
     return desc
 
 
+def _stored_pieces(pieces: list, held: list[Held]) -> list[tuple]:
+    """For each piece this rank writes: the piece, its stored name, global shape and offset."""
+    by_name = {h.name: h for h in held}
+    out = []
+    for piece in pieces:
+        h = by_name[piece.name]
+        offset = h.offset
+        if piece.rows is not None:
+            offset = (h.offset[0] + piece.rows[0], *h.offset[1:])
+        out.append((piece, "S/" + piece_name(piece.name, offset), list(h.global_shape),
+                    list(offset)))
+    return out
+
+
 def _check_savable(name: str, t: torch.Tensor) -> None:
     """Raises TypeError for a tensor tensor_descriptor() would refuse (checked before a save's
     collectives, so that one rank's refusal cannot leave the others inside them)."""
@@ -255,7 +271,7 @@ class Checkpointer:
     ):
         self.root = os.fspath(root)
         self.keep = int(keep)
-        self.specs = dict(specs or {})
+        self.specs = types.MappingProxyType(dict(specs or {}))  # fixed: _held caches them
         if timeout is None:
             timeout = float(os.environ.get("RESILIENT_DIST_TIMEOUT_S", "600"))
         if split_bytes is None:
@@ -294,7 +310,8 @@ class Checkpointer:
         self.options = opts
         self._native = _C.Checkpointer(opts)
         self._plan_key: Any = None
-        self._plan: list = []
+        self._plan: list = []  # (piece, stored name, global shape, global offset)
+        self._held_cache: dict[tuple, Held] = {}  # (name, shape, dtype) -> Held (specs are fixed)
         self._everyone: list = []
         self._raised_ids: set[str] = set()
         self._lock_ids = threading.Lock()  # _raised_ids and _observed: main vs commit thread
@@ -343,6 +360,7 @@ class Checkpointer:
         values that cannot be stored without pickle, ReplicaMismatchError when replicated
         tensors differ between ranks, CollectiveError when not every rank calls it.
         """
+        started = time.monotonic()
         self._check_open()
         if mode not in ("blocking", "overlap"):
             raise ValueError("mode must be 'blocking' or 'overlap'")
@@ -391,7 +409,7 @@ class Checkpointer:
         keys = [g[0] for g in gathered]
         if keys != self._plan_key:
             everyone = self._ranks.gather(held)
-            self._plan = plan_writes(everyone, self.rank, self.split_bytes)
+            self._plan = _stored_pieces(plan_writes(everyone, self.rank, self.split_bytes), held)
             self._plan_key = keys
             self._everyone = everyone
         if prints is not None:
@@ -399,15 +417,12 @@ class Checkpointer:
         keep: list[torch.Tensor] = []
         streams: dict = {}
         descs: list[dict[str, Any]] = []
-        by_name = {h.name: h for h in held}
-        for piece in self._plan:
-            t, h = enc.tensors[piece.name], by_name[piece.name]
-            offset = h.offset
+        for piece, entry, global_shape, offset in self._plan:
+            t = enc.tensors[piece.name]
             if piece.rows is not None:
                 t = t.detach()[piece.rows[0] : piece.rows[1]]
-                offset = (h.offset[0] + piece.rows[0], *h.offset[1:])
-            d = tensor_descriptor("S/" + piece_name(piece.name, offset), t, keep, streams)
-            d["global_shape"], d["global_offset"] = list(h.global_shape), list(offset)
+            d = tensor_descriptor(entry, t, keep, streams)
+            d["global_shape"], d["global_offset"] = global_shape, offset
             descs.append(d)
         rank_doc = None
         if renc is not None:
@@ -424,7 +439,7 @@ class Checkpointer:
             "rank_state": rank_doc,
         }
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
-        handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None)
+        handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
         if mode == "overlap":
             self._in_snapshot = handle
@@ -434,6 +449,15 @@ class Checkpointer:
 
     def _held(self, name: str, t: torch.Tensor) -> Held:
         shape = tuple(t.shape)
+        key = (name, shape, t.dtype)
+        held = self._held_cache.get(key)
+        if held is None:
+            if len(self._held_cache) > 1 << 16:
+                self._held_cache.clear()
+            held = self._held_cache[key] = self._describe(name, shape, t)
+        return held
+
+    def _describe(self, name: str, shape: tuple[int, ...], t: torch.Tensor) -> Held:
         spec = self.spec_for(name, shape, None)
         if spec is not None:
             spec.check(name, shape)

@@ -22,6 +22,7 @@ Matching rules (docs/STATE.md):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -92,11 +93,10 @@ def unwritable(t: Any) -> str | None:
 
 
 def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    # Importing torch.distributed.tensor takes most of a second (it pulls in sympy); a process
+    # that never imported it holds no DTensor.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 class LoadPlan:
