@@ -378,7 +378,7 @@ class Checkpointer:
         self._ranks.enter("save", step)
         problem = None
         try:
-            if self.rank == 0:
+            if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
             prints = (_fingerprints(enc.tensors) if self.check_replicas and self.world_size > 1
