@@ -51,7 +51,7 @@ _LAZY = {
     "CheckpointCommitError": "resilient.checkpoint",
 }
 __all__ += list(_LAZY)
-__all__ += ["install_crash_handler"]
+__all__ += ["install_crash_handler", "settings"]
 
 
 def install_crash_handler() -> None:
@@ -65,9 +65,6 @@ def install_crash_handler() -> None:
     _C.install_crash_handler()
 
 
-import os as _os  # noqa: E402
-
-
 def _dump_stacks_on_sigusr1() -> None:
     """SIGUSR1 writes every Python thread's stack to stderr (faulthandler), unless the program
     handles SIGUSR1 itself: how a launcher asks a hung rank where it is before killing it."""
@@ -79,7 +76,9 @@ def _dump_stacks_on_sigusr1() -> None:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
-if _os.environ.get("RESILIENT_CRASH_HANDLER", "").strip().lower() in ("1", "on", "true", "yes"):
+from resilient import settings  # noqa: E402
+
+if settings.get("RESILIENT_CRASH_HANDLER"):
     install_crash_handler()
     _dump_stacks_on_sigusr1()
 

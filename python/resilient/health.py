@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from resilient import settings
 
 # XIDs that mean the GPU must not (re)join: double-bit ECC, row-remap events, NVLink errors,
 # fell off the bus, uncontained/contained ECC, GSP errors.
@@ -47,9 +48,9 @@ class HealthConfig:
     @classmethod
     def from_env(cls) -> HealthConfig:
         c = cls()
-        c.nvml = os.environ.get("RESILIENT_NVML", c.nvml).lower()
-        c.library = os.environ.get("RESILIENT_NVML_LIBRARY", c.library)
-        c.xid_watch_ms = int(os.environ.get("RESILIENT_HEALTH_XID_WATCH_MS", c.xid_watch_ms))
+        c.nvml = settings.get("RESILIENT_NVML")
+        c.library = settings.get("RESILIENT_NVML_LIBRARY")
+        c.xid_watch_ms = settings.get("RESILIENT_HEALTH_XID_WATCH_MS")
         if c.nvml not in ("auto", "on", "off"):
             raise ValueError(f"RESILIENT_NVML must be auto, on or off, not {c.nvml!r}")
         return c

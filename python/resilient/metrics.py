@@ -25,7 +25,7 @@ import os
 import time
 from typing import Any, Callable
 
-from resilient import events
+from resilient import events, settings
 
 _STALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LONG_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -33,7 +33,7 @@ _LONG_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 def metrics_port(local_rank: int | None = None) -> int:
     """RESILIENT_METRICS_PORT (0 or unset: no endpoint) + the local rank."""
-    base = int(os.environ.get("RESILIENT_METRICS_PORT", "0"))
+    base = settings.get_or("RESILIENT_METRICS_PORT", 0)
     if base <= 0:
         return 0
     lr = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))

@@ -57,6 +57,20 @@ TEST(Config, ParsesBytes) {
   EXPECT_FALSE(parse_bytes("3 parsecs").ok());
 }
 
+TEST(Config, ParsesNumbersAndBooleansStrictly) {
+  EXPECT_EQ(*parse_int(" -7 "), -7);
+  EXPECT_FALSE(parse_int("7x").ok());
+  EXPECT_FALSE(parse_int("").ok());
+  EXPECT_FALSE(parse_int("99999999999999999999").ok());
+  EXPECT_DOUBLE_EQ(*parse_double("1e3"), 1000.0);
+  EXPECT_FALSE(parse_double("nan").ok());
+  EXPECT_FALSE(parse_double("1.5s").ok());
+  EXPECT_TRUE(*parse_bool("YES"));
+  EXPECT_FALSE(*parse_bool("off"));
+  EXPECT_FALSE(parse_bool("auto").ok());
+  EXPECT_FALSE(parse_bool("garbage").ok());
+}
+
 TEST(Config, EnvOverridesAndRejectsGarbage) {
   setenv("RESILIENT_TEST_X", "12", 1);
   EXPECT_EQ(env_int("RESILIENT_TEST_X", 3), 12);

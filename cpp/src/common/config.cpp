@@ -1,6 +1,7 @@
 #include "resilient/common/config.hpp"
 
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -65,6 +66,39 @@ Result<uint64_t> parse_bytes(std::string_view text) {
   return static_cast<uint64_t>(bytes);
 }
 
+Result<int64_t> parse_int(std::string_view text) {
+  const std::string t = trim(text);
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(t.c_str(), &end, 10);
+  if (t.empty() || end == t.c_str() || *end != '\0') {
+    return Status(StatusCode::kInvalidArgument, "not an integer: '" + std::string(text) + "'");
+  }
+  if (errno == ERANGE) {
+    return Status(StatusCode::kInvalidArgument, "integer out of range: '" + std::string(text) + "'");
+  }
+  return static_cast<int64_t>(x);
+}
+
+Result<double> parse_double(std::string_view text) {
+  const std::string t = trim(text);
+  char* end = nullptr;
+  const double x = std::strtod(t.c_str(), &end);
+  if (t.empty() || end == t.c_str() || *end != '\0' || !std::isfinite(x)) {
+    return Status(StatusCode::kInvalidArgument, "not a number: '" + std::string(text) + "'");
+  }
+  return x;
+}
+
+Result<bool> parse_bool(std::string_view text) {
+  auto f = parse_feature(text);
+  if (!f.ok() || *f == Feature::kAuto) {
+    return Status(StatusCode::kInvalidArgument,
+                  "expected on/off (1/0, true/false, yes/no), got '" + std::string(text) + "'");
+  }
+  return *f == Feature::kOn;
+}
+
 std::optional<std::string> env_string(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::nullopt;
@@ -74,27 +108,25 @@ std::optional<std::string> env_string(const char* name) {
 int64_t env_int(const char* name, int64_t fallback) {
   auto v = env_string(name);
   if (!v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v->c_str(), &end, 10);
-  if (end == v->c_str() || !trim(end).empty()) bad_env(name, *v, "not an integer");
-  return x;
+  auto x = parse_int(*v);
+  if (!x.ok()) bad_env(name, *v, x.status().message());
+  return *x;
 }
 
 double env_double(const char* name, double fallback) {
   auto v = env_string(name);
   if (!v) return fallback;
-  char* end = nullptr;
-  double x = std::strtod(v->c_str(), &end);
-  if (end == v->c_str() || !trim(end).empty() || !std::isfinite(x)) bad_env(name, *v, "not a number");
-  return x;
+  auto x = parse_double(*v);
+  if (!x.ok()) bad_env(name, *v, x.status().message());
+  return *x;
 }
 
 bool env_bool(const char* name, bool fallback) {
   auto v = env_string(name);
   if (!v) return fallback;
-  auto f = parse_feature(*v);
-  if (!f.ok() || *f == Feature::kAuto) bad_env(name, *v, "expected on/off");
-  return *f == Feature::kOn;
+  auto x = parse_bool(*v);
+  if (!x.ok()) bad_env(name, *v, x.status().message());
+  return *x;
 }
 
 uint64_t env_bytes(const char* name, uint64_t fallback) {

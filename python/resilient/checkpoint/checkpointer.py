@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from resilient import _C
+from resilient import _C, settings
 from resilient.checkpoint import codec, contract
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.plan import (
@@ -273,16 +273,15 @@ class Checkpointer:
         self.keep = int(keep)
         self.specs = types.MappingProxyType(dict(specs or {}))  # fixed: _held caches them
         if timeout is None:
-            timeout = float(os.environ.get("RESILIENT_DIST_TIMEOUT_S", "600"))
+            timeout = settings.get("RESILIENT_DIST_TIMEOUT_S")
         if split_bytes is None:
-            split_bytes = _C.parse_bytes(os.environ.get("RESILIENT_DIST_SPLIT_BYTES", "1MiB"))
+            split_bytes = settings.get("RESILIENT_DIST_SPLIT_BYTES")
         if check_replicas is None:
-            flag = os.environ.get("RESILIENT_CHECK_REPLICAS", "1").strip().lower()
-            check_replicas = flag not in ("0", "off", "false", "no")
+            check_replicas = settings.get("RESILIENT_CHECK_REPLICAS")
         self.timeout = float(timeout)
         self.split_bytes = int(split_bytes)
         self.check_replicas = bool(check_replicas)
-        self.restore = restore or os.environ.get("RESILIENT_DIST_RESTORE", "direct")
+        self.restore = restore or settings.get("RESILIENT_DIST_RESTORE")
         if self.restore not in ("direct", "redistribute"):
             raise ValueError(f"restore must be 'direct' or 'redistribute', not {self.restore!r}")
         self.create = bool(create)
@@ -1147,7 +1146,11 @@ def _wait_native(wait: Any, timeout: float | None, done: Any) -> None:
 def _close_at_exit() -> None:
     """Process exit waits for saves in flight, bounded (RESILIENT_EXIT_TIMEOUT_S, default
     60 s); a second Ctrl-C ends the wait."""
-    limit = float(os.environ.get("RESILIENT_EXIT_TIMEOUT_S", "60"))
+    try:
+        limit = settings.get("RESILIENT_EXIT_TIMEOUT_S")
+    except ValueError as e:
+        log.error("%s; waiting 60 s", e)
+        limit = 60.0
     for ck in list(_OPEN):
         try:
             ck.close(limit)

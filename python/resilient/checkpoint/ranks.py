@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from resilient import settings
 from resilient.errors import CollectiveError
 
 
@@ -68,7 +69,7 @@ class Ranks:
                                "torch.distributed.init_process_group() first")
         self.distributed = bool(distributed)
         if collective_timeout is None:
-            collective_timeout = float(os.environ.get("RESILIENT_COLLECTIVE_TIMEOUT_S", "30"))
+            collective_timeout = settings.get("RESILIENT_COLLECTIVE_TIMEOUT_S")
         self.collective_timeout = float(collective_timeout)
         self._seq = 0
         self.broken = ""

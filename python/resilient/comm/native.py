@@ -7,11 +7,11 @@ NCCL is loaded at run time with dlopen. In a PyTorch process, load the NCCL that
 from __future__ import annotations
 
 import importlib.util
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from resilient import settings
 from resilient._C import comm as _comm
 from resilient.comm.nccl_env import prepare_nccl_env
 
@@ -60,8 +60,8 @@ def load_nccl(path: str | None = None, *, search_system: bool = True) -> NcclLib
             the message lists every location tried.
     """
     prepare_nccl_env()
-    chosen = path or os.environ.get("RESILIENT_NCCL_PATH") or torch_nccl_dir() or ""
-    enabled = os.environ.get("RESILIENT_NCCL", "auto") or "auto"
+    chosen = path or settings.get("RESILIENT_NCCL_PATH") or torch_nccl_dir() or ""
+    enabled = settings.get("RESILIENT_NCCL")
     return NcclLibrary.load(chosen, search_system, enabled)
 
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from resilient import settings
 from resilient.recovery.policy import POLICIES
 
 MISMATCH_SOURCES = ("storage", "peer")
@@ -43,23 +44,27 @@ class RecoveryConfig:
     join_timeout_s: float = 300.0
 
     def set(self, name: str, value: Any) -> None:
-        """Sets field ``name``, converting ``value`` to its type.
+        """Sets field ``name``. A string is parsed like its ``RESILIENT_RECOVERY_<NAME>``
+        variable (resilient.settings: ``yes``/``no`` for booleans; anything else is an error);
+        other values must already have the field's type.
 
         Raises:
             ValueError: unknown name, bad value, or an out-of-range setting.
         """
-        types = {f.name: f.type for f in fields(self)}
-        if name not in types:
+        kinds = {f.name: f.type for f in fields(self)}
+        if name not in kinds:
             raise ValueError(f"unknown recovery setting {name!r}")
-        kind = types[name]
-        if kind in ("bool", bool):
-            value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "on")
-        elif kind in ("int", int):
-            value = int(value)
-        elif kind in ("float", float):
+        kind = kinds[name] if isinstance(kinds[name], str) else kinds[name].__name__
+        if isinstance(value, str):
+            value = settings.lookup(f"RESILIENT_RECOVERY_{name.upper()}").parse(value)
+        elif kind == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, not {value!r}")
+        elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int, not {value!r}")
+        elif kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, not {value!r}")
             value = float(value)
-        else:
-            value = str(value)
         setattr(self, name, value)
         self.validate()
 
@@ -84,8 +89,8 @@ class RecoveryConfig:
         """Defaults, then ``RESILIENT_RECOVERY_*`` variables, then ``overrides``."""
         cfg = cls()
         for f in fields(cls):
-            env = os.environ.get(f"RESILIENT_RECOVERY_{f.name.upper()}")
-            if env is not None:
+            env = os.environ.get(f"RESILIENT_RECOVERY_{f.name.upper()}", "")
+            if env.strip():
                 cfg.set(f.name, env)
         for name, value in overrides.items():
             cfg.set(name, value)

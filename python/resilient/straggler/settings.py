@@ -7,39 +7,17 @@ listed in docs/SETTINGS.md.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from resilient import settings
 from resilient._C import straggler as _core
 
 StragglerOptions = _core.StragglerOptions
-
-_FEATURES = {"auto": "auto", "on": "on", "1": "on", "true": "on", "off": "off", "0": "off",
-             "false": "off"}
 
 
 def default_options() -> StragglerOptions:
     """Detector options: defaults overridden by RESILIENT_STRAGGLER_* (ValueError if malformed)."""
     return StragglerOptions.from_env()
-
-
-def _env_float(name: str, fallback: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return fallback
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: not a number") from None
-
-
-def _env_feature(name: str, fallback: str) -> str:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return fallback
-    if raw not in _FEATURES:
-        raise ValueError(f"{name}={raw!r}: expected auto, on or off")
-    return _FEATURES[raw]
 
 
 @dataclass
@@ -54,9 +32,9 @@ class MonitorSettings:
     """
 
     exchange_timeout_s: float = field(
-        default_factory=lambda: _env_float("RESILIENT_STRAGGLER_EXCHANGE_TIMEOUT_S", 60.0))
+        default_factory=lambda: settings.get("RESILIENT_STRAGGLER_EXCHANGE_TIMEOUT_S"))
     cuda_events: str = field(
-        default_factory=lambda: _env_feature("RESILIENT_STRAGGLER_CUDA_EVENTS", "auto"))
+        default_factory=lambda: settings.get("RESILIENT_STRAGGLER_CUDA_EVENTS"))
 
     def validate(self) -> None:
         """Raises ValueError for an out-of-range setting."""

@@ -16,6 +16,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from resilient import settings
+
 
 @dataclass
 class Scenario:
@@ -87,7 +89,7 @@ def _run_scenario(sc: Scenario, rank: int, world: int, dist, torch) -> ScenarioR
             res.since_step = report.since_step
 
     mon = StragglerMonitor(options=opts, on_report=on_report, on_persistent_straggler=on_persistent,
-                           log_rank=None if os.environ.get("RESILIENT_SIM_LOG") else -1)
+                           log_rank=None if settings.get("RESILIENT_SIM_LOG") else -1)
     grad = torch.ones(16)
     busy = torch.zeros(sc.steps, dtype=torch.float64)  # the harness's own timing
     dist.barrier()

@@ -21,6 +21,13 @@ const char* feature_name(Feature f);
 /// "16MiB", "4k", "1.5GiB", "4096" -> bytes. Suffixes are binary (k = KiB).
 Result<uint64_t> parse_bytes(std::string_view text);
 
+/// "42", " -7 " -> integer; anything else (trailing text, empty, out of range) is an error.
+Result<int64_t> parse_int(std::string_view text);
+/// A finite decimal number ("0.5", "1e3").
+Result<double> parse_double(std::string_view text);
+/// on/off, 1/0, true/false, yes/no (any case); "auto" and anything else are errors.
+Result<bool> parse_bool(std::string_view text);
+
 /// The environment variable's value, or nullopt when unset or empty.
 std::optional<std::string> env_string(const char* name);
 
