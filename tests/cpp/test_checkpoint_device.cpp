@@ -36,6 +36,7 @@ struct FakeGpu {
   std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
   std::map<void*, int> polls;
   std::map<void*, int> owner;  // stream or event -> its device
+  bool hung = false;           // copies never complete (a hung GPU) until cleared
   std::vector<int> h2d, d2h;
   // When non-empty: the "cudaMalloc" allocations; a device-to-host copy must lie inside one.
   std::vector<std::pair<const std::byte*, size_t>> allocations;
@@ -119,6 +120,8 @@ const CudaRuntime::Table* fake_table() {
       std::lock_guard<std::mutex> lock(g.mu);
       auto it = g.events.find(e);
       if (it == g.events.end()) return ok();
+      if (g.hung) return 600;
+      if (it->second.second == 0) return ok();  // its copies already ran
       if (++g.polls[e] < 2) return 600;  // cudaErrorNotReady: the copy is still "running"
       g.flush(it->second.first, it->second.second);
       return ok();
@@ -143,14 +146,15 @@ class DeviceTest : public ::testing::Test {
     fs::remove_all(root_);
   }
   void TearDown() override { fs::remove_all(root_); }
-  std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0) {
+  std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0,
+                                     Duration timeout = 30s) {
     auto o = CheckpointOptions::from_env(root_.string());
     o.zstd_level = zstd;
     o.chunk_bytes = 64 << 10;
     o.pool.slab_bytes = 256 << 10;
     o.pool.budget_bytes = 64 << 20;
     o.pool.pin = Feature::kOff;
-    o.timeout = 30s;
+    o.timeout = timeout;
     o.cuda = cuda;
     auto c = Checkpointer::create(o);
     EXPECT_TRUE(c.ok()) << c.status().to_string();
@@ -297,6 +301,53 @@ TEST_F(DeviceTest, DeviceTensorsWithoutCudaAreUnavailable) {
   auto h = (*c)->save(1, specs, {});
   EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(h.status().message().find("CUDA"), std::string::npos);
+}
+
+// A device-to-host copy that times out may still land later: its slabs stay out of the pool
+// (quarantined) until its event completes, so no later checkpoint is written from a slab that a
+// late copy overwrites; the first save after the copies completed returns them.
+TEST_F(DeviceTest, SlabsOfTimedOutCopiesAreQuarantinedNotReused) {
+  CudaRuntime cuda(fake_table());
+  auto& gpu = FakeGpu::get();
+  for (SaveMode mode : {SaveMode::kOverlap, SaveMode::kBlocking}) {
+    fs::remove_all(root_);
+    auto c = make(&cuda, 0, 1s);
+    const uint64_t slab = c->pool().slab_bytes();
+    std::vector<float> device(150'000, 1.0f), host(150'000, 2.0f), back(150'000);
+    const uint64_t n = device.size() * 4;  // three slabs
+    std::vector<TensorSpec> on_device = {{"a", "float32", {150'000}, device.data(), n, 0, 0}};
+    std::vector<TensorSpec> on_host = {{"a", "float32", {150'000}, host.data(), n}};
+    gpu.hung = true;
+    auto h1 = c->save(1, on_device, {}, true, mode);
+    std::shared_ptr<DeviceCopies> copies;  // to see the late copies land
+    if (mode == SaveMode::kOverlap) {
+      ASSERT_TRUE(h1.ok()) << h1.status().to_string();
+      EXPECT_EQ((*h1)->wait(30s).code(), StatusCode::kTimeout);
+    } else {
+      EXPECT_EQ(h1.status().code(), StatusCode::kTimeout) << h1.status().to_string();
+    }
+    EXPECT_EQ(c->pool().in_use_bytes(), 3 * slab) << "slabs of pending copies are held";
+    EXPECT_EQ(*c->steps(), std::vector<int64_t>{});
+    // Step 2 is saved from other slabs while the copies are pending; then they land.
+    auto h2 = c->save(2, on_host, {});
+    ASSERT_TRUE(h2.ok());
+    gpu.hung = false;
+    if (h1.ok()) ASSERT_TRUE((*h1)->wait_snapshot(10s).ok());
+    else {
+      std::lock_guard<std::mutex> lock(gpu.mu);
+      for (auto& [stream, ops] : gpu.queued) gpu.flush(stream, SIZE_MAX);
+    }
+    ASSERT_TRUE((*h2)->wait(30s).ok());
+    auto m = c->manifest(2);
+    ASSERT_TRUE(m.ok());
+    std::vector<ReadTarget> t = {{"a", back.data(), n}};
+    ASSERT_TRUE(c->read(*m, t).ok());
+    EXPECT_EQ(back, host) << "a late copy landed in step 2's slabs";
+    EXPECT_EQ(c->pool().in_use_bytes(), 3 * slab);
+    auto h3 = c->save(3, on_host, {});  // the completed copies' slabs are returned first
+    ASSERT_TRUE(h3.ok() && (*h3)->wait(30s).ok());
+    EXPECT_EQ(c->pool().in_use_bytes(), 0u);
+  }
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 
@@ -292,6 +294,150 @@ TEST_F(EngineTest, InvalidSpecsAreRejected) {
   s[0].dtype = "float7";
   EXPECT_EQ(c->save(1, s, {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(c->save(-1, specs(), {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Small tensors are packed (a state of many costs its payload, not 4 KiB each), round-trip
+// bit-exact with and without compression, and a flipped bit anywhere in their bytes is caught
+// by its chunk's checksum.
+TEST_F(EngineTest, PackedSmallTensorsRoundTripAndEveryFlippedBitIsCaught) {
+  const char* dtypes[] = {"uint8", "float16", "float32", "float64", "complex128"};
+  std::mt19937 gen(7);
+  std::vector<std::vector<std::byte>> data;
+  std::vector<TensorSpec> specs;
+  uint64_t payload = 0;
+  for (int i = 0; i < 300; ++i) {
+    const std::string dtype = dtypes[i % 5];
+    const int64_t n = 1 + i % 7;
+    const uint64_t nbytes = n * dtype_size(dtype);
+    auto& d = data.emplace_back(nbytes);
+    for (auto& b : d) b = std::byte(gen());
+    specs.push_back(TensorSpec{"t" + std::to_string(i), dtype, {n}, d.data(), nbytes});
+    payload += nbytes;
+    if (i == 100) {  // a large tensor among them starts on a 4 KiB boundary
+      fill(1);
+      specs.push_back(TensorSpec{"big", "float32", {300'000}, big_.data(), big_.size() * 4});
+    }
+  }
+  for (int zstd : {0, 3}) {
+    fs::remove_all(root_);
+    auto c = make(zstd);
+    auto h = c->save(1, specs, {});
+    ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok());
+    auto m = c->manifest(1);
+    ASSERT_TRUE(m.ok());
+    for (const auto& t : m->tensors) {
+      if (t.name == "big" && zstd == 0) EXPECT_EQ(t.chunks[0].offset % 4096, 0u);
+    }
+    const uint64_t size = fs::file_size(root_ / step_dir_name(1) / shard_file_name(0));
+    EXPECT_LE(size, payload + big_.size() * 4 + 3 * 4096) << "zstd " << zstd;
+    std::vector<std::vector<std::byte>> got;
+    std::vector<ReadTarget> targets;
+    for (const auto& sp : specs) {
+      got.emplace_back(sp.nbytes);
+      targets.push_back({sp.name, got.back().data(), sp.nbytes});
+    }
+    Status s = c->read(*m, targets);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      EXPECT_EQ(std::memcmp(got[i].data(), specs[i].data, specs[i].nbytes), 0) << specs[i].name;
+    }
+  }
+  // Every byte of 40 packed tensors (one bit each, all eight positions in turn): corrupt, at
+  // the offset of the chunk that holds it.
+  fs::remove_all(root_);
+  specs.resize(40);
+  auto c = make();
+  auto h = c->save(1, specs, {});
+  ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  const std::string path = (root_ / step_dir_name(1) / shard_file_name(0)).string();
+  auto flip = [&](uint64_t at, int bit) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    char b = 0;
+    f.seekg(static_cast<std::streamoff>(at));
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ (1 << bit));
+    f.seekp(static_cast<std::streamoff>(at));
+    f.write(&b, 1);
+    ASSERT_TRUE(f.good());
+  };
+  ASSERT_TRUE(c->verify(*m).ok());
+  int flips = 0;
+  for (const auto& t : m->tensors) {
+    for (const auto& ch : t.chunks) {
+      for (uint64_t at = ch.offset; at < ch.offset + ch.len; ++at, ++flips) {
+        flip(at, flips % 8);
+        Status v = c->verify(*m);
+        flip(at, flips % 8);
+        ASSERT_EQ(v.code(), StatusCode::kCorrupt) << t.name << " byte " << at;
+        EXPECT_EQ(v.offset(), ch.offset);
+      }
+    }
+  }
+  EXPECT_GT(flips, 200);
+  EXPECT_TRUE(c->verify(*m).ok());
+}
+
+// A step directory replaced by a symbolic link (to /etc, or to a copy of a real step) is not
+// listed and not read: load falls back to the previous step.
+TEST_F(EngineTest, SymlinkedStepDirectoryIsRefusedNotFollowed) {
+  auto c = make(0, /*keep=*/5);
+  fill(1);
+  ASSERT_TRUE(save(*c, 1).ok());
+  fill(2);
+  ASSERT_TRUE(save(*c, 2).ok());
+  auto m2 = c->manifest(2);
+  ASSERT_TRUE(m2.ok());
+  const fs::path step2 = root_ / step_dir_name(2);
+  const fs::path elsewhere = root_.string() + "-elsewhere";
+  fs::remove_all(elsewhere);
+  fs::rename(step2, elsewhere);  // the right bytes, outside the root
+  fs::create_directory_symlink(elsewhere, step2);
+  EXPECT_EQ(*c->steps(), std::vector<int64_t>{1});
+  auto m = c->manifest(2);
+  EXPECT_EQ(m.status().code(), StatusCode::kCorrupt) << m.status().to_string();
+  EXPECT_NE(m.status().message().find("symbolic link"), std::string::npos);
+  EXPECT_EQ(m.status().path(), step2.string());
+  std::vector<float> big(300'000);
+  std::vector<int64_t> small(3);
+  std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4}, {"small", small.data(), 24}};
+  EXPECT_EQ(c->read(*m2, t).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(c->verify(*m2).code(), StatusCode::kCorrupt);
+  ASSERT_TRUE(load_into(*c, 1, big, small).ok());
+  EXPECT_EQ(small[0], 1);
+  fs::remove(step2);
+  fs::create_directory_symlink("/etc", step2);
+  EXPECT_EQ(*c->steps(), std::vector<int64_t>{1});
+  EXPECT_EQ(c->manifest(2).status().code(), StatusCode::kCorrupt);
+  fs::remove(step2);
+  fs::remove_all(elsewhere);
+}
+
+// A save's temporary directory replaced by a symbolic link: a shard save (commit=false, the
+// ranks share the directory) fails with a clear error and writes nothing through it; a
+// committing save replaces the link with a directory of its own.
+TEST_F(EngineTest, SymlinkedTemporaryDirectoryIsNeverWrittenThrough) {
+  auto c = make();
+  fill(1);
+  ASSERT_TRUE(save(*c, 1).ok());
+  const fs::path victim = root_.string() + "-victim";
+  fs::remove_all(victim);
+  fs::create_directories(victim);
+  fs::create_directory_symlink(victim, tmp_dir_path(root_.string(), 2));
+  auto h = c->save(2, specs(), {}, /*commit=*/false);
+  ASSERT_TRUE(h.ok());
+  Status s = (*h)->wait(30s);
+  EXPECT_EQ(s.sys_errno(), ELOOP) << s.to_string();
+  EXPECT_NE(s.to_string().find("symbolic link"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find(tmp_dir_name(2)), std::string::npos) << s.to_string();
+  EXPECT_TRUE(fs::is_empty(victim));
+  fs::remove(tmp_dir_path(root_.string(), 2));
+  fs::create_directory_symlink(victim, tmp_dir_path(root_.string(), 2));
+  ASSERT_TRUE(save(*c, 2).ok());
+  EXPECT_TRUE(fs::is_empty(victim));
+  EXPECT_EQ(*c->steps(), (std::vector<int64_t>{1, 2}));
+  fs::remove_all(victim);
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <vector>
 
 #include "resilient/checkpoint/format.hpp"
+#include "resilient/checkpoint/snapshot.hpp"
+#include "resilient/io/file.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -172,6 +175,45 @@ TEST(Format, Names) {
   EXPECT_EQ(shard_file_name(3), "rank-00003.data");
   EXPECT_EQ(dtype_size("bfloat16"), 2u);
   EXPECT_EQ(dtype_size("nope"), 0u);
+}
+
+// Data files: small tensors are packed at their element alignment, large ones start on a 4 KiB
+// boundary, the image ends on one; chunks never cross a slab.
+TEST(Layout, PacksSmallTensorsAndAlignsLargeOnes) {
+  std::vector<std::byte> buf(1 << 20);
+  const void* p = buf.data();
+  const uint64_t big = kPackBelowBytes;  // the smallest aligned size
+  std::vector<TensorSpec> specs = {
+      {"a", "uint8", {3}, p, 3},         {"b", "float64", {1}, p, 8},
+      {"c", "bfloat16", {5}, p, 10},     {"empty", "float32", {0}, nullptr, 0},
+      {"big", "uint8", {int64_t(big)}, p, big}, {"d", "int32", {1}, p, 4},
+      {"e", "complex128", {2}, p, 32}};
+  auto l = plan_layout(specs, 256 << 10, 16 << 20);
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  auto off = [&](size_t i) { return l->tensors[i].chunks.at(0).offset; };
+  EXPECT_EQ(off(0), 0u);
+  EXPECT_EQ(off(1), 8u);   // 3 rounded up to float64's 8
+  EXPECT_EQ(off(2), 16u);
+  EXPECT_TRUE(l->tensors[3].chunks.empty());
+  EXPECT_EQ(off(4), 4096u);  // large: aligned
+  EXPECT_EQ(off(5), 4096u + big);
+  EXPECT_EQ(off(6), 4096u + big + 16);  // complex128: 16-byte aligned
+  EXPECT_EQ(l->bytes, 4096u + big + 4096);
+
+  // 50,000 one-element tensors cost their payload, rounded up to 4 KiB once.
+  std::vector<TensorSpec> many;
+  for (int i = 0; i < 50'000; ++i) many.push_back({"t" + std::to_string(i), "float32", {1}, p, 4});
+  l = plan_layout(many, 256 << 10, 16 << 20);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->bytes, io::align_up(200'000));
+  // A small tensor that straddles a slab boundary is cut there.
+  std::vector<TensorSpec> edge = {{"x", "uint8", {4092}, p, 4092}, {"y", "float32", {2}, p, 8}};
+  l = plan_layout(edge, 4096, 16 << 20);
+  ASSERT_TRUE(l.ok());
+  ASSERT_EQ(l->tensors[1].chunks.size(), 2u);
+  EXPECT_EQ(l->tensors[1].chunks[0].offset, 4092u);
+  EXPECT_EQ(l->tensors[1].chunks[0].raw, 4u);
+  EXPECT_EQ(l->tensors[1].chunks[1].offset, 4096u);
 }
 
 }  // namespace

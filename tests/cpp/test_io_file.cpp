@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <fstream>
@@ -258,6 +259,42 @@ TEST(ReadSmallFile, LimitAndMissing) {
   EXPECT_EQ(read_small_file(dir.file("g"), 10).status().code(), StatusCode::kNotFound);
   ScopedFileHook hook([](FileOp op, const std::string&) { return op == FileOp::kRead ? EIO : 0; });
   EXPECT_EQ(read_small_file(dir.file("f"), 10000).status().sys_errno(), EIO);
+}
+
+// Opening relative to a directory descriptor: no symbolic link is followed below the trusted
+// directory, in any component, and the error says so.
+TEST(Dirs, RelativeOpensNeverFollowLinks) {
+  TempDir dir, outside;
+  ASSERT_TRUE(make_dirs(dir.file("a/b")).ok());
+  ASSERT_EQ(::symlink(outside.path().c_str(), dir.file("link").c_str()), 0);
+  ASSERT_EQ(::symlink(dir.file("a").c_str(), dir.file("a/b/up").c_str()), 0);
+  auto top = Dir::open(dir.path());
+  ASSERT_TRUE(top.ok()) << top.status().to_string();
+  auto ab = top->open_dir("a/b", true);
+  ASSERT_TRUE(ab.ok()) << ab.status().to_string();
+  EXPECT_EQ(ab->path(), dir.file("a/b"));
+  ASSERT_TRUE(write_file_atomic_at(*ab, "f", "hello").ok());
+  EXPECT_EQ(slurp(dir.file("a/b/f")), "hello");
+  EXPECT_EQ(*read_small_file_at(*ab, "f", 100), "hello");
+  EXPECT_FALSE(has_temp_files(dir.file("a/b")));
+
+  Status w = top->open_dir("link", true).status();  // a write is an I/O error naming the link
+  EXPECT_EQ(w.sys_errno(), ELOOP) << w.to_string();
+  EXPECT_NE(w.to_string().find("symbolic link"), std::string::npos) << w.to_string();
+  EXPECT_EQ(w.path(), dir.file("link"));
+  Status r = top->open_dir("a/b/up/b", false).status();  // a read: corrupt, in any component
+  EXPECT_EQ(r.code(), StatusCode::kCorrupt) << r.to_string();
+  EXPECT_EQ(r.path(), dir.file("a/b/up"));
+  EXPECT_EQ(top->make_dir("link").sys_errno(), ELOOP);
+  EXPECT_TRUE(top->make_dir("a").ok());
+  EXPECT_EQ(top->open_dir("a/../link", true).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(File::create_at(*ab, "../f", Feature::kOff).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_EQ(::symlink(outside.file("planted").c_str(), dir.file("a/b/planted").c_str()), 0);
+  EXPECT_EQ(File::create_at(*ab, "planted", Feature::kOff).status().sys_errno(), ELOOP);
+  EXPECT_EQ(File::open_read_at(*ab, "planted", Feature::kOff).status().code(),
+            StatusCode::kCorrupt);
+  EXPECT_EQ(list_dir(outside.path())->size(), 0u) << "nothing was written outside";
 }
 
 }  // namespace

@@ -366,3 +366,51 @@ def test_a_planted_symlink_in_a_save_directory_is_not_written_through(tmp_path):
 def test_a_pool_below_one_slab_is_refused_at_once(tmp_path):
     with pytest.raises(ValueError, match="pool_bytes .* less than one host buffer slab"):
         resilient.Checkpointer(tmp_path, pool_bytes=1 << 20)
+
+
+def test_many_small_tensors_cost_their_payload_and_load_bit_exact(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    n = 50_000
+    values = torch.randn(n, generator=gen)
+    state = {f"t{i}": values[i : i + 1].clone() for i in range(n)}
+    with resilient.Checkpointer(tmp_path, create=True) as ckpt:
+        ckpt.save(1, state).wait()
+        for t in state.values():
+            t.zero_()
+        assert ckpt.load(state) == 1
+    payload = 4 * n
+    data = _step_dir(tmp_path, 1) / "rank-00000.data"
+    assert data.stat().st_size < 2 * payload + (64 << 10)  # was 4 KiB per tensor: 204.8 MB
+    got = torch.cat([state[f"t{i}"] for i in range(n)])
+    assert torch.equal(bits(got), bits(values))
+
+
+def test_a_symlinked_step_directory_is_not_followed_and_load_falls_back(tmp_path):
+    root = tmp_path / "root"
+    _save_steps(root)
+    step2 = _step_dir(root, 2)
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(step2, elsewhere)  # the right bytes, outside the root
+    os.symlink(elsewhere, step2)
+    with resilient.Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [1]
+        state = {"w": torch.zeros(1000), "step": 0}
+        assert ckpt.load(state) == 1 and state["step"] == 1
+    step2.unlink()
+    os.symlink("/etc", step2)
+    with resilient.Checkpointer(root) as ckpt:
+        assert ckpt.load({"w": torch.zeros(1000), "step": 0}) == 1
+
+
+def test_a_symlinked_save_directory_is_refused_and_nothing_written_outside(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "root"
+    _save_steps(root, steps=(1,))
+    os.symlink(victim, root / ".tmp-step-000000000002")
+    with resilient.Checkpointer(root, keep=5) as ckpt:
+        h = ckpt.save(2, {"w": torch.full((1000,), 2.0), "step": 2})
+        with pytest.raises(OSError, match="symbolic link"):
+            h.wait(60)
+        assert ckpt.steps() == [1]
+    assert list(victim.iterdir()) == []

@@ -178,7 +178,7 @@ void Checkpointer::writer_loop() {
     if (!s.ok()) {
       s.prepend("saving step " + std::to_string(job.step));
       RESILIENT_LOG(kError, s.to_string());
-      job.staging.slabs.clear();  // return slabs before cleaning up
+      job.staging.release_slabs();  // those with copies still pending stay out of the pool
       if (job.commit) (void)io::remove_tree(tmp_dir_path(options_.root, job.step));
     }
     job.handle->finish(s, stats);
@@ -199,8 +199,8 @@ void Checkpointer::writer_loop() {
 }
 
 Status Checkpointer::write_job(Job& job, SaveStats& stats) {
-  const std::string tmp = tmp_dir_path(options_.root, job.step);
-  RESILIENT_RETURN_IF_ERROR(job.commit ? prepare_tmp_dir(options_.root, job.step) : io::make_dirs(tmp));
+  // Every file of the save is opened relative to this directory, never through a link.
+  RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, prepare_tmp_dir(options_.root, job.step, job.commit));
   // Register the pool's slabs as io_uring fixed buffers (saves pinning pages per request);
   // again whenever the pool allocated or freed slabs since the last registration.
   if (pool_->epoch() != registered_epoch_) {
@@ -215,7 +215,8 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
   po.zstd_level = options_.zstd_level;
   po.direct = options_.io.direct;
   po.timeout = options_.timeout;
-  RESILIENT_ASSIGN_OR_RETURN(uint64_t size, persist_shard(job.staging, tmp + "/" + file, po, *engine_, *hashers_));
+  RESILIENT_ASSIGN_OR_RETURN(uint64_t size,
+                             persist_shard(job.staging, dir, file, po, *engine_, *hashers_));
   stats.written_s = to_seconds(SteadyClock::instance().now() - job.started);
   Manifest m;
   m.step = job.step;
@@ -231,7 +232,8 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
   if (job.commit) {
     RESILIENT_RETURN_IF_ERROR(commit_step(options_.root, m));
   } else {
-    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(tmp + "/rank-" + std::to_string(options_.rank) + ".json", to_json(m)));
+    const std::string name = "rank-" + std::to_string(options_.rank) + ".json";
+    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic_at(dir, name, to_json(m)));
   }
   stats.durable_s = to_seconds(SteadyClock::instance().now() - job.started);
   return ok_status();

@@ -66,26 +66,33 @@ int exchange(const std::string& from, const std::string& to) {
 
 }  // namespace
 
+std::string tmp_dir_name(int64_t step) { return ".tmp-" + step_dir_name(step); }
+
 std::string tmp_dir_path(const std::string& root, int64_t step) {
-  return root + "/." + "tmp-" + step_dir_name(step);
+  return root + "/" + tmp_dir_name(step);
 }
 
 std::string step_dir_path(const std::string& root, int64_t step) {
   return root + "/" + step_dir_name(step);
 }
 
-Status prepare_tmp_dir(const std::string& root, int64_t step) {
+Result<io::Dir> prepare_tmp_dir(const std::string& root, int64_t step, bool fresh) {
   RESILIENT_RETURN_IF_ERROR(io::make_dirs(root));
-  const std::string tmp = tmp_dir_path(root, step);
-  RESILIENT_RETURN_IF_ERROR(io::remove_tree(tmp));
-  return io::make_dirs(tmp);
+  // A stale leftover is removed without following links (a link itself is unlinked).
+  if (fresh) RESILIENT_RETURN_IF_ERROR(io::remove_tree(tmp_dir_path(root, step)));
+  RESILIENT_ASSIGN_OR_RETURN(io::Dir top, io::Dir::open(root));
+  RESILIENT_RETURN_IF_ERROR(top.make_dir(tmp_dir_name(step)));
+  return top.open_dir(tmp_dir_name(step), /*for_write=*/true);
 }
 
 Status commit_step(const std::string& root, const Manifest& manifest) {
   const std::string tmp = tmp_dir_path(root, manifest.step);
   const std::string final_dir = step_dir_path(root, manifest.step);
-  RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(tmp + "/" + kManifestName, to_json(manifest)));
-  RESILIENT_RETURN_IF_ERROR(io::sync_dir(tmp));
+  {
+    RESILIENT_ASSIGN_OR_RETURN(io::Dir top, io::Dir::open(root));
+    RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, top.open_dir(tmp_dir_name(manifest.step), true));
+    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic_at(dir, kManifestName, to_json(manifest)));
+  }
   if (exists(final_dir)) {
     int err = exchange(tmp, final_dir);
     if (err == 0) {
@@ -118,7 +125,8 @@ Status commit_step(const std::string& root, const Manifest& manifest) {
 
 Status commit_shards(const std::string& root, int64_t step, int world_size, const std::string& save_id) {
   if (world_size < 1) return Status(StatusCode::kInvalidArgument, "world_size must be >= 1");
-  const std::string tmp = tmp_dir_path(root, step);
+  RESILIENT_ASSIGN_OR_RETURN(io::Dir top, io::Dir::open(root));
+  RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, top.open_dir(tmp_dir_name(step), /*for_write=*/true));
   Manifest merged;
   merged.step = step;
   merged.world_size = world_size;
@@ -126,8 +134,9 @@ Status commit_shards(const std::string& root, int64_t step, int world_size, cons
   std::set<std::string> names;
   std::vector<uint64_t> sizes;
   for (int r = 0; r < world_size; ++r) {
-    const std::string path = tmp + "/rank-" + std::to_string(r) + ".json";
-    auto text = io::read_small_file(path, kMaxManifestBytes);
+    const std::string name = "rank-" + std::to_string(r) + ".json";
+    const std::string path = dir.child(name);
+    auto text = io::read_small_file_at(dir, name, kMaxManifestBytes);
     if (!text.ok()) {
       return Status(text.status()).prepend("rank " + std::to_string(r) + " left no shard manifest for step " +
                                            std::to_string(step));
@@ -141,8 +150,13 @@ Status commit_shards(const std::string& root, int64_t step, int world_size, cons
           .with_path(path);
     }
     struct stat st;
-    const std::string data = tmp + "/" + m.shards[0].file;
-    if (::stat(data.c_str(), &st) != 0) return Status::from_errno(errno, "stat", data);
+    const std::string data = dir.child(m.shards[0].file);
+    if (::fstatat(dir.fd(), m.shards[0].file.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      return Status::from_errno(errno, "stat", data);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      return Status(StatusCode::kCorrupt, "not a regular file").with_path(data);
+    }
     if (static_cast<uint64_t>(st.st_size) != m.shards[0].bytes) {
       return Status(StatusCode::kCorrupt, "shard file size differs from its manifest").with_path(data);
     }
@@ -175,6 +189,9 @@ Result<std::vector<int64_t>> committed_steps(const std::string& root) {
   for (const auto& name : *names) {
     int64_t step = parse_step_dir_name(name);
     if (step < 0) continue;
+    // A step directory replaced by a symbolic link is not a step (never followed).
+    struct stat st;
+    if (::lstat((root + "/" + name).c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
     if (exists(root + "/" + name + "/" + kManifestName)) steps.push_back(step);
   }
   std::sort(steps.begin(), steps.end());
@@ -223,7 +240,12 @@ Result<std::vector<int64_t>> apply_retention(const std::string& root, int keep) 
 
 Result<Manifest> read_manifest(const std::string& root, int64_t step) {
   const std::string path = step_dir_path(root, step) + "/" + kManifestName;
-  auto text = io::read_small_file(path, kMaxManifestBytes);
+  // The step directory is opened without following a link (a step replaced by one is corrupt).
+  Result<std::string> text = [&]() -> Result<std::string> {
+    RESILIENT_ASSIGN_OR_RETURN(io::Dir top, io::Dir::open(root));
+    RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, top.open_dir(step_dir_name(step), /*for_write=*/false));
+    return io::read_small_file_at(dir, kManifestName, kMaxManifestBytes);
+  }();
   if (!text.ok()) return Status(text.status()).prepend("reading manifest of step " + std::to_string(step));
   auto m = parse_manifest(*text, path);
   if (!m.ok()) return m.status();

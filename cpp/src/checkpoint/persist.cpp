@@ -118,13 +118,38 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
       ch.xxh3 = checksum(out[i].get(), n);
     });
     for (const auto& e : errs) RESILIENT_RETURN_IF_ERROR(e);
+    // Small stored chunks are packed into runs, one buffer each; a large one starts a new
+    // 4 KiB-aligned request (as in the uncompressed image).
     std::vector<io::IoRequest> reqs;
-    for (size_t i = 0; i < list.size(); ++i) {
-      auto [t, c] = list[i];
-      Chunk& ch = st.layout.tensors[t].chunks[c];
-      ch.offset = pos;
-      reqs.push_back(io::IoRequest{out[i].get(), io::align_up(out_len[i]), pos});
-      pos += io::align_up(out_len[i]);
+    std::vector<AlignedBuffer> runs;
+    size_t i = 0;
+    while (i < list.size()) {
+      Chunk* ch = &st.layout.tensors[list[i].first].chunks[list[i].second];
+      if (out_len[i] >= kPackBelowBytes) {
+        ch->offset = pos;
+        reqs.push_back(io::IoRequest{out[i].get(), io::align_up(out_len[i]), pos});
+        pos += io::align_up(out_len[i]);
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      uint64_t run = 0;
+      for (; j < list.size() && out_len[j] < kPackBelowBytes; ++j) run += out_len[j];
+      AlignedBuffer buf = aligned_alloc_bytes(io::align_up(run));
+      if (!buf) {
+        return Status(StatusCode::kResourceExhausted, "out of memory for a compression buffer");
+      }
+      std::memset(buf.get() + run, 0, io::align_up(run) - run);
+      for (uint64_t at = 0; i < j; ++i) {
+        ch = &st.layout.tensors[list[i].first].chunks[list[i].second];
+        std::memcpy(buf.get() + at, out[i].get(), out_len[i]);
+        ch->offset = pos + at;
+        at += out_len[i];
+        out[i].reset();
+      }
+      reqs.push_back(io::IoRequest{buf.get(), io::align_up(run), pos});
+      runs.push_back(std::move(buf));
+      pos += io::align_up(run);
     }
     RESILIENT_RETURN_IF_ERROR(engine.write(file, reqs, o.timeout));
     st.slabs[s].release();
@@ -136,9 +161,10 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
 
 uint64_t checksum(const void* data, uint64_t n) { return XXH3_64bits(data, n); }
 
-Result<uint64_t> persist_shard(Staging& staging, const std::string& path, const PersistOptions& options,
-                               io::IoEngine& engine, ThreadPool& workers) {
-  RESILIENT_ASSIGN_OR_RETURN(io::File file, io::File::create(path, options.direct));
+Result<uint64_t> persist_shard(Staging& staging, const io::Dir& dir, const std::string& name,
+                               const PersistOptions& options, io::IoEngine& engine,
+                               ThreadPool& workers) {
+  RESILIENT_ASSIGN_OR_RETURN(io::File file, io::File::create_at(dir, name, options.direct));
   Result<uint64_t> size = options.zstd_level > 0 ? write_compressed(staging, file, options, engine, workers)
                                                  : write_uncompressed(staging, file, options, engine, workers);
   if (!size.ok()) return size.status();

@@ -158,13 +158,26 @@ Status decode(const Piece& p, const std::byte* stored, const std::string& path, 
 
 Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Piece> pieces,
                   const RestoreOptions& o, memory::HostPool& pool) {
-  // Open each needed shard once and check the manifest's extents against the real sizes.
+  // Open each needed shard once and check the manifest's extents against the real sizes. The
+  // step directory and the shards are opened without following links (a step directory
+  // replaced by a link, to /etc say, is corrupt).
   std::vector<io::File> files(m.shards.size());
   std::vector<std::string> paths(m.shards.size());
+  io::Dir dir;
+  if (!pieces.empty()) {
+    const size_t slash = step_dir.find_last_of('/');
+    const std::string parent_path =
+        slash == std::string::npos ? "." : step_dir.substr(0, std::max<size_t>(slash, 1));
+    auto parent = io::Dir::open(parent_path);
+    auto opened = parent.ok() ? parent->open_dir(step_dir.substr(slash + 1), /*for_write=*/false)
+                              : parent.status();
+    if (!opened.ok()) return Status(opened.status()).prepend("opening checkpoint step");
+    dir = std::move(opened).value();
+  }
   for (const auto& p : pieces) {
     if (files[p.shard].is_open()) continue;
     paths[p.shard] = step_dir + "/" + m.shards[p.shard].file;
-    auto f = io::File::open_read(paths[p.shard], o.io.direct);
+    auto f = io::File::open_read_at(dir, m.shards[p.shard].file, o.io.direct);
     if (!f.ok()) return Status(f.status()).prepend("opening checkpoint shard");
     files[p.shard] = std::move(f).value();
   }

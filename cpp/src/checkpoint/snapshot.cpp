@@ -4,6 +4,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "resilient/common/logging.hpp"
 #include "resilient/io/file.hpp"
 
 namespace resilient::checkpoint {
@@ -37,7 +38,9 @@ Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_by
     e.nbytes = t.nbytes;
     e.global_shape = t.global_shape;
     e.global_offset = t.global_offset;
-    pos = io::align_up(pos);
+    // Small tensors are packed at their element alignment; the others start on a 4 KiB
+    // boundary, so each is one aligned run of the file (docs/FORMAT.md, "Data files").
+    pos = t.nbytes < kPackBelowBytes ? (pos + esize - 1) / esize * esize : io::align_up(pos);
     uint64_t done = 0;
     while (done < t.nbytes) {
       uint64_t slab_end = (pos / slab_bytes + 1) * slab_bytes;
@@ -59,6 +62,30 @@ DeviceStreams::~DeviceStreams() {
     (void)cuda_->stream_synchronize(stream);
     (void)cuda_->stream_destroy(stream);
   }
+  if (size_t left = reap(); left > 0) {
+    RESILIENT_LOG(kWarn, left << " host slab(s) still wait for device-to-host copies that never "
+                                 "completed; leaking them rather than reusing them");
+    for (auto& h : quarantine_) h.slab.leak();
+  }
+}
+
+void DeviceStreams::quarantine(std::shared_ptr<DeviceCopies> copies, size_t index,
+                               memory::Slab slab) {
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  quarantine_.push_back(Held{std::move(copies), index, std::move(slab)});
+}
+
+size_t DeviceStreams::reap() {
+  std::vector<Held> done;  // returned (and their events destroyed) after the lock is dropped
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  std::vector<Held> held;
+  for (auto& h : quarantine_) (h.copies->slab_done(h.index) ? done : held).push_back(std::move(h));
+  quarantine_ = std::move(held);
+  if (!done.empty()) {
+    RESILIENT_LOG(kInfo, "late device-to-host copies completed; "
+                             << done.size() << " quarantined host slab(s) returned");
+  }
+  return quarantine_.size();
 }
 
 Result<memory::StreamHandle> DeviceStreams::get(int device, int index) {
@@ -96,6 +123,15 @@ Status DeviceCopies::wait_slab(size_t i, Duration timeout) const {
   return ok_status();
 }
 
+bool DeviceCopies::slab_done(size_t i) const {
+  if (i >= slab_events.size()) return true;
+  for (auto e : slab_events[i]) {
+    auto done = cuda->event_query(e);
+    if (!done.ok() || !*done) return false;
+  }
+  return true;
+}
+
 Status DeviceCopies::wait_all(Duration timeout) const {
   const TimePoint deadline = SteadyClock::instance().now() + timeout;
   for (size_t i = 0; i < slab_events.size(); ++i) {
@@ -111,9 +147,25 @@ Status DeviceCopies::fence(memory::StreamHandle stream) const {
   return ok_status();
 }
 
-Staging::~Staging() {
-  // Never hand slabs back to the pool while a copy may still write into them.
-  if (copies) (void)copies->wait_all(std::chrono::seconds(60));
+void Staging::release_slabs() {
+  // Never hand a slab back to the pool while a copy may still write into it.
+  size_t held = 0;
+  for (size_t i = 0; i < slabs.size(); ++i) {
+    if (!slabs[i] || copies == nullptr || copies->slab_done(i)) {
+      slabs[i].release();
+    } else if (streams != nullptr) {
+      streams->quarantine(copies, i, std::move(slabs[i]));
+      ++held;
+    } else {
+      slabs[i].leak();
+      ++held;
+    }
+  }
+  slabs.clear();
+  if (held > 0) {
+    RESILIENT_LOG(kWarn, "device-to-host copies into " << held << " host slab(s) are not known to "
+                         "have completed; the slabs stay out of the pool until they have");
+  }
 }
 
 namespace {
@@ -135,6 +187,7 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
   memory::DeviceGuard keep_device(cuda);  // runs on the caller's (PyTorch's) thread
   st.copies = std::make_shared<DeviceCopies>();
   st.copies->cuda = cuda;
+  st.streams = &streams;
   auto& slab_events = st.copies->slab_events;
   slab_events.resize(st.slabs.size());
   // Order each copy stream after every producing stream of its device.
@@ -193,6 +246,7 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
 
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
                          uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams) {
+  if (streams != nullptr) streams->reap();
   Staging st;
   st.slab_bytes = pool.slab_bytes();
   RESILIENT_ASSIGN_OR_RETURN(st.layout, plan_layout(tensors, st.slab_bytes, chunk_bytes));
@@ -228,14 +282,21 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
       done += c.raw;
     }
   }
-  // Zero the alignment padding so files are deterministic (and no stale bytes leak to disk).
+  // Zero the gaps between chunks and the image's tail (alignment padding), so files are
+  // deterministic and no stale bytes leak to disk. A gap never crosses a 4 KiB boundary:
+  // every tensor starts at or before the next one.
+  uint64_t end = 0;
+  auto zero_to = [&](uint64_t next) {
+    if (next <= end) return;
+    std::memset(st.slabs[end / st.slab_bytes].data() + end % st.slab_bytes, 0, next - end);
+  };
   for (const auto& t : st.layout.tensors) {
-    if (t.chunks.empty()) continue;
-    uint64_t end = t.chunks.back().offset + t.chunks.back().raw;
-    if (end % st.slab_bytes == 0) continue;
-    uint64_t pad_end = std::min(io::align_up(end), (end / st.slab_bytes + 1) * st.slab_bytes);
-    std::memset(st.slabs[end / st.slab_bytes].data() + end % st.slab_bytes, 0, pad_end - end);
+    for (const auto& c : t.chunks) {
+      zero_to(c.offset);
+      end = c.offset + c.raw;
+    }
   }
+  zero_to(st.layout.bytes);
   if (any_device) RESILIENT_RETURN_IF_ERROR(issue_device_copies(tensors, work, st, *streams));
   std::vector<size_t> host;
   for (size_t i = 0; i < work.size(); ++i) {

@@ -64,10 +64,13 @@ Status open_error(int err, int flags, const char* what, const std::string& path)
 // Opens with the O_DIRECT policy. On kAuto an EINVAL from the O_DIRECT open (the file system
 // refuses direct I/O: tmpfs on older kernels, some network file systems) retries buffered and
 // logs once per file system.
-Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags, Feature direct,
+// `dirfd` and `name` as for openat(2) (AT_FDCWD and the path itself for a plain open); `path`
+// names the file in errors and for the hooks.
+Result<std::pair<int, bool>> open_with_policy(int dirfd, const std::string& name,
+                                              const std::string& path, int flags, Feature direct,
                                               const char* what) {
   if (direct != Feature::kOff) {
-    int fd = sys::open(path.c_str(), flags | O_DIRECT | kSafeOpen);
+    int fd = sys::openat(dirfd, name.c_str(), path, flags | O_DIRECT | kSafeOpen);
     if (fd >= 0) {
       RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
       return std::make_pair(fd, true);
@@ -89,10 +92,62 @@ Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags
         << "); using buffered I/O with fsync";
     log_once(key.str(), LogLevel::kInfo, msg.str());
   }
-  int fd = sys::open(path.c_str(), flags | kSafeOpen);
+  int fd = sys::openat(dirfd, name.c_str(), path, flags | kSafeOpen);
   if (fd < 0) return open_error(errno, flags, what, path);
   RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
   return std::make_pair(fd, false);
+}
+
+Result<std::pair<int, bool>> open_with_policy(const std::string& path, int flags, Feature direct,
+                                              const char* what) {
+  return open_with_policy(AT_FDCWD, path, path, flags, direct, what);
+}
+
+// One path component: no '/', not empty, "." or "..".
+bool plain_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
+}
+
+Status bad_name(const std::string& name) {
+  return Status(StatusCode::kInvalidArgument, "not a plain file name: '" + name + "'");
+}
+
+// Reads a whole (small) file opened as openat(dirfd, name) would; `path` names it in errors.
+Result<std::string> read_fd_file(int dirfd, const std::string& name, const std::string& path,
+                                 uint64_t max_bytes) {
+  int fd = sys::openat(dirfd, name.c_str(), path, O_RDONLY | kSafeOpen);
+  if (fd < 0) return open_error(errno, O_RDONLY, "open", path);
+  RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    sys::close(fd);
+    return Status::from_errno(err, "fstat", path);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    sys::close(fd);
+    return Status(StatusCode::kCorrupt, "file is " + std::to_string(size) +
+                                            " bytes, more than the limit of " +
+                                            std::to_string(max_bytes))
+        .with_path(path);
+  }
+  std::string out(size, '\0');
+  uint64_t done = 0;
+  while (done < size) {
+    ssize_t n = sys::pread(fd, out.data() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) {
+      int err = errno;
+      sys::close(fd);
+      return Status::from_errno(err, "read", path).with_offset(done);
+    }
+    if (n == 0) break;  // shrank while reading
+    done += static_cast<uint64_t>(n);
+  }
+  sys::close(fd);
+  out.resize(done);
+  return out;
 }
 
 Status remove_tree_at(const std::string& path) {
@@ -150,6 +205,23 @@ Result<File> File::open_read(const std::string& path, Feature direct) {
   return File(opened.first, opened.second, path);
 }
 
+Result<File> File::create_at(const Dir& dir, const std::string& name, Feature direct) {
+  if (!plain_name(name)) return bad_name(name);
+  const std::string path = dir.child(name);
+  RESILIENT_ASSIGN_OR_RETURN(auto opened, open_with_policy(dir.fd(), name, path,
+                                                           O_WRONLY | O_CREAT | O_TRUNC, direct,
+                                                           "create"));
+  return File(opened.first, opened.second, path);
+}
+
+Result<File> File::open_read_at(const Dir& dir, const std::string& name, Feature direct) {
+  if (!plain_name(name)) return bad_name(name);
+  const std::string path = dir.child(name);
+  RESILIENT_ASSIGN_OR_RETURN(auto opened,
+                             open_with_policy(dir.fd(), name, path, O_RDONLY, direct, "open"));
+  return File(opened.first, opened.second, path);
+}
+
 Result<uint64_t> File::size() const {
   struct stat st {};
   if (::fstat(fd_, &st) != 0) return Status::from_errno(errno, "fstat", path_);
@@ -173,6 +245,78 @@ Status File::close() {
   int fd = fd_;
   fd_ = -1;
   if (sys::close(fd) != 0) return Status::from_errno(errno, "close", path_);
+  return ok_status();
+}
+
+// --- Dir ----------------------------------------------------------------------------------
+
+Dir::~Dir() {
+  if (fd_ >= 0) sys::close(fd_);
+}
+
+Dir::Dir(Dir&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
+
+Dir& Dir::operator=(Dir&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) sys::close(fd_);
+    fd_ = other.fd_;
+    path_ = std::move(other.path_);
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+Result<Dir> Dir::open(const std::string& path) {
+  int fd = sys::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Status::from_errno(errno, "open directory", path);
+  return Dir(fd, path);
+}
+
+Result<Dir> Dir::open_dir(const std::string& rel, bool for_write) const {
+  int at = fd_;
+  std::string path = path_;
+  Dir out;
+  size_t begin = 0;
+  for (;;) {
+    const size_t end = rel.find('/', begin);
+    const std::string name = rel.substr(begin, end == std::string::npos ? end : end - begin);
+    if (!plain_name(name)) return bad_name(rel);
+    path += "/" + name;
+    // O_NOFOLLOW on every component: a symbolic link is refused (ELOOP), never followed.
+    int fd = sys::openat(at, name.c_str(), path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (fd < 0) {
+      const int err = errno;
+      if (err == ELOOP || err == ENOTDIR) {
+        struct stat st {};
+        if (::fstatat(at, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
+          return open_error(ELOOP, for_write ? O_WRONLY : O_RDONLY, "open directory", path);
+        }
+      }
+      return Status::from_errno(err, "open directory", path);
+    }
+    out = Dir(fd, path);
+    at = fd;
+    if (end == std::string::npos) return out;
+    begin = end + 1;
+  }
+}
+
+Status Dir::make_dir(const std::string& name) const {
+  if (!plain_name(name)) return bad_name(name);
+  const std::string path = child(name);
+  if (sys::mkdirat(fd_, name.c_str(), path) == 0) return ok_status();
+  const int err = errno;
+  struct stat st {};
+  if (err == EEXIST && ::fstatat(fd_, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (S_ISDIR(st.st_mode)) return ok_status();
+    if (S_ISLNK(st.st_mode)) return open_error(ELOOP, O_WRONLY, "mkdir", path);
+    return Status::from_errno(ENOTDIR, "mkdir", path);
+  }
+  return Status::from_errno(err, "mkdir", path);
+}
+
+Status Dir::sync() const {
+  if (sys::fsync(fd_) != 0) return Status::from_errno(errno, "fsync directory", path_);
   return ok_status();
 }
 
@@ -212,11 +356,19 @@ Status rename_path(const std::string& from, const std::string& to) {
 Status remove_tree(const std::string& path) { return remove_tree_at(path); }
 
 Status write_file_atomic(const std::string& path, const std::string& bytes) {
+  RESILIENT_ASSIGN_OR_RETURN(Dir dir, Dir::open(parent_dir(path)));
+  return write_file_atomic_at(dir, base_name(path), bytes);
+}
+
+Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::string& bytes) {
   static std::atomic<uint64_t> counter{0};
-  const std::string dir = parent_dir(path);
-  const std::string tmp = dir + "/." + base_name(path) + ".tmp." + std::to_string(::getpid()) +
-                          "." + std::to_string(counter.fetch_add(1));
-  int fd = sys::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+  if (!plain_name(name)) return bad_name(name);
+  const std::string path = dir.child(name);
+  const std::string tmp_name = "." + name + ".tmp." + std::to_string(::getpid()) + "." +
+                               std::to_string(counter.fetch_add(1));
+  const std::string tmp = dir.child(tmp_name);
+  int fd = sys::openat(dir.fd(), tmp_name.c_str(), tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW,
+                       0644);
   if (fd < 0) return Status::from_errno(errno, "create", tmp);
   Status st = ok_status();
   uint64_t done = 0;
@@ -231,48 +383,24 @@ Status write_file_atomic(const std::string& path, const std::string& bytes) {
   }
   if (st.ok() && sys::fsync(fd) != 0) st = Status::from_errno(errno, "fsync", tmp);
   if (sys::close(fd) != 0 && st.ok()) st = Status::from_errno(errno, "close", tmp);
-  if (st.ok()) st = rename_path(tmp, path);
+  if (st.ok() && sys::renameat(dir.fd(), tmp_name.c_str(), name.c_str(), tmp) != 0) {
+    st = Status::from_errno(errno, "rename to " + path, tmp);
+  }
   if (!st.ok()) {
-    sys::unlink(tmp.c_str());
+    sys::unlinkat(dir.fd(), tmp_name.c_str(), tmp);
     return st;
   }
-  return sync_dir(dir);
+  return dir.sync();
 }
 
 Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
-  int fd = sys::open(path.c_str(), O_RDONLY | kSafeOpen);
-  if (fd < 0) return open_error(errno, O_RDONLY, "open", path);
-  RESILIENT_ASSIGN_OR_RETURN(fd, checked_regular(fd, path));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    sys::close(fd);
-    return Status::from_errno(err, "fstat", path);
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size > max_bytes) {
-    sys::close(fd);
-    return Status(StatusCode::kCorrupt, "file is " + std::to_string(size) +
-                                            " bytes, more than the limit of " +
-                                            std::to_string(max_bytes))
-        .with_path(path);
-  }
-  std::string out(size, '\0');
-  uint64_t done = 0;
-  while (done < size) {
-    ssize_t n = sys::pread(fd, out.data() + done, size - done, static_cast<off_t>(done));
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n < 0) {
-      int err = errno;
-      sys::close(fd);
-      return Status::from_errno(err, "read", path).with_offset(done);
-    }
-    if (n == 0) break;  // shrank while reading
-    done += static_cast<uint64_t>(n);
-  }
-  sys::close(fd);
-  out.resize(done);
-  return out;
+  return read_fd_file(AT_FDCWD, path, path, max_bytes);
+}
+
+Result<std::string> read_small_file_at(const Dir& dir, const std::string& name,
+                                       uint64_t max_bytes) {
+  if (!plain_name(name)) return bad_name(name);
+  return read_fd_file(dir.fd(), name, dir.child(name), max_bytes);
 }
 
 Result<std::vector<std::string>> list_dir(const std::string& path) {

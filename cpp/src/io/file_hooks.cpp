@@ -138,6 +138,31 @@ int open(const char* path, int flags, mode_t mode) {
   return fd;
 }
 
+int openat(int dirfd, const char* name, const std::string& path, int flags, mode_t mode) {
+  if (fail_path(FileOp::kOpen, path.c_str())) return -1;
+  int fd;
+  do {
+    fd = ::openat(dirfd, name, flags | O_CLOEXEC, mode);
+  } while (fd < 0 && errno == EINTR);
+  if (fd >= 0) remember_fd(fd, path.c_str());
+  return fd;
+}
+
+int renameat(int dirfd, const char* from, const char* to, const std::string& path) {
+  if (fail_path(FileOp::kRename, path.c_str())) return -1;
+  return ::renameat(dirfd, from, dirfd, to);
+}
+
+int unlinkat(int dirfd, const char* name, const std::string& path) {
+  if (fail_path(FileOp::kUnlink, path.c_str())) return -1;
+  return ::unlinkat(dirfd, name, 0);
+}
+
+int mkdirat(int dirfd, const char* name, const std::string& path, mode_t mode) {
+  if (fail_path(FileOp::kMkdir, path.c_str())) return -1;
+  return ::mkdirat(dirfd, name, mode);
+}
+
 int close(int fd) {
   int hooked = file_hook(FileOp::kClose, fd);
   forget_fd(fd);

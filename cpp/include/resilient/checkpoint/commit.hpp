@@ -9,16 +9,24 @@
 
 #include "resilient/checkpoint/format.hpp"
 #include "resilient/common/status.hpp"
+#include "resilient/io/file.hpp"
 
 namespace resilient::checkpoint {
 
 /// root/.tmp-step-000000000042: where a step's files are written before it is committed.
 std::string tmp_dir_path(const std::string& root, int64_t step);
+/// ".tmp-step-000000000042"
+std::string tmp_dir_name(int64_t step);
 /// root/step-000000000042
 std::string step_dir_path(const std::string& root, int64_t step);
 
 /// Removes a stale temporary directory of `step` (from a crashed save) and creates it empty.
-Status prepare_tmp_dir(const std::string& root, int64_t step);
+/// With `fresh` false, keeps an existing one (the ranks of one save share it). Either way
+/// returns it opened: files under a checkpoint root are opened relative to directory
+/// descriptors, never through a symbolic link, so a `.tmp-step-N` that is a link (to /etc, say)
+/// is an error (ELOOP, "refusing to write through a symbolic link") and nothing is written
+/// outside the root.
+Result<io::Dir> prepare_tmp_dir(const std::string& root, int64_t step, bool fresh = true);
 
 /// Commits `manifest` (whose shard files are already durable in the temporary directory):
 /// writes and fsyncs manifest.json, fsyncs the directory, renames it to step-N (atomically
@@ -37,7 +45,8 @@ Status commit_step(const std::string& root, const Manifest& manifest);
 /// Thread safety: call from one coordinator per (root, step).
 Status commit_shards(const std::string& root, int64_t step, int world_size, const std::string& save_id);
 
-/// Steps with a committed directory (one that holds manifest.json), ascending. Missing root -> {}.
+/// Steps with a committed directory (a directory, not a symbolic link, that holds
+/// manifest.json), ascending. Missing root -> {}.
 Result<std::vector<int64_t>> committed_steps(const std::string& root);
 /// The step named by the `latest` pointer, if the file exists and parses.
 std::optional<int64_t> read_latest(const std::string& root);
@@ -46,7 +55,8 @@ std::optional<int64_t> read_latest(const std::string& root);
 /// temporary directories of steps older than the newest committed one. Returns the deleted steps.
 Result<std::vector<int64_t>> apply_retention(const std::string& root, int keep);
 
-/// Reads and validates step-N/manifest.json (kNotFound, kCorrupt, kVersionMismatch).
+/// Reads and validates step-N/manifest.json (kNotFound, kCorrupt, kVersionMismatch). A step
+/// directory or manifest that is a symbolic link is kCorrupt ("is a symbolic link (refused)").
 Result<Manifest> read_manifest(const std::string& root, int64_t step);
 
 }  // namespace resilient::checkpoint

@@ -1,6 +1,7 @@
 #pragma once
-// Snapshot: copies the caller's tensors into pool slabs, packed at 4 KiB-aligned offsets of one
-// logical shard image, so the caller may modify its tensors as soon as snapshot() returns.
+// Snapshot: copies the caller's tensors into pool slabs, laid out as one logical shard image
+// (small tensors packed, large ones 4 KiB-aligned), so the caller may modify its tensors as
+// soon as snapshot() returns.
 
 #include <cstdint>
 #include <memory>
@@ -32,17 +33,25 @@ struct TensorSpec {
   std::vector<int64_t> global_offset;
 };
 
-/// The logical image of one shard: tensors packed at aligned offsets; chunk offsets in `tensors`
-/// are logical offsets (== file offsets when stored uncompressed) and carry no checksum yet.
+/// The logical image of one shard (plan_layout); chunk offsets in `tensors` are logical offsets
+/// (== file offsets when stored uncompressed) and carry no checksum yet.
 struct Layout {
   std::vector<TensorEntry> tensors;
   uint64_t bytes = 0;  // aligned end of the image
 };
 
-/// Places tensors in order at 4 KiB-aligned offsets; splits each into chunks of at most
+/// Tensors smaller than this are packed one after the other (each at a multiple of its element
+/// size); larger ones start on a 4 KiB boundary. A state of many small tensors then costs its
+/// payload on disk, and an aligned tensor wastes less than 1/16 of its size in padding.
+inline constexpr uint64_t kPackBelowBytes = 64 << 10;
+
+/// Places tensors in order: small ones (below kPackBelowBytes) packed, the others at 4 KiB-aligned
+/// offsets; the image ends on a 4 KiB boundary. Splits each into chunks of at most
 /// `chunk_bytes` that never cross a slab boundary. Validates names (unique, non-empty), dtypes
 /// and nbytes against shape (kInvalidArgument naming the tensor).
 Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes, uint64_t chunk_bytes);
+
+struct DeviceCopies;
 
 /// The engine's device-to-host copy streams, `per_device` per CUDA device (slabs are spread
 /// over them: one stream's queue of pending work is bounded, and a full queue would make
@@ -61,11 +70,28 @@ class DeviceStreams {
   /// Copy stream `index` (< per_device()) of `device`; sets that device current on the thread.
   Result<memory::StreamHandle> get(int device, int index = 0);
 
+  /// Keeps `slab` (slab `index` of `copies`, whose device-to-host copies are not known to have
+  /// completed, say after a copy timeout) out of its pool until they have: a late copy must land
+  /// in a slab no other checkpoint uses. reap() returns it once its events completed; one still
+  /// held when this object is destroyed (after its streams were synchronized) is leaked, with a
+  /// warning, never returned.
+  void quarantine(std::shared_ptr<DeviceCopies> copies, size_t index, memory::Slab slab);
+  /// Returns the quarantined slabs whose copies completed to their pool (non-blocking); the
+  /// number still held.
+  size_t reap();
+
  private:
+  struct Held {
+    std::shared_ptr<DeviceCopies> copies;
+    size_t index;
+    memory::Slab slab;
+  };
   const memory::CudaRuntime* cuda_;
   const int per_device_;
   std::mutex mu_;
   std::vector<std::pair<int, memory::StreamHandle>> streams_;  // (device * per_device + index, stream)
+  std::mutex quarantine_mu_;
+  std::vector<Held> quarantine_;
 };
 
 /// The asynchronous device-to-host copies of one snapshot: slab i's bytes are valid once every
@@ -81,6 +107,9 @@ struct DeviceCopies {
   ~DeviceCopies();
   /// Waits for the copies into slab `i` (ok at once for a slab with none).
   Status wait_slab(size_t i, Duration timeout) const;
+  /// Whether every copy into slab `i` completed, without waiting (false on a CUDA error: a
+  /// copy that failed is not known to be finished).
+  bool slab_done(size_t i) const;
   /// Waits for every copy.
   Status wait_all(Duration timeout) const;
   /// Makes `stream` wait, on the device, for every copy: work queued on it afterwards cannot
@@ -89,17 +118,23 @@ struct DeviceCopies {
 };
 
 /// A snapshot held in slabs. Slab i holds logical bytes [i * slab_bytes, (i + 1) * slab_bytes).
-/// Move-only; destroying it waits for device copies still writing into its slabs.
+/// Move-only. Destroying it (or release_slabs()) never returns a slab into which a device copy
+/// may still write: such slabs go to the streams' quarantine.
 struct Staging {
   Staging() = default;
   Staging(Staging&&) noexcept = default;
   Staging& operator=(Staging&&) noexcept = default;
-  ~Staging();
+  ~Staging() { release_slabs(); }
 
   Layout layout;
   uint64_t slab_bytes = 0;
   std::vector<memory::Slab> slabs;
   std::shared_ptr<DeviceCopies> copies;  // null when every tensor was in host memory
+  DeviceStreams* streams = nullptr;      // set with `copies`: quarantines their unfinished slabs
+
+  /// Returns every slab still held whose device copies are known complete (or that has none) to
+  /// the pool, and quarantines the others (DeviceStreams::quarantine). Does not wait.
+  void release_slabs();
 
   Status wait_slab(size_t i, Duration timeout) const {
     return copies ? copies->wait_slab(i, timeout) : ok_status();
@@ -111,7 +146,8 @@ struct Staging {
 /// tensor's producing stream with an event, and NOT waited for: the
 /// caller must keep device tensors alive and unmodified until staging.copies->wait_all(). Fails with
 /// kResourceExhausted when the shard is larger than the pool's budget, kTimeout when slabs do not
-/// free up within `timeout`, kUnavailable for device tensors when CUDA is not usable.
+/// free up within `timeout`, kUnavailable for device tensors when CUDA is not usable. Returns
+/// `streams`' quarantined slabs whose copies have completed to the pool first.
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
                          uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams = nullptr);
 

@@ -40,6 +40,14 @@ int file_hook(FileOp op, const std::string& path);
 // The wrappers: same contract as the syscalls (return -1 and set errno on failure).
 namespace sys {
 int open(const char* path, int flags, mode_t mode = 0644);
+/// openat(2); `path` (the directory's path and `name`) is what hooks and fd_path() see.
+int openat(int dirfd, const char* name, const std::string& path, int flags, mode_t mode = 0644);
+/// renameat(2) within one directory; hooked as kRename with `path` (the source's path).
+int renameat(int dirfd, const char* from, const char* to, const std::string& path);
+/// unlinkat(2) of a file; hooked as kUnlink with `path`.
+int unlinkat(int dirfd, const char* name, const std::string& path);
+/// mkdirat(2); hooked as kMkdir with `path`.
+int mkdirat(int dirfd, const char* name, const std::string& path, mode_t mode = 0755);
 int close(int fd);
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off);
 ssize_t pread(int fd, void* buf, size_t n, off_t off);

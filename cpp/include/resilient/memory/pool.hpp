@@ -43,6 +43,12 @@ class Slab {
   explicit operator bool() const { return data_ != nullptr; }
   /// Returns the slab to the pool now.
   void release();
+  /// Gives the slab up without returning it: the pool never reuses nor frees its memory (for a
+  /// slab a device may still write into). The pool logs it as on loan when destroyed.
+  void leak() {
+    pool_ = nullptr;
+    data_ = nullptr;
+  }
 
  private:
   friend class HostPool;
