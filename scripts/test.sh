@@ -46,7 +46,12 @@ if [ "${SKIP_FUZZ:-0}" != 1 ]; then
       [ -x "$f" ] || continue
       corpus="build/fuzz/corpus/$(basename "$f")"
       mkdir -p "$corpus"
-      run "$(basename "$f")" "$f" -max_total_time="${FUZZ_SECONDS:-30}" -print_final_stats=1 "$corpus" \
+      # Seeds that reach deep nesting and duplicate tensor names (mutations of a valid manifest
+      # rarely would), and the format's keywords as a dictionary.
+      seeds="tests/cpp/fuzz_seeds/$(basename "$f")"
+      [ -d "$seeds" ] && cp -n "$seeds"/* "$corpus"/
+      run "$(basename "$f")" "$f" -max_total_time="${FUZZ_SECONDS:-30}" -print_final_stats=1 \
+          -dict=tests/cpp/fuzz_seeds/checkpoint_manifest.dict "$corpus" \
           >"build/fuzz/$(basename "$f").log" 2>&1 || tail -n 30 "build/fuzz/$(basename "$f").log"
       tail -n 3 "build/fuzz/$(basename "$f").log"
     done
