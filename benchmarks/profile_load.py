@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from resilient.bench.methods import drop_cache
-from resilient.bench.shapes import make_state, model_shapes, state_bytes
 from resilient.checkpoint import Checkpointer
+from resilient.cli.bench.methods import drop_cache
+from resilient.cli.bench.shapes import make_state, model_shapes, state_bytes
 
 
 def sync(device: str) -> None:

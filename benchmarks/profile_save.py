@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from resilient.bench.shapes import make_state, model_shapes
 from resilient.checkpoint import Checkpointer
+from resilient.cli.bench.shapes import make_state, model_shapes
 
 
 def main() -> None:

@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from resilient.bench.training import _model, _steps
 from resilient.checkpoint import Checkpointer, tensor_descriptor
 from resilient.checkpoint.codec import encode
+from resilient.cli.bench.training import _model, _steps
 
 
 def clocks() -> str:

@@ -13,7 +13,7 @@ than ``--min-world`` ranks remained, 1 otherwise.
 
 ``--mode restart`` / ``--mode resume`` are the restart path the benchmark compares against:
 train with checkpoints, die; then new processes import torch, join, load the checkpoint and
-all-reduce once (see resilient.recovery.bench).
+all-reduce once (see benchmarks/recovery_bench.py).
 """
 
 from __future__ import annotations

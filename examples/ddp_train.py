@@ -1,5 +1,5 @@
 """A small transformer language model trained with DDP on synthetic tokens, checkpointed with
-resilient.training.CheckpointManager (sharded async saves, exact resume).
+resilient.checkpoint.manager.CheckpointManager (sharded async saves, exact resume).
 
     torchrun --standalone --nproc-per-node 4 examples/ddp_train.py --steps 20 --ckpt /tmp/ckpt
     python examples/ddp_train.py --nproc 4 --steps 20 --ckpt /tmp/ckpt     # torch.multiprocessing
@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from resilient.training import CheckpointManager, ResumableSampler, forever
+from resilient import CheckpointManager, ResumableSampler, forever
 
 VOCAB, SEQ, DIM = 64, 16, 32
 

@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from resilient import CheckpointManager, ResumableSampler, forever
 from resilient.checkpoint import ShardSpec
-from resilient.training import CheckpointManager, ResumableSampler, forever
 
 VOCAB, DIM, HIDDEN = 32, 16, 64
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from resilient.straggler_bench import run_straggler_bench
+from resilient.cli.bench.straggler import run_straggler_bench
 
 if __name__ == "__main__":
     sys.exit(run_straggler_bench(sys.argv[1:]))

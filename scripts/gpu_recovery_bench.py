@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from resilient.recovery.bench import run_all
+    from benchmarks/recovery_bench.py import run_all
 
     if args.backend == "nccl" and torch.cuda.device_count() < args.gpus:
         print(json.dumps({"error": f"need {args.gpus} GPUs, found {torch.cuda.device_count()}"}))

@@ -1,7 +1,7 @@
 """Every ``RESILIENT_*`` setting in one place: typed, parsed the way the C++ core parses it.
 
 The table lives in ``settings.toml`` next to this module (name, kind, default, meaning, grouped by
-component); docs/SETTINGS.md is generated from it (``python -m resilient.settings``), and a test
+component); docs/SETTINGS.md is generated from it (``resilient settings``), and a test
 checks that the two agree and that every variable the code reads is listed.
 
     from resilient import settings
@@ -164,7 +164,7 @@ def _put(name: str, text: str | None) -> None:
 def describe() -> str:
     """docs/SETTINGS.md: every setting, grouped by component, as markdown."""
     out = ["# Settings", "", "<!-- Generated from python/resilient/settings.toml by "
-           "`python -m resilient.settings`; edit the table, not this file. -->", "",
+           "`resilient settings`; edit the table, not this file. -->", "",
            _PREFACE.strip()]
     for section in _SECTIONS:
         out += ["", f"## {section['title']}", ""]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.bench.training import train_row
 from resilient.checkpoint import Checkpointer
+from resilient.cli.bench.training import train_row
 
 
 def test_train_row_pairs_blocks_and_leaves_loadable_checkpoints(tmp_path: Path) -> None:

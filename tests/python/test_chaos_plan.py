@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from resilient import events
 from resilient.chaos import faults as fx
 from resilient.chaos.plan import Fault, Plan, load_plans, parse_fault_flag, random_faults
 from resilient.chaos.report import aggregate, analyze, table
 from resilient.chaos.runner import RunResult, reference_plan
+from resilient.telemetry import events
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "chaos_plan.yaml")
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from resilient.comm import gloo_demo  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gloo_recovery_demo as gloo_demo  # noqa: E402
 from resilient.comm.process_group import (  # noqa: E402
     generation_store,
     rebuild_process_group,

@@ -24,7 +24,7 @@ from resilient import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from resilient.training import CheckpointManager
+from resilient.checkpoint.manager import CheckpointManager
 
 
 def trained(seed: int = 0):
@@ -592,3 +592,16 @@ def test_a_crashed_saves_leftovers_are_removed_by_the_next_writer(tmp_path):
     # close() returns after the purge thread freed what retention set aside
     assert not stale.exists()
     assert not [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]
+
+
+def test_damaged_lineage_records_on_every_step_raise_not_a_fresh_start(tmp_path):
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root) as ck:
+        ck.save(4, {"w": torch.ones(2)}).wait()
+    (root / "step-000000000004" / "lineage.json").write_text('{"parent":null,"seq":1}\n')
+    with resilient.Checkpointer(root) as ck:
+        with pytest.raises(CorruptCheckpointError, match="lineage records of steps \\[4\\]"):
+            ck.load({"w": torch.zeros(2)})
+        state = {"w": torch.zeros(2)}
+        assert ck.load(state, step=4) == 4  # explicitly: loads
+        assert torch.equal(state["w"], torch.ones(2))

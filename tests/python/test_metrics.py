@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from resilient import events  # noqa: E402
-from resilient.metrics import RankMetrics, metrics_port  # noqa: E402
+from resilient.telemetry import events  # noqa: E402
+from resilient.telemetry.metrics import RankMetrics, metrics_port  # noqa: E402
 
 
 class Clock:

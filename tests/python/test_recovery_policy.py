@@ -125,7 +125,7 @@ def test_detector_generation_record_parses_ranges() -> None:
 
 
 def test_timeline_forwards_to_the_job_event_log() -> None:
-    from resilient import events as job_events
+    from resilient.telemetry import events as job_events
 
     seen: list[dict] = []
     job_events.add_listener(seen.append)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from resilient.training import CheckpointManager, ResumableSampler, RNGState, forever
+from resilient.checkpoint.manager import CheckpointManager, ResumableSampler, RNGState, forever
 
 
 def make(root, seed):

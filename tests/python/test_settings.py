@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from resilient import _C, settings
 from resilient.recovery import RecoveryConfig
@@ -21,7 +23,7 @@ INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CH
 
 def test_the_settings_document_is_generated_from_the_table():
     assert (REPO / "docs/SETTINGS.md").read_text() == settings.describe(), (
-        "docs/SETTINGS.md is out of date: python -m resilient.settings > docs/SETTINGS.md")
+        "docs/SETTINGS.md is out of date: resilient settings > docs/SETTINGS.md")
 
 
 def test_every_variable_the_code_reads_is_in_the_table():

@@ -8,7 +8,6 @@ set of runs MTBF, MTTR, availability, detection coverage and automatic-recovery 
 
 from __future__ import annotations
 
-from resilient.chaos.cli import add_parser
 from resilient.chaos.plan import Fault, Plan, load_plans
 
-__all__ = ["Fault", "Plan", "add_parser", "load_plans"]
+__all__ = ["Fault", "Plan", "load_plans"]

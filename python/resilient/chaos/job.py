@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from resilient import events
     from resilient.checkpoint import Checkpointer
     from resilient.errors import CorruptCheckpointError
+    from resilient.telemetry import events
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("RESILIENT_CHAOS_ATTEMPT", "0"))
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNHEALTHY
     metrics = None
     if os.environ.get("RESILIENT_METRICS_PORT"):
-        from resilient.metrics import RankMetrics
+        from resilient.telemetry.metrics import RankMetrics
 
         metrics = RankMetrics(rank)
         metrics.follow_events()

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilient import events as ev
 from resilient.chaos import faults as fx
 from resilient.chaos.plan import RANK_FAULTS, Fault, Plan
+from resilient.telemetry import events as ev
 
 POLL_S = 0.02
 

@@ -164,7 +164,7 @@ def tensor_descriptor(
     if device.type not in ("cpu", "cuda") or t.layout != torch.strided:
         why = contract.unwritable(t) or f"{t.layout} tensors on {device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
-    if type(t) is not torch.Tensor and contract._is_dtensor(t):
+    if type(t) is not torch.Tensor and contract.is_dtensor(t):
         raise TypeError(f"tensor {name!r} cannot be saved: it is {contract.unwritable(t)}")
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
@@ -210,7 +210,7 @@ def _check_savable(name: str, t: torch.Tensor) -> None:
     """Raises TypeError for a tensor tensor_descriptor() would refuse (checked before a save's
     collectives, so that one rank's refusal cannot leave the others inside them)."""
     if (t.device.type not in ("cpu", "cuda") or t.layout != torch.strided
-            or (type(t) is not torch.Tensor and contract._is_dtensor(t))):
+            or (type(t) is not torch.Tensor and contract.is_dtensor(t))):
         why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
 
@@ -675,6 +675,8 @@ class Checkpointer:
             raise CheckpointNotFoundError(found, self.root)
         if found[0] == "error":
             raise ResilientError(found[1])
+        if found[0] == "corrupt":
+            raise CorruptCheckpointError(found[1])
         steps, seqs = found
         if not steps:
             self.last_load = LoadReport()
@@ -715,8 +717,21 @@ class Checkpointer:
             if step not in steps:
                 return f"no committed checkpoint for step {step} in {self.root} (it has {steps})"
             return [step], seqs
-        # A step whose lineage record is damaged is no candidate (but is never deleted).
-        return [s for s in chain if info.get(s) is not roots.DAMAGED], seqs
+        # A step whose lineage record is damaged is no candidate (but is never deleted): its
+        # branch is unknown. With committed steps and no candidate, "no checkpoint" would be a
+        # silent fresh start: that is an error instead.
+        candidates = [s for s in chain if info.get(s) is not roots.DAMAGED]
+        damaged = [s for s in steps if info.get(s) is roots.DAMAGED]
+        if damaged and not candidates:
+            return ("corrupt", f"{self.root} holds committed steps {steps}, but the lineage "
+                    f"records of steps {damaged} are damaged, so which one is newest in the "
+                    "current run is unknown; pass load(step=...) to load one explicitly")
+        newer = [s for s in damaged if candidates and s > candidates[0]]
+        if newer:
+            log.warning("steps %s of %s have damaged lineage records and are not loaded; "
+                        "loading %d instead (load(step=...) loads one explicitly)",
+                        newer, self.root, candidates[0])
+        return candidates, seqs
 
     def _try_load(self, step: int, state: Any, rank_state: Any, strict: bool,
                   world_change: str) -> str | None:

@@ -77,7 +77,7 @@ def unwritable(t: Any) -> str | None:
     """Why the engine cannot write into tensor `t` in place, or None."""
     if isinstance(t, np.ndarray):
         return None if t.flags.writeable else "a read-only numpy array"
-    if _is_dtensor(t):
+    if is_dtensor(t):
         return ("a DTensor (FSDP2 / tensor-parallel sharded state), which this version "
                 "cannot load in place; load into full tensors (e.g. before fully_shard)")
     if t.layout != torch.strided:
@@ -92,7 +92,7 @@ def unwritable(t: Any) -> str | None:
     return None
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     # Importing torch.distributed.tensor takes most of a second (it pulls in sympy); a process
     # that never imported it holds no DTensor.
     module = sys.modules.get("torch.distributed.tensor")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from resilient.recovery.config import RecoveryConfig
-from resilient.recovery.events import PHASES, Timeline, phases
 from resilient.recovery.policy import (
     STRAGGLER_EXIT_CODE,
     BatchPlan,
@@ -20,6 +19,7 @@ from resilient.recovery.policy import (
     exclude_persistent_straggler,
     plan_batch,
 )
+from resilient.recovery.timeline import PHASES, Timeline, phases
 
 _TORCH_NAMES = {"FAULT_POINTS", "PeerFailure", "Recovery", "RecoveryStopped"}
 

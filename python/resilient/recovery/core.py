@@ -48,31 +48,23 @@ from resilient.comm.process_group import (
     supports_shrink,
 )
 from resilient.recovery.config import RecoveryConfig
-from resilient.recovery.events import Timeline
+from resilient.recovery.decisions import (
+    PeerFailure,
+    RecoveryStopped,
+    agree,
+    classify,
+    member_failed,
+    poll_collective,
+)
 from resilient.recovery.join import JOIN_BASE, join_as_spare, maybe_admit
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
+from resilient.recovery.timeline import Timeline
 
 log = logging.getLogger("resilient.recovery")
 
 LossFn = Callable[[int, MicroBatch], torch.Tensor]
 FAULT_POINTS = ("step_start", "before_rebuild", "before_restore", "after_recovery")
 
-
-
-class PeerFailure(RuntimeError):
-    """A collective could not complete because a peer failed (cause: collective_error,
-    verdict or timeout)."""
-
-    def __init__(self, cause: str, detail: str = "") -> None:
-        super().__init__(f"peer failure ({cause}){': ' + detail if detail else ''}")
-        self.cause = cause
-
-
-class RecoveryStopped(RuntimeError):
-    """Training cannot continue (too few ranks, evicted, too many recoveries). ``exit_code``
-    is what a launcher-facing script should exit with."""
-
-    exit_code = 3
 
 
 class Recovery:
@@ -136,6 +128,9 @@ class Recovery:
         self._verdict = threading.Event()
         self._evicted = threading.Event()
         self._pending_cause: str | None = None
+        # The clock and sleep of the poll loops (decisions.py decides; tests may replace these).
+        self.clock: Callable[[], float] = time.monotonic
+        self.sleep: Callable[[float], None] = time.sleep
         self._min_generation = 1
         self._awaiting_first = False
         self.job = job or "default"
@@ -262,18 +257,18 @@ class Recovery:
     def _poll(self, done: Callable[[], bool], finish: Callable[[], Any]) -> Any:
         """Polls ``done`` until true, then returns ``finish()``; raises PeerFailure on a verdict
         against a member, the collective timeout, or an error from ``finish``."""
-        deadline = time.monotonic() + self.config.collective_timeout_s
+        deadline = self.clock() + self.config.collective_timeout_s
         while not done():
-            if self._evicted.is_set():
-                self._pending_cause = "evicted"
-                raise PeerFailure("evicted")
-            if (self._verdict.is_set() or self._polled_detector) and self._members_failed():
-                self._pending_cause = "verdict"
-                raise PeerFailure("verdict")
-            if time.monotonic() > deadline:
-                self._pending_cause = "timeout"
-                raise PeerFailure("timeout", f"collective ran {self.config.collective_timeout_s}s")
-            time.sleep(self.config.poll_interval_s)
+            cause = poll_collective(
+                self.clock(), deadline, evicted=self._evicted.is_set(),
+                member_failed=(self._verdict.is_set() or self._polled_detector)
+                and self._members_failed())
+            if cause is not None:
+                self._pending_cause = cause
+                detail = f"collective ran {self.config.collective_timeout_s}s" if (
+                    cause == "timeout") else ""
+                raise PeerFailure(cause, detail)
+            self.sleep(self.config.poll_interval_s)
         try:
             return finish()
         except Exception as exc:
@@ -315,19 +310,12 @@ class Recovery:
 
     def _members_failed(self) -> bool:
         gen, live = self.detector.generation
-        return gen >= self._min_generation and not self._watched() <= set(live)
+        return member_failed(gen, live, min_generation=self._min_generation,
+                             watched=self._watched())
 
     def _failure_cause(self, exc: BaseException) -> str | None:
-        cause, self._pending_cause = self._pending_cause, None
-        if cause is not None:
-            return cause
-        if isinstance(exc, PeerFailure):
-            return exc.cause
-        text = str(exc).lower()
-        if isinstance(exc, dist.DistError) or any(
-                w in text for w in ("gloo", "nccl", "connection closed", "connection reset")):
-            return "collective_error"
-        return None
+        pending, self._pending_cause = self._pending_cause, None
+        return classify(exc, pending)
 
     # ---- recovery ----
     def _recover(self, cause: str, exc: BaseException) -> None:
@@ -357,28 +345,35 @@ class Recovery:
                 log.warning("rebuild of generation %d failed (%s); waiting for the next", gen, err)
                 self._min_generation = gen + 1
         self._run_hooks("before_restore")
-        self._restore()
+        try:
+            self._restore()
+        except (PeerFailure, RecoveryStopped):
+            raise
+        except Exception as err:  # the new group failed while state moved: the next recovery
+            raise PeerFailure("collective_error", f"restoring state failed: {err}") from err
         self._apply(decision)
         self._awaiting_first = True
         self._run_hooks("after_recovery")
 
     def _agree(self) -> tuple[int, list[int]]:
         """Waits for the detector's decided generation that removes a current member."""
-        deadline = time.monotonic() + self.config.agree_timeout_s
+        deadline = self.clock() + self.config.agree_timeout_s
         while True:
             gen, live = self.detector.generation
-            if gen >= self._min_generation and not self._watched() <= set(live):
+            a = agree(self.clock(), deadline, gen, list(live), min_generation=self._min_generation,
+                      watched=self._watched(), evicted=self._evicted.is_set())
+            if a.action == "agreed":
                 self._verdict.clear()
-                removed = [m for m in self._watched() if m not in live]
-                self.timeline.add("agreed", generation=gen, removed=removed, members=list(live))
-                return gen, list(live)
-            if self._evicted.is_set():
+                self.timeline.add("agreed", generation=a.generation, removed=a.removed,
+                                  members=a.live)
+                return a.generation, a.live
+            if a.action == "evicted":
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
-            if time.monotonic() > deadline:
+            if a.action == "timeout":
                 raise RecoveryStopped(self._stop(
                     f"a collective failed but the detector removed no rank within "
                     f"{self.config.agree_timeout_s}s"))
-            time.sleep(0.001)
+            self.sleep(0.001)
 
     def _rebuild(self, gen: int, survivors: list[int]) -> None:
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
@@ -439,6 +434,29 @@ class Recovery:
         broadcast_state({"optimizer": self.optimizer, "extra": self.extra_state, "step": step},
                         src, group=self._group, device=self._device)
         self.step = int(step["step"])
+
+    def adopt_group(self, group: Any, members: list[int], rank: int) -> None:
+        """Makes `group` this rank's process group (the old one is retired, not destroyed: a
+        failed peer's group is never waited on). For join.py and the rebuild."""
+        if self._group is not None:
+            self._retired.append(self._group)
+        self.model = None  # the old DDP wrapper's hooks go with it
+        self._group, self.members, self.rank, self.world_size = (
+            group, list(members), rank, len(members))
+
+    def rewrap(self) -> None:
+        """Wraps the module in DDP over the current group (after a rebuild or a join)."""
+        self.optimizer.zero_grad(set_to_none=False)
+        self._wrap(init_sync=False)
+
+    def apply_world(self, world: int) -> None:
+        """Applies the smaller-world policy (batch plan, learning rates) for `world` ranks."""
+        self._apply(self._decide(world))
+
+    @property
+    def device(self) -> torch.device:
+        """The device collectives run on."""
+        return self._device
 
     def _apply(self, decision: Decision) -> None:
         self.plan = decision.plan  # type: ignore[assignment]

@@ -137,23 +137,19 @@ def join_as_spare(rec: Any, timeout_s: float) -> None:
 
 def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
     t0 = time.monotonic()
-    if rec._group is not None:
-        rec._retired.append(rec._group)
     if dist.is_initialized():
         abort_process_group()  # healthy, but a joiner forces a fresh group (reinit path)
-    rec.model = None
     group = join_process_group(
         rec.store, generation=group_gen, rank=rank, world_size=len(members),
         backend=rec.backend, timeout=timedelta(seconds=rec.config.group_timeout_s),
-        device_id=rec._device if rec._device.type == "cuda" else None)
-    rec._group, rec.members, rec.rank, rec.world_size = group, list(members), rank, len(members)
+        device_id=rec.device if rec.device.type == "cuda" else None)
+    rec.adopt_group(group, members, rank)
     rec.timeline.add("rebuilt", method="join", generation=rec.generation, rank=rank,
                      world_size=len(members), seconds=time.monotonic() - t0)
     rec.broadcast_state(0)
-    rec.optimizer.zero_grad(set_to_none=False)
-    rec._wrap(init_sync=False)
+    rec.rewrap()
     rec.timeline.add("restored", source="peer", step=rec.step)
-    rec._apply(rec._decide(len(members)))
+    rec.apply_world(len(members))
 
 
 __all__ = ["JOIN_BASE", "JoinerDetector", "join_as_spare", "maybe_admit",

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from resilient.recovery.events import PHASES, phases
+from resilient.recovery.timeline import PHASES, phases
 
 
 def _die_with_parent() -> None:

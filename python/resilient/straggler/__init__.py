@@ -17,9 +17,9 @@ from resilient._C.straggler import (
     summarize,
 )
 from resilient.straggler.exchange import LocalExchange, SummaryExchange, TorchExchange
-from resilient.straggler.metrics import PrometheusExporter
 from resilient.straggler.monitor import StragglerMonitor, TimelinePoint
 from resilient.straggler.settings import MonitorSettings, default_options
+from resilient.telemetry.metrics import PrometheusExporter
 
 __all__ = [
     "LocalExchange",

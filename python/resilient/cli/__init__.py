@@ -1,5 +1,6 @@
-"""The `resilient` console script. Each subcommand lives in its own module and exposes
-`add_parser(subparsers)`, which registers the subcommand and sets `func(args) -> int`."""
+"""The `resilient` console script. Each subcommand lives in its own module of this package
+(bench, sim, chaos, settings) and exposes `add_parser(subparsers)`, which registers the
+subcommand and sets `func(args) -> int`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import sys
 
 # subcommand -> module that implements it
 _SUBCOMMANDS = {
-    "bench": "resilient.bench.cli",
-    "sim": "resilient.sim_cli",
-    "chaos": "resilient.chaos",
+    "bench": "resilient.cli.bench",
+    "sim": "resilient.cli.sim",
+    "chaos": "resilient.cli.chaos",
+    "settings": "resilient.cli.settings",
 }
 
 

@@ -9,7 +9,7 @@ lookup. Every record carries ``t`` (wall-clock seconds, comparable across proces
 
 Example::
 
-    from resilient import events
+    from resilient.telemetry import events
     events.emit("step", step=12)
     events.emit("recovery_phase", phase="rebuild", seconds=0.8)
 """

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from resilient.bench.methods import Row
+from resilient.cli.bench.methods import Row
 
 
 def _model(device: str) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """A few lines around a training loop: periodic async checkpoints and exact resume.
 
-    from resilient.training import CheckpointManager, ResumableSampler
+    from resilient import CheckpointManager, ResumableSampler
 
     sampler = ResumableSampler(DistributedSampler(dataset, seed=0))
     loader = DataLoader(dataset, batch_size=8, sampler=sampler)
@@ -35,7 +35,7 @@ from torch.utils.data import Sampler
 from resilient.checkpoint import Checkpointer, ShardSpec
 from resilient.checkpoint.codec import is_stateful
 
-log = logging.getLogger("resilient.training")
+log = logging.getLogger("resilient.checkpoint.manager")
 
 
 class RNGState:

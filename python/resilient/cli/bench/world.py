@@ -38,9 +38,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     import torch.distributed as dist
 
     from resilient import _C
-    from resilient.bench.methods import drop_cache
-    from resilient.bench.shapes import make_state, synthetic_shapes
     from resilient.checkpoint import Checkpointer
+    from resilient.cli.bench.methods import drop_cache
+    from resilient.cli.bench.shapes import make_state, synthetic_shapes
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -1,6 +1,6 @@
 """Kill one rank of a gloo job and time the survivors' rebuild (CPU; CI and benchmarks).
 
-``python -m resilient.comm.gloo_demo --world 4 --kill-rank 1`` starts ``world`` processes that
+``python examples/gloo_recovery_demo.py --world 4 --kill-rank 1`` starts ``world`` processes that
 all-reduce in a loop, SIGKILLs one, tells the survivors which rank died (standing in for the
 detector), and prints, as JSON, the time from the kill to the survivors' first successful
 collective on the rebuilt group, split into phases:

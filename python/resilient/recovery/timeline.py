@@ -10,10 +10,10 @@ storage, step), ``policy`` (message, accum_steps, lr_factor), ``first_collective
 gradient all-reduce that completed on the new group), and ``stopped`` / ``evicted`` when the
 rank gives up. ``fault`` marks an injected fault (the chaos runner and the example write it).
 
-Each event is also forwarded to ``resilient.events`` (the chaos runner's JSON-lines log, a no-op
-unless ``RESILIENT_EVENTS_DIR`` is set or a listener is registered) in that module's vocabulary:
-``detected``, ``recovery_begin``, ``recovery_phase`` (phase, seconds), ``recovery_end``
-(seconds from failure to resumed) and ``fatal``.
+Each event is also forwarded to ``resilient.telemetry.events`` (the chaos runner's JSON-lines
+log, a no-op unless ``RESILIENT_EVENTS_DIR`` is set or a listener is registered) in that
+module's vocabulary: ``detected``, ``recovery_begin``, ``recovery_phase`` (phase, seconds),
+``recovery_end`` (seconds from failure to resumed) and ``fatal``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from resilient import events as job_events
+from resilient.telemetry import events as job_events
 
 PHASES = ("detection", "agreement", "rebuild", "restore", "first_collective")
 _PHASE_END = {"detection": "failure_observed", "agreement": "agreed", "rebuild": "rebuilt",
@@ -80,7 +80,7 @@ _PHASE_OF = {"agreed": "agreement", "rebuilt": "rebuild", "restored": "restore",
 
 def _forward(ev: dict[str, Any], prev: dict[str, Any] | None,
              begin: dict[str, Any] | None) -> None:
-    """Re-emits ``ev`` through resilient.events (see the module docstring)."""
+    """Re-emits ``ev`` through resilient.telemetry.events (see the module docstring)."""
     kind = ev["kind"]
     since = ev["time_mono"] - prev["time_mono"] if prev else 0.0
     if kind == "verdict":

@@ -1,7 +1,7 @@
 """A Prometheus endpoint per rank (prometheus_client): checkpoint stall, bytes, throughput and
 age of the last durable checkpoint, recoveries, plus the detector's heartbeat RTTs, suspicion
 (phi) and membership generation, and the straggler scores, each fed by that component's own
-exporter or by the job's events (resilient.events).
+exporter or by the job's events (resilient.telemetry.events).
 
 Example::
 
@@ -25,7 +25,8 @@ import os
 import time
 from typing import Any, Callable
 
-from resilient import events, settings
+from resilient import settings
+from resilient.telemetry import events
 
 _STALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LONG_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -121,7 +122,7 @@ class RankMetrics:
         self.recovery_seconds.observe(seconds)
 
     def on_event(self, record: dict[str, Any]) -> None:
-        """Updates the series from one resilient.events record (see events.EVENT_KINDS)."""
+        """Updates the series from one telemetry.events record (see events.EVENT_KINDS)."""
         kind = record.get("kind")
         if kind == "step":
             self.step.set(record.get("step", 0))
@@ -143,8 +144,6 @@ class RankMetrics:
 
     def attach_straggler(self, monitor: Any) -> Any:
         """resilient_straggler_* scores, updated after every window."""
-        from resilient.straggler.metrics import PrometheusExporter
-
         return PrometheusExporter(monitor, registry=self.registry)
 
     # ---- exposition ----
@@ -170,3 +169,52 @@ class RankMetrics:
 
 
 __all__ = ["RankMetrics", "metrics_port"]
+
+
+_STRAGGLER_GAUGES = {
+    "ratio": "Worst phase's slowdown versus the cross-rank median",
+    "zscore": "Worst phase's robust (MAD) z-score",
+    "cusum": "Persistence detector's cumulative sum",
+    "slow": "1 if the rank was slow in the latest window",
+    "persistent": "1 if the rank is a persistent straggler",
+}
+
+
+class PrometheusExporter:
+    """Gauges resilient_straggler_<name>{rank} updated from a StragglerMonitor after every window.
+
+    Args:
+        monitor: chains onto its on_window callback.
+        registry: a prometheus_client CollectorRegistry (default: the global one).
+
+    Raises:
+        ImportError: prometheus_client is not installed.
+    """
+
+    def __init__(self, monitor: Any, registry: Any = None):
+        import prometheus_client as prom
+
+        kw = {} if registry is None else {"registry": registry}
+        self.gauges = {name: prom.Gauge(f"resilient_straggler_{name}", doc, ["rank"], **kw)
+                       for name, doc in _STRAGGLER_GAUGES.items()}
+        self.windows = prom.Gauge("resilient_straggler_windows", "Windows scored", **kw)
+        previous = monitor.on_window
+        self._monitor = monitor
+
+        def on_window(result) -> None:
+            self.update(result)
+            if previous is not None:
+                previous(result)
+
+        monitor.on_window = on_window
+
+    def update(self, result) -> None:
+        """Sets the gauges from one WindowResult."""
+        for sc in result.scores:
+            rank = str(sc.rank)
+            self.gauges["ratio"].labels(rank).set(sc.ratio)
+            self.gauges["zscore"].labels(rank).set(sc.z)
+            self.gauges["cusum"].labels(rank).set(sc.cusum)
+            self.gauges["slow"].labels(rank).set(float(sc.slow))
+            self.gauges["persistent"].labels(rank).set(float(sc.persistent))
+        self.windows.set(result.window + 1)

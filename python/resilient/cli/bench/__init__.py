@@ -82,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_straggler(args: argparse.Namespace) -> int:
-    from resilient.straggler_bench import run_straggler_bench
+    from resilient.cli.bench.straggler import run_straggler_bench
 
     return int(run_straggler_bench(args.rest) or 0)
 
@@ -94,13 +94,13 @@ def progress(msg: str, quiet: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size > 1:
-        from resilient.bench.world import run_world_bench
+        from resilient.cli.bench.world import run_world_bench
 
         return run_world_bench(args)
     import torch
 
-    from resilient.bench import methods as m
-    from resilient.bench.shapes import make_state, model_shapes, state_bytes, synthetic_shapes
+    from resilient.cli.bench import methods as m
+    from resilient.cli.bench.shapes import make_state, model_shapes, state_bytes, synthetic_shapes
 
     dtype = getattr(torch, args.dtype)
     if args.train_batch < 1:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(m.run_guarded(name, fn))
             shutil.rmtree(d, ignore_errors=True)
         if args.train:
-            from resilient.bench.training import train_row
+            from resilient.cli.bench.training import train_row
 
             progress("training loop with and without overlapped saves", quiet)
             d = root / "train"

@@ -1,6 +1,6 @@
 """Recovery benchmark: in-process recovery against the restart path, measured the same way.
 
-``python -m resilient.recovery.bench --world 4 --backend gloo --out DIR`` runs, with
+``python benchmarks/recovery_bench.py --world 4 --backend gloo --out DIR`` runs, with
 ``examples/ddp_recovery.py``:
 
 * ``kill``: a rank SIGKILLs itself at a step; the survivors recover in process (from memory);

@@ -1,1 +1,0 @@
-"""`resilient bench`: checkpoint and restore benchmarks against torch.save and DCP."""

@@ -1,0 +1,76 @@
+"""Recovery's decisions, as pure functions of (now, state): an injected clock, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from resilient import ResilientError
+from resilient.recovery import PeerFailure, RecoveryStopped
+from resilient.recovery.decisions import agree, classify, member_failed, poll_collective
+
+
+def test_poll_keeps_polling_until_a_reason_to_stop():
+    assert poll_collective(10.0, 20.0, evicted=False, member_failed=False) is None
+    assert poll_collective(20.5, 20.0, evicted=False, member_failed=False) == "timeout"
+    assert poll_collective(10.0, 20.0, evicted=False, member_failed=True) == "verdict"
+    # eviction wins over everything: this rank must stop, not recover
+    assert poll_collective(30.0, 20.0, evicted=True, member_failed=True) == "evicted"
+
+
+@given(now=st.floats(0, 1e6), budget=st.floats(0, 1e3))
+def test_poll_times_out_exactly_after_the_deadline(now, budget):
+    start = 1000.0
+    decision = poll_collective(start + now, start + budget, evicted=False, member_failed=False)
+    assert (decision == "timeout") == (start + now > start + budget)
+
+
+def test_an_old_generation_is_not_a_new_failure():
+    watched = {0, 1, 2, 3}
+    assert not member_failed(4, [0, 1, 2, 3], min_generation=0, watched=watched)
+    assert member_failed(4, [0, 2, 3], min_generation=4, watched=watched)
+    assert not member_failed(4, [0, 2, 3], min_generation=5, watched=watched)  # handled
+
+
+def test_agreement_waits_then_agrees_or_times_out():
+    kw = dict(min_generation=3, watched={0, 1, 2})
+    clock = [100.0]
+    deadline = clock[0] + 30
+    assert agree(clock[0], deadline, 2, [0, 1, 2], evicted=False, **kw).action == "wait"
+    clock[0] += 29.9
+    assert agree(clock[0], deadline, 2, [0, 1, 2], evicted=False, **kw).action == "wait"
+    a = agree(clock[0], deadline, 3, [0, 2], evicted=False, **kw)
+    assert (a.action, a.generation, a.removed, a.live) == ("agreed", 3, [1], [0, 2])
+    clock[0] += 0.2
+    assert agree(clock[0], deadline, 2, [0, 1, 2], evicted=False, **kw).action == "timeout"
+    assert agree(clock[0], deadline, 2, [0, 1, 2], evicted=True, **kw).action == "evicted"
+
+
+def _raise_from_torch_distributed() -> RuntimeError:
+    """A RuntimeError as gloo raises it: from inside torch.distributed's code."""
+    try:
+        dist.broadcast(None, src=0)  # no process group: raises from distributed_c10d
+    except (RuntimeError, ValueError) as e:
+        return e if isinstance(e, RuntimeError) else RuntimeError(str(e)).with_traceback(
+            e.__traceback__)
+    raise AssertionError("expected an error")
+
+
+def test_failures_are_classified_by_type_and_origin_not_by_message():
+    assert classify(PeerFailure("timeout")) == "timeout"
+    assert classify(ValueError("x"), pending="verdict") == "verdict"
+    assert classify(dist.DistBackendError("NCCL error")) == "collective_error"
+    assert classify(dist.DistNetworkError("x")) == "collective_error"
+    # a user's error that merely mentions gloo or NCCL is not a peer failure
+    assert classify(RuntimeError("my gloo-themed model failed: connection reset")) is None
+    assert classify(KeyError("nccl")) is None
+    assert classify(_raise_from_torch_distributed()) == "collective_error"
+
+
+def test_recovery_errors_are_resilient_errors():
+    assert issubclass(PeerFailure, ResilientError)
+    assert issubclass(RecoveryStopped, ResilientError)
+    with pytest.raises(RuntimeError):  # still RuntimeErrors for code that caught those
+        raise RecoveryStopped("too few ranks")
