@@ -49,6 +49,7 @@ import torch
 from resilient import _C, settings
 from resilient.checkpoint import codec, contract
 from resilient.checkpoint import root as roots
+from resilient.checkpoint.dtensor import is_dtensor, local_chunk
 from resilient.checkpoint.plan import (
     Held,
     Saved,
@@ -164,8 +165,8 @@ def tensor_descriptor(
     if device.type not in ("cpu", "cuda") or t.layout != torch.strided:
         why = contract.unwritable(t) or f"{t.layout} tensors on {device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
-    if type(t) is not torch.Tensor and contract.is_dtensor(t):
-        raise TypeError(f"tensor {name!r} cannot be saved: it is {contract.unwritable(t)}")
+    if type(t) is not torch.Tensor and is_dtensor(t):
+        raise TypeError(f"tensor {name!r}: a DTensor reaches the engine as its local chunk")
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
@@ -192,6 +193,19 @@ def tensor_descriptor(
     return desc
 
 
+def _local_chunks(tensors: dict[str, Any]) -> dict[str, ShardSpec]:
+    """Replaces each DTensor in `tensors` by its local chunk (in place); returns the chunks'
+    places. TypeError naming a DTensor that has no single local chunk (Partial...)."""
+    places = {}
+    for name, t in tensors.items():
+        if type(t) is not torch.Tensor and is_dtensor(t):
+            try:
+                tensors[name], places[name] = local_chunk(t)
+            except ValueError as e:
+                raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
+    return places
+
+
 def _stored_pieces(pieces: list, held: list[Held]) -> list[tuple]:
     """For each piece this rank writes: the piece, its stored name, global shape and offset."""
     by_name = {h.name: h for h in held}
@@ -208,9 +222,9 @@ def _stored_pieces(pieces: list, held: list[Held]) -> list[tuple]:
 
 def _check_savable(name: str, t: torch.Tensor) -> None:
     """Raises TypeError for a tensor tensor_descriptor() would refuse (checked before a save's
-    collectives, so that one rank's refusal cannot leave the others inside them)."""
-    if (t.device.type not in ("cpu", "cuda") or t.layout != torch.strided
-            or (type(t) is not torch.Tensor and contract.is_dtensor(t))):
+    collectives, so that one rank's refusal cannot leave the others inside them). DTensors
+    arrive here as their local chunks."""
+    if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
         why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
 
@@ -370,7 +384,8 @@ class Checkpointer:
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = codec.encode(state)
-        held = [self._held(name, t) for name, t in enc.tensors.items()]
+        chunks = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
+        held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
         renc = codec.encode(rank_state) if rank_state is not None else None
         for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
             _check_savable(name, t)
@@ -446,18 +461,19 @@ class Checkpointer:
         self._queue.put(handle)
         return handle
 
-    def _held(self, name: str, t: torch.Tensor) -> Held:
+    def _held(self, name: str, t: torch.Tensor, chunk: ShardSpec | None = None) -> Held:
         shape = tuple(t.shape)
-        key = (name, shape, t.dtype)
+        key = (name, shape, t.dtype, chunk)
         held = self._held_cache.get(key)
         if held is None:
             if len(self._held_cache) > 1 << 16:
                 self._held_cache.clear()
-            held = self._held_cache[key] = self._describe(name, shape, t)
+            held = self._held_cache[key] = self._describe(name, shape, t, chunk)
         return held
 
-    def _describe(self, name: str, shape: tuple[int, ...], t: torch.Tensor) -> Held:
-        spec = self.spec_for(name, shape, None)
+    def _describe(self, name: str, shape: tuple[int, ...], t: torch.Tensor,
+                  chunk: ShardSpec | None) -> Held:
+        spec = chunk if chunk is not None else self.spec_for(name, shape, None)
         if spec is not None:
             spec.check(name, shape)
         gshape, offset = (
@@ -956,7 +972,13 @@ class _Prepared:
             if not pieces:
                 raise CorruptCheckpointError(
                     f"step {self.step}: the values reference tensor {name!r}, which has no data")
-            if live is not None:
+            if live is not None and is_dtensor(live):
+                live, spec = local_chunk(live)  # contract.unwritable checked it has one
+                shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
+                if pieces[0].dtype != dtype or pieces[0].global_shape != spec.global_shape:
+                    return (f"checkpoint has {pieces[0].dtype}{list(pieces[0].global_shape)}, "
+                            f"the target has {dtype}{list(spec.global_shape)}")
+            elif live is not None:
                 shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
                 spec = self.ck.spec_for(name, shape, None)
                 gshape = tuple(spec.global_shape) if spec else shape

@@ -22,7 +22,6 @@ Matching rules (docs/STATE.md):
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from resilient.checkpoint import codec
+from resilient.checkpoint.dtensor import is_dtensor, storage_ptr, why_not_local
 from resilient.errors import IncompatibleCheckpointError
 
 #: check(name, target tensor or None, path) -> None if the saved tensor `name` can be read into
@@ -78,8 +78,8 @@ def unwritable(t: Any) -> str | None:
     if isinstance(t, np.ndarray):
         return None if t.flags.writeable else "a read-only numpy array"
     if is_dtensor(t):
-        return ("a DTensor (FSDP2 / tensor-parallel sharded state), which this version "
-                "cannot load in place; load into full tensors (e.g. before fully_shard)")
+        why = why_not_local(t)
+        return why if why is not None else unwritable(t.to_local())
     if t.layout != torch.strided:
         return f"a {t.layout} tensor"
     if t.device.type == "meta":
@@ -90,13 +90,6 @@ def unwritable(t: Any) -> str | None:
     if t.numel() and t.data_ptr() == 0:
         return "a tensor without storage"
     return None
-
-
-def is_dtensor(t: Any) -> bool:
-    # Importing torch.distributed.tensor takes most of a second (it pulls in sympy); a process
-    # that never imported it holds no DTensor.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 class LoadPlan:
@@ -246,8 +239,8 @@ def _all_in_place(module: torch.nn.Module, restored: Any, live: Any) -> bool:
     dict, an override, a hook) gets load_state_dict()."""
     if restored is not live or not isinstance(live, dict):
         return False
-    own = {t.data_ptr() for t in (*module.parameters(), *module.buffers())}
-    return all(isinstance(v, torch.Tensor) and (v.numel() == 0 or v.data_ptr() in own)
+    own = {storage_ptr(t) for t in (*module.parameters(), *module.buffers())}
+    return all(isinstance(v, torch.Tensor) and (v.numel() == 0 or storage_ptr(v) in own)
                for v in live.values())
 
 

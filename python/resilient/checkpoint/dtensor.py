@@ -1,0 +1,64 @@
+"""DTensor state (FSDP2, HSDP, tensor parallel): each rank saves and loads its local chunk.
+
+A DTensor's global shape and this rank's chunk of it (offsets and sizes) come from its mesh and
+placements, through the chunk list torch.distributed.checkpoint's planner also uses
+(``DTensor.__create_chunk_list__``). The chunk becomes a ShardSpec, so the rest of the engine
+treats it like a Megatron-style slice: chunks replicated over a mesh dimension (HSDP, Replicate)
+are written once in total, spread over their holders; a load reads the saved bytes that overlap
+the target chunk, whatever the mesh was at save time. Partial placements (pending reductions)
+hold no savable value and are refused, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from resilient.checkpoint.plan import ShardSpec
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a torch.distributed.tensor.DTensor."""
+    # Importing torch.distributed.tensor takes most of a second (it pulls in sympy); a process
+    # that never imported it holds no DTensor.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def why_not_local(t: Any) -> str | None:
+    """Why the DTensor `t` has no single local chunk resilient can read or write, or None."""
+    partial = [str(p) for p in t.placements if p.is_partial()]
+    if partial:
+        return (f"a DTensor with a Partial placement ({', '.join(partial)}): its value is a "
+                "pending reduction; reduce it (full_tensor() or redistribute to Replicate) "
+                "before saving")
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        return f"a DTensor whose local data is {len(chunks)} chunks of the global tensor"
+    local = t.to_local()
+    if tuple(local.shape) != tuple(chunks[0].sizes):
+        return (f"a DTensor whose local tensor {list(local.shape)} differs from its chunk "
+                f"{list(chunks[0].sizes)} (a padded or strided layout this version cannot map)")
+    return None
+
+
+def local_chunk(t: Any) -> tuple[torch.Tensor, ShardSpec]:
+    """(this rank's local tensor, sharing the DTensor's storage; its place in the global tensor).
+    ValueError naming why for a DTensor that has no single local chunk."""
+    why = why_not_local(t)
+    if why is not None:
+        raise ValueError(why)
+    chunk = t.__create_chunk_list__()[0]
+    local = t.to_local().detach()
+    return local, ShardSpec(tuple(int(x) for x in t.shape), tuple(int(x) for x in chunk.offsets),
+                            tuple(int(x) for x in chunk.sizes))
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """The data pointer of `t`, or of its local tensor for a DTensor."""
+    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()
+
+
+__all__ = ["is_dtensor", "local_chunk", "storage_ptr", "why_not_local"]
