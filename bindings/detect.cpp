@@ -102,6 +102,11 @@ pyb::dict metrics_dict(const AgentMetrics& m) {
   d["proposals"] = c.proposals;
   d["generations"] = c.generations;
   d["store_errors"] = c.store_errors;
+  d["refusals"] = c.refusals;
+  d["dropped_replay"] = c.dropped_replay;
+  d["dropped_stale"] = c.dropped_stale;
+  d["dropped_misdirected"] = c.dropped_misdirected;
+  d["ignored_claims"] = c.ignored_claims;
   d["datagrams_sent"] = m.wire.sent;
   d["datagrams_received"] = m.wire.received;
   d["send_errors"] = m.wire.send_errors;
@@ -109,6 +114,9 @@ pyb::dict metrics_dict(const AgentMetrics& m) {
   d["dropped_malformed"] = m.wire.dropped_malformed;
   d["dropped_bad_mac"] = m.wire.dropped_bad_mac;
   d["dropped_other_job"] = m.wire.dropped_other_job;
+  d["dropped_other_run"] = m.wire.dropped_other_run;
+  d["dropped_version"] = m.wire.dropped_version;
+  d["dropped_unknown_source"] = m.wire.dropped_unknown_source;
   d["generation"] = m.generation;
   d["live"] = m.live;
   d["section"] = m.section;
@@ -148,10 +156,14 @@ void register_detect(pyb::module_& root) {
       .DURATION_PROP(CoreOptions, heartbeat_interval)
       .DURATION_PROP(CoreOptions, max_silence)
       .DURATION_PROP(CoreOptions, report_ttl)
-      .def_property("acceptable_pause_s", [](const CoreOptions& o) { return secs(o.phi.acceptable_pause); },
-                    [](CoreOptions& o, double s) { o.phi.acceptable_pause = from_seconds(s); })
-      .def_property("min_stddev_s", [](const CoreOptions& o) { return secs(o.phi.min_stddev); },
-                    [](CoreOptions& o, double s) { o.phi.min_stddev = from_seconds(s); });
+      .DURATION_PROP(CoreOptions, refused_silence)
+      .DURATION_PROP(CoreOptions, freshness_window)
+      .def_property(
+          "acceptable_pause_s", [](const CoreOptions& o) { return secs(o.phi.acceptable_pause); },
+          [](CoreOptions& o, double s) { o.phi.acceptable_pause = from_seconds(s); })
+      .def_property(
+          "min_stddev_s", [](const CoreOptions& o) { return secs(o.phi.min_stddev); },
+          [](CoreOptions& o, double s) { o.phi.min_stddev = from_seconds(s); });
 
   pyb::class_<WatchdogOptions>(m, "WatchdogOptions")
       .def_static("from_env", &WatchdogOptions::from_env)
@@ -170,6 +182,7 @@ void register_detect(pyb::module_& root) {
       .def_readwrite("watchdog", &AgentOptions::watchdog)
       .def_readwrite("hang_watchdog", &AgentOptions::hang_watchdog)
       .def_readwrite("job", &AgentOptions::job)
+      .def_readwrite("run_id", &AgentOptions::run_id)
       .def_property("key", [](const AgentOptions& o) { return pyb::bytes(o.key); },
                     [](AgentOptions& o, const std::string& k) { o.key = k; })
       .def_readwrite("addresses", &AgentOptions::addresses)
@@ -185,30 +198,37 @@ void register_detect(pyb::module_& root) {
            }),
            pyb::arg("options"), pyb::arg("store"))
       .def_property_readonly("port", &Agent::port)
-      .def("set_addresses", [](Agent& a, std::vector<std::string> v) { throw_if_error(a.set_addresses(std::move(v))); })
+      .def("set_addresses",
+           [](Agent& a, std::vector<std::string> v) {
+             throw_if_error(a.set_addresses(std::move(v)));
+           })
       .def("start", [](Agent& a) { throw_if_error(a.start()); })
       .def("stop", &Agent::stop, pyb::call_guard<pyb::gil_scoped_release>())
       .def("set_step", &Agent::set_step)
       .def("enter_section", &Agent::enter_section, pyb::call_guard<pyb::gil_scoped_release>())
       .def("leave_section", &Agent::leave_section, pyb::call_guard<pyb::gil_scoped_release>())
-      .def("poll_events", [](Agent& a, double timeout_s) {
-        std::vector<Event> evs;
-        {
-          pyb::gil_scoped_release nogil;
-          evs = a.poll_events(from_seconds(timeout_s));
-        }
-        pyb::list out;
-        for (const Event& e : evs) out.append(event_dict(e));
-        return out;
-      }, pyb::arg("timeout_s"))
-      .def("metrics", [](Agent& a) {
-        AgentMetrics m;
-        {
-          pyb::gil_scoped_release nogil;
-          m = a.metrics();
-        }
-        return metrics_dict(m);
-      })
+      .def(
+          "poll_events",
+          [](Agent& a, double timeout_s) {
+            std::vector<Event> evs;
+            {
+              pyb::gil_scoped_release nogil;
+              evs = a.poll_events(from_seconds(timeout_s));
+            }
+            pyb::list out;
+            for (const Event& e : evs) out.append(event_dict(e));
+            return out;
+          },
+          pyb::arg("timeout_s"))
+      .def("metrics",
+           [](Agent& a) {
+             AgentMetrics m;
+             {
+               pyb::gil_scoped_release nogil;
+               m = a.metrics();
+             }
+             return metrics_dict(m);
+           })
       .def("generation", [](Agent& a) {
         GenerationPtr g;
         {
@@ -219,14 +239,23 @@ void register_detect(pyb::module_& root) {
       });
 
   m.def("job_id", [](const std::string& name) { return job_id(name); });
-  m.def("encode_for_test", [](const std::string& key, const std::string& job, int from, uint64_t gen) {
-    Message msg;
-    msg.type = MsgType::kPing;
-    msg.from = from;
-    msg.generation = gen;
-    msg.seq = 1;
-    return pyb::bytes(Codec(key, job_id(job)).encode(msg));
-  }, "A valid ping datagram, for tests that inject traffic.");
+  m.def("encode_for_test",
+        [](const std::string& key, const std::string& job, int from, uint64_t gen,
+           const std::string& run, int to, uint64_t seq, int64_t time_ns) {
+          Message msg;
+          msg.type = MsgType::kPing;
+          msg.from = from;
+          msg.to = to;
+          msg.generation = gen;
+          msg.seq = seq;
+          msg.time_ns = time_ns;
+          return pyb::bytes(Codec(key, job_id(job), run).encode(msg));
+        },
+        pyb::arg("key"), pyb::arg("job"), pyb::arg("from_rank"), pyb::arg("generation"),
+        pyb::arg("run") = "", pyb::arg("to") = 0, pyb::arg("seq") = 1, pyb::arg("time_ns") = 0,
+        "A ping datagram (current wire version), for tests that inject traffic.");
+  m.def("monotonic_ns", [] { return SteadyClock::instance().now().time_since_epoch().count(); },
+        "The agent's clock (time_ns of datagrams), for tests.");
 
   m.def("run_simulation", [](const SimOptions& o) {
     SimReport r;

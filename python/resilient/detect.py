@@ -47,6 +47,68 @@ class StoreLike(Protocol):
     def wait(self, keys: list, timeout: Any = ...) -> None: ...
 
 
+def launcher_run_id() -> str | None:
+    """The run id the environment names: ``RESILIENT_DETECT_RUN_ID``, else torchrun's
+    ``TORCHELASTIC_RUN_ID`` with its restart count (each restart is a run of its own), else None.
+    torchrun's default id "none" does not count (it is the same for every job)."""
+    explicit = os.environ.get("RESILIENT_DETECT_RUN_ID")
+    if explicit:
+        return explicit
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":
+        return f"{elastic}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return None
+
+
+def agree_run_id(store: StoreLike, job: str, rank: int, world_size: int,
+                 timeout: float) -> str:
+    """A fresh run id agreed by the ranks through the store, even one reused across runs.
+
+    Every rank publishes a fresh random token under ``hello/<rank>``. Rank 0 draws the run id and
+    writes it under ``for/<token>`` for each token it reads, again whenever a rank's token
+    changes (it may first read a token left by an earlier run), until each rank acknowledged its
+    own token under ``got/<run id>/<token>``. A rank accepts only the value stored under its own
+    token, a key no earlier run can have written, so no rank ever takes an earlier run's id.
+    Start-up only:
+    rank 0 polls O(world) keys every 20 ms while ranks are missing; pass a launcher run id
+    (``RESILIENT_DETECT_RUN_ID``, torchrun) to skip this.
+
+    Raises TimeoutError when the ranks do not all take part within ``timeout`` seconds.
+    """
+    import datetime
+
+    base = f"resilient/detect/{job}/start"
+    token = secrets.token_hex(16)
+    store.set(f"{base}/hello/{rank}", token)
+    if rank != 0:
+        try:
+            store.wait([f"{base}/for/{token}"], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise TimeoutError(f"detector start: no run id from rank 0: {e}") from e
+        run_id = bytes(store.get(f"{base}/for/{token}")).decode()
+        store.set(f"{base}/got/{run_id}/{token}", "1")
+        return run_id
+    run_id = secrets.token_hex(16)
+    pending = {r: "" for r in range(1, world_size)}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for r, seen in list(pending.items()):
+            if seen and store.check([f"{base}/got/{run_id}/{seen}"]):
+                del pending[r]
+                continue
+            if not store.check([f"{base}/hello/{r}"]):
+                continue
+            current = bytes(store.get(f"{base}/hello/{r}")).decode()
+            if current != seen:
+                store.set(f"{base}/for/{current}", run_id)
+                pending[r] = current
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"detector start: ranks {sorted(pending)} did not take part")
+        if pending:
+            time.sleep(0.02)
+    return run_id
+
+
 def _local_ip_towards(host: str, port: int) -> str:
     """The local address this machine uses to reach ``host`` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -64,6 +126,9 @@ class FailureDetector:
         store: the job's store (``torch.distributed.TCPStore``); must live outside the ranks.
         rank, world_size: this rank and the job size.
         job: job name; packets of other jobs are dropped. Default ``RESILIENT_JOB`` or "default".
+        run_id: one id per launch of the job, so a store or job name reused by a later run never
+            mixes the runs (store keys and MACs are scoped to it). Default: see launcher_run_id(),
+            else one agreed by the ranks through the store at start() (agree_run_id()).
         host: address to bind and publish (default: ``RESILIENT_DETECT_HOST`` or the local address
             facing the store). port: UDP port, 0 for any.
         key: HMAC key (bytes). Default ``RESILIENT_DETECT_KEY``, else one agreed through the store.
@@ -84,6 +149,7 @@ class FailureDetector:
         world_size: int,
         *,
         job: str | None = None,
+        run_id: str | None = None,
         host: str | None = None,
         port: int = 0,
         key: bytes | None = None,
@@ -102,7 +168,8 @@ class FailureDetector:
         self.rank = rank
         self.world_size = world_size
         self.job = job or os.environ.get("RESILIENT_JOB", "default")
-        self._prefix = f"resilient/detect/{self.job}"
+        self.run_id: str | None = run_id or launcher_run_id()
+        self._prefix = ""
         self._host = host or os.environ.get("RESILIENT_DETECT_HOST") or _local_ip_towards(
             getattr(store, "host", "127.0.0.1"), getattr(store, "port", 0))
         self._port = port
@@ -118,7 +185,6 @@ class FailureDetector:
         self._opts.watchdog = _native.WatchdogOptions.from_env()
         self._opts.hang_watchdog = hang_watchdog
         self._opts.job = self.job
-        self._opts.store_prefix = self._prefix
         for name, value in (options or {}).items():
             self.set_option(name, value)
         for name, value in (watchdog_options or {}).items():
@@ -158,6 +224,14 @@ class FailureDetector:
         """
         if self._agent is not None:
             raise RuntimeError("already started")
+        if self.run_id is None:
+            self.run_id = agree_run_id(self._store, self.job, self.rank, self.world_size,
+                                       self._start_timeout)
+        # Every key of this run lives under its own prefix: an earlier run's addresses, key and
+        # generation records (a store that outlived its workers) are never read.
+        self._prefix = f"resilient/detect/{self.job}/run/{self.run_id}"
+        self._opts.store_prefix = self._prefix
+        self._opts.run_id = self.run_id
         key = self._key or os.environ.get("RESILIENT_DETECT_KEY", "").encode() or None
         if key is None:
             key = bytes(self._store.compare_set(f"{self._prefix}/key", "",
@@ -179,7 +253,8 @@ class FailureDetector:
             self._log_file = open(self._log_path, "a", buffering=1)  # noqa: SIM115
         self._agent.start()
         self._running = True
-        self._log({"kind": "start", "world_size": self.world_size, "port": self._agent.port})
+        self._log({"kind": "start", "world_size": self.world_size, "port": self._agent.port,
+                   "run_id": self.run_id})
         self._thread = threading.Thread(target=self._dispatch, name="resilient-detect", daemon=True)
         self._thread.start()
 
@@ -221,6 +296,12 @@ class FailureDetector:
                 self._agent.leave_section()
 
     # ---- state ----
+    @property
+    def store_prefix(self) -> str:
+        """Where this run's detector keys live: ``resilient/detect/<job>/run/<run id>`` (set by
+        start()); generation g's record is ``<store_prefix>/gen/<g>``."""
+        return self._prefix
+
     @property
     def generation(self) -> tuple:
         """(generation number, sorted live ranks)."""
@@ -281,8 +362,10 @@ class FailureDetector:
 
 _PROM_COUNTERS = (
     "messages_sent", "messages_received", "pings_sent", "acks_received", "suspicions",
-    "confirmations", "proposals", "generations", "store_errors", "refused",
-    "dropped_malformed", "dropped_bad_mac", "dropped_other_job", "detections")
+    "confirmations", "proposals", "generations", "store_errors", "refused", "refusals",
+    "dropped_malformed", "dropped_bad_mac", "dropped_other_job", "dropped_other_run",
+    "dropped_version", "dropped_unknown_source", "dropped_replay", "dropped_stale",
+    "dropped_misdirected", "ignored_claims", "detections")
 
 
 class DetectorCollector:
@@ -314,4 +397,5 @@ class DetectorCollector:
         yield rtt
 
 
-__all__ = ["DetectorCollector", "FailureDetector", "StoreLike"]
+__all__ = ["DetectorCollector", "FailureDetector", "StoreLike", "agree_run_id",
+           "launcher_run_id"]

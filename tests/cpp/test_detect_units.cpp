@@ -2,8 +2,13 @@
 // the store CAS, ring watch sets, and the hang watchdog.
 #include <gtest/gtest.h>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include <cstring>
 #include <random>
 
+#include "resilient/detect/freshness.hpp"
 #include "resilient/detect/membership.hpp"
 #include "resilient/detect/phi.hpp"
 #include "resilient/detect/watchdog.hpp"
@@ -19,6 +24,7 @@ Message sample() {
   m.type = MsgType::kGeneration;
   m.flags = kFlagComplete;
   m.from = 7;
+  m.to = 2;
   m.generation = 3;
   m.seq = 99;
   m.time_ns = 123456789;
@@ -33,6 +39,14 @@ TEST(DetectWire, RoundTrip) {
   auto back = codec.decode(codec.encode(m));
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   m.job = job_id("job");
+  m.run = run_hash("");
+  EXPECT_EQ(*back, m);
+  Codec run_a("0123456789abcdef-key", job_id("job"), "run-a");
+  m.echo_seq = 98;
+  m.echo_time_ns = -5;
+  back = run_a.decode(run_a.encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  m.run = run_hash("run-a");
   EXPECT_EQ(*back, m);
 }
 
@@ -78,6 +92,100 @@ TEST(DetectWire, OversizedVerdictListIsTruncatedAndMarkedIncomplete) {
   EXPECT_EQ(back->flags & kFlagComplete, 0);
 }
 
+// A datagram of the version 1 layout (no run, no destination), authenticated with the job key
+// as version 1 did: dropped as another version, never parsed as version 2.
+std::string v1_datagram(const std::string& key, uint64_t job) {
+  std::string out;
+  auto put = [&](auto v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  put(uint32_t{0x54445352});
+  put(uint8_t{1});
+  put(static_cast<uint8_t>(MsgType::kAck));
+  put(uint16_t{0});
+  put(job);
+  put(int32_t{3});                 // from
+  put(uint64_t{0});                // generation
+  put(uint64_t{7});                // seq
+  put(int64_t{123});               // time_ns
+  put(uint64_t{0});                // step
+  put(uint16_t{0});                // no verdicts
+  out.append(64, '\0');            // pad: as long as a version 2 header
+  unsigned char tag[kMacSize];
+  unsigned int len = kMacSize;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(out.data()), out.size(), tag, &len);
+  out.append(reinterpret_cast<const char*>(tag), kMacSize);
+  return out;
+}
+
+TEST(DetectWire, OtherVersionsAreDroppedNotMisparsed) {
+  const std::string key = "0123456789abcdef-key";
+  Codec codec(key, job_id("job"));
+  DropReason why;
+  EXPECT_FALSE(codec.decode(v1_datagram(key, job_id("job")), &why).ok());
+  EXPECT_EQ(why, DropReason::kBadVersion);
+  std::string d = codec.encode(sample());
+  for (uint8_t v : {0, 1, 3, 255}) {
+    std::string t = d;
+    t[4] = static_cast<char>(v);
+    EXPECT_FALSE(codec.decode(t, &why).ok());
+    EXPECT_EQ(why, DropReason::kBadVersion) << int(v);
+  }
+  EXPECT_EQ(static_cast<uint8_t>(d[4]), kWireVersion);
+  EXPECT_TRUE(codec.decode(d).ok());
+}
+
+// Finding 3 (across runs): the same key in another run authenticates nothing; the run field
+// cannot be rewritten either (the MAC key depends on the run id).
+TEST(DetectWire, TheMacIsScopedToOneRun) {
+  const std::string key = "0123456789abcdef-key";
+  Codec run_a(key, job_id("job"), "run-a");
+  Codec run_b(key, job_id("job"), "run-b");
+  std::string d = run_a.encode(sample());
+  DropReason why;
+  EXPECT_FALSE(run_b.decode(d, &why).ok());
+  EXPECT_EQ(why, DropReason::kOtherRun);
+  uint64_t b = run_hash("run-b");
+  std::memcpy(d.data() + 16, &b, sizeof b);  // relabel as run b
+  EXPECT_FALSE(run_b.decode(d, &why).ok());
+  EXPECT_EQ(why, DropReason::kBadMac);
+  // The destination is authenticated: redirecting a datagram to another rank breaks the MAC.
+  std::string e = run_a.encode(sample());
+  int32_t to = 5;
+  std::memcpy(e.data() + 28, &to, sizeof to);
+  EXPECT_FALSE(run_a.decode(e, &why).ok());
+  EXPECT_EQ(why, DropReason::kBadMac);
+}
+
+TEST(DetectFreshness, DuplicatesOldNumbersAndHeldBackDatagramsAreRefused) {
+  ReplayGuard g(seconds(5));
+  TimePoint t = TimePoint{} + std::chrono::hours(2);
+  const int64_t skew = 7'000'000'000'000;  // the sender's clock: another boot, far ahead
+  auto sent = [&](TimePoint at) { return at.time_since_epoch().count() + skew; };
+  EXPECT_EQ(g.admit(1, 10, sent(t), t), Admission::kAccept);
+  EXPECT_EQ(g.admit(1, 10, sent(t), t), Admission::kDuplicate);
+  EXPECT_EQ(g.admit(1, 0, sent(t), t), Admission::kOldSeq);
+  EXPECT_EQ(g.admit(1, 12, sent(t), t + milliseconds(1)), Admission::kAccept);
+  EXPECT_EQ(g.admit(1, 11, sent(t), t + milliseconds(2)), Admission::kAccept);  // reordered
+  EXPECT_EQ(g.admit(1, 11, sent(t), t + milliseconds(2)), Admission::kDuplicate);
+  EXPECT_EQ(g.admit(1, 200, sent(t), t + milliseconds(3)), Admission::kAccept);
+  EXPECT_EQ(g.admit(1, 136, sent(t), t + milliseconds(3)), Admission::kOldSeq);   // 64 below
+  EXPECT_EQ(g.admit(1, 137, sent(t), t + milliseconds(3)), Admission::kAccept);   // 63 below
+  EXPECT_EQ(g.admit(2, 12, sent(t), t), Admission::kAccept);  // senders are separate
+  // Held back: sent at t, delivered 6 s later with a fresh number (captured and replayed).
+  EXPECT_EQ(g.admit(1, 201, sent(t), t + seconds(6)), Admission::kStale);
+  EXPECT_EQ(g.admit(1, 201, sent(t + seconds(6)), t + seconds(6)), Admission::kAccept);
+  // Delays within the window are fine, and a slow rise (clock rate) is followed.
+  EXPECT_EQ(g.admit(1, 202, sent(t + seconds(6)), t + seconds(9)), Admission::kAccept);
+  TimePoint now = t + seconds(9);
+  int64_t lag = 0;
+  for (uint64_t seq = 203; seq < 203 + 3600; ++seq) {  // an hour, sender 0.5 ms/s slower
+    now += seconds(1);
+    lag += 500'000;
+    ASSERT_EQ(g.admit(1, seq, sent(now) - lag, now), Admission::kAccept) << seq;
+  }
+  EXPECT_EQ(g.admit(1, 9000, sent(now) - lag - 6'000'000'000, now), Admission::kStale);
+}
+
 TEST(DetectPhi, RegularHeartbeatsStayLowSilenceRaisesIt) {
   PhiEstimator est;
   TimePoint t{};
@@ -112,7 +220,8 @@ TEST(DetectPhi, JitteryLinkLearnsALongerThreshold) {
 }
 
 TEST(DetectMembership, SerializeParseRoundTrip) {
-  Generation g = Generation::initial(100000).next({{5, Reason::kCrash, ""}, {77, Reason::kHang, "step"}});
+  Generation g =
+      Generation::initial(100000).next({{5, Reason::kCrash, ""}, {77, Reason::kHang, "step"}});
   std::string s = g.serialize();
   EXPECT_LT(s.size(), 100u);  // ranges keep it short
   auto back = Generation::parse(s);

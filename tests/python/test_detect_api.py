@@ -63,7 +63,7 @@ def test_hostile_packets_are_dropped_and_counted():
     try:
         addr = ("127.0.0.1", dets[0]._agent.port)
         good_other_job = native.encode_for_test("k" * 32, "another-job", 1, 0)
-        forged = native.encode_for_test("not-the-job-key!" * 2, "api", 1, 0)
+        forged = native.encode_for_test("not-the-job-key!" * 2, "api", 1, 0, run=dets[0].run_id)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for payload in (b"", b"x" * 10, b"\xff" * 2000, good_other_job, forged):
                 s.sendto(payload, addr)
@@ -185,6 +185,98 @@ def test_prometheus_collector():
         text = prometheus_client.generate_latest(reg).decode()
         assert "resilient_detect_pings_sent_total" in text
         assert 'resilient_detect_rtt_ms{peer="1",rank="0"}' in text
+    finally:
+        for d in dets:
+            d.stop()
+
+
+@pytest.mark.parametrize("run_ids", [(None, None), ("run-a", "run-b")])
+def test_a_store_and_job_name_reused_by_the_next_run_evict_nobody(run_ids):
+    """Finding 2: a launcher's store outlives its workers. Run A leaves its addresses, key and a
+    generation without rank 2 in it; run B, same store and job name, rank 2 starting late, must
+    read none of it (run ids from the caller, or agreed through the store)."""
+    store = _store(3)
+    a = [FailureDetector(store[r], r, 3, job="reuse", run_id=run_ids[0], host="127.0.0.1",
+                         hang_watchdog=False) for r in range(3)]
+    _start_all(a)
+    try:
+        a[2].stop()
+        assert _wait(lambda: a[0].generation == (1, [0, 1]), 5), a[0].generation
+    finally:
+        for d in a:
+            d.stop()
+    b = [FailureDetector(store[r], r, 3, job="reuse", run_id=run_ids[1], host="127.0.0.1",
+                         hang_watchdog=False) for r in range(3)]
+    early = [threading.Thread(target=d.start) for d in b[:2]]
+    for t in early:
+        t.start()
+    time.sleep(1.0)  # ranks 0 and 1 would read run A's addr/2 now
+    b[2].start()
+    for t in early:
+        t.join(30)
+    try:
+        assert len({d.run_id for d in b}) == 1 and b[0].run_id != a[0].run_id
+        time.sleep(1.5)
+        for d in b:
+            m = d.metrics()
+            assert d.generation == (0, [0, 1, 2]), (d.rank, d.generation)
+            assert m["live"] == 3 and m["confirmations"] == 0, m
+            assert m["acks_received"] > 0 and not any(p["suspected"] for p in m["peers"])
+    finally:
+        for d in b:
+            d.stop()
+
+
+def test_run_id_comes_from_the_launcher(monkeypatch):
+    from resilient.detect import launcher_run_id
+
+    monkeypatch.delenv("RESILIENT_DETECT_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launcher_run_id() is None  # torchrun's default id names no run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert launcher_run_id() == "job7.2"  # each restart is a run of its own
+    monkeypatch.setenv("RESILIENT_DETECT_RUN_ID", "explicit")
+    assert launcher_run_id() == "explicit"
+    store = _store(1)
+    d = FailureDetector(store[0], 0, 1, job="rid", host="127.0.0.1")
+    assert d.run_id == "explicit"
+
+
+def test_pings_from_elsewhere_or_replayed_get_no_answer():
+    """Finding 3: a valid ping (right key and run) from another IP, or a replayed one from the
+    sender's IP, is not answered and does not move the address acks go to."""
+    store = _store(2)
+    dets = [FailureDetector(store[r], r, 2, job="ping", host="127.0.0.1", hang_watchdog=False)
+            for r in range(2)]
+    _start_all(dets)
+    try:
+        time.sleep(0.5)
+        key, run = bytes(dets[0]._opts.key), dets[0].run_id
+        target = ("127.0.0.1", dets[0]._agent.port)
+        fresh = native.encode_for_test(key, "ping", 1, 0, run=run, to=0, seq=1 << 40,
+                                       time_ns=native.monotonic_ns())
+        replayed = native.encode_for_test(key, "ping", 1, 0, run=run, to=0, seq=1,
+                                          time_ns=native.monotonic_ns())
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as elsewhere, \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as same_ip:
+            elsewhere.bind(("127.0.0.2", 0))
+            same_ip.bind(("127.0.0.1", 0))
+            for _ in range(20):
+                elsewhere.sendto(fresh, target)
+                same_ip.sendto(replayed, target)
+                time.sleep(0.02)
+            for s in (elsewhere, same_ip):
+                s.settimeout(0.5)
+                with pytest.raises(TimeoutError):
+                    s.recvfrom(2048)  # no ack, no state
+        m = dets[0].metrics()
+        assert m["dropped_unknown_source"] >= 20 and m["dropped_replay"] >= 20, m
+        time.sleep(0.5)
+        m1 = dets[1].metrics()  # rank 1 still gets its acks: the reply address did not move
+        assert m1["generation"] == 0 and not any(p["suspected"] for p in m1["peers"]), m1
+        acks = m1["acks_received"]
+        assert _wait(lambda: dets[1].metrics()["acks_received"] >= acks + 3, 2)
     finally:
         for d in dets:
             d.stop()

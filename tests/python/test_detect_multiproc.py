@@ -49,10 +49,17 @@ def worker_main(argv: list[str]) -> int:
     det.start()
     deadline = time.monotonic() + a.seconds
     step = 0
+    next_metrics = 0.0
     while time.monotonic() < deadline:
         if a.hang_after < 0 or step < a.hang_after:
             step += 1
             det.step(step)
+        if time.monotonic() >= next_metrics:  # counters for the tests, replaced atomically
+            next_metrics = time.monotonic() + 0.2
+            tmp = f"{a.log}.metrics.tmp"
+            with open(tmp, "w") as f:
+                json.dump(det.metrics(), f)
+            os.replace(tmp, f"{a.log}.metrics")
         time.sleep(0.02)
     det.stop()
     return 0
@@ -63,16 +70,16 @@ class Cluster:
 
     def __init__(self, tmp: Path, world: int, hosts: list[str] | None = None,
                  prefixes: list[list[str]] | None = None, store_host: str = "127.0.0.1",
-                 extra: dict[int, list[str]] | None = None) -> None:
+                 extra: dict[int, list[str]] | None = None, store: object = None) -> None:
         import datetime
 
         import torch.distributed as dist
 
         self.tmp = tmp
         self.world = world
-        self.store = dist.TCPStore(store_host, 0, world, is_master=True,
-                                   timeout=datetime.timedelta(seconds=30),
-                                   wait_for_workers=False)
+        self.store = store or dist.TCPStore(store_host, 0, world, is_master=True,
+                                            timeout=datetime.timedelta(seconds=30),
+                                            wait_for_workers=False)
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ, RESILIENT_LOG_LEVEL="warn")
         for r in range(world):
@@ -93,6 +100,17 @@ class Cluster:
             return [json.loads(x) for x in self.log(r).read_text().splitlines() if x.strip()]
         except FileNotFoundError:
             return []
+
+    def metrics(self, r: int) -> dict:
+        """Rank r's latest detector counters (written by the worker every 0.2 s)."""
+        try:
+            return json.loads(Path(f"{self.log(r)}.metrics").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def port(self, r: int) -> int:
+        """Rank r's detector UDP port (from its start record)."""
+        return next(e["port"] for e in self.events(r) if e["kind"] == "start")
 
     def wait_started(self, timeout: float = 90) -> None:
         end = time.time() + timeout

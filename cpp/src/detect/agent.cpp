@@ -40,11 +40,13 @@ std::string addr_bytes(const sockaddr_in& sa) {
 Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opt, std::shared_ptr<Store> store,
                                              GenerationPtr initial) {
   const int32_t rank = opt.core.rank;
-  if (opt.key.size() < 16) return Status(StatusCode::kInvalidArgument, "HMAC key shorter than 16 bytes");
+  if (opt.key.size() < 16)
+    return Status(StatusCode::kInvalidArgument, "HMAC key shorter than 16 bytes");
   if (rank < 0 || static_cast<size_t>(rank) >= opt.addresses.size()) {
     return Status(StatusCode::kInvalidArgument, "rank outside the address list");
   }
-  if (!store || !initial) return Status(StatusCode::kInvalidArgument, "store and generation required");
+  if (!store || !initial)
+    return Status(StatusCode::kInvalidArgument, "store and generation required");
   RESILIENT_ASSIGN_OR_RETURN(sockaddr_in self, parse_addr(opt.addresses[rank]));
   int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return Status::from_errno(errno, "socket");
@@ -59,9 +61,14 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opt, std::shared_ptr<S
                                           ntohs(self.sin_port)));
 }
 
-Agent::Agent(AgentOptions opt, std::shared_ptr<Store> store, GenerationPtr initial, int fd, int port)
-    : opt_(std::move(opt)), store_(std::move(store)), codec_(opt_.key, job_id(opt_.job)), fd_(fd),
-      port_(port), core_(opt_.core, initial, SteadyClock::instance().now()),
+Agent::Agent(AgentOptions opt, std::shared_ptr<Store> store, GenerationPtr initial, int fd,
+             int port)
+    : opt_(std::move(opt)),
+      store_(std::move(store)),
+      codec_(opt_.key, job_id(opt_.job), opt_.run_id),
+      fd_(fd),
+      port_(port),
+      core_(opt_.core, initial, SteadyClock::instance().now()),
       watchdog_(opt_.watchdog, SteadyClock::instance().now()),
       reply_addr_(opt_.addresses.size()) {
   for (const std::string& a : opt_.addresses) {
@@ -165,8 +172,18 @@ void Agent::sync_watch_sockets() {
     if (have || addr_bytes_[peer].empty()) continue;
     int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
+    // Same source IP as the published address, so the peer can check where pings come from.
+    sockaddr_in local{};
+    const auto& self = addr_bytes_[opt_.core.rank];
+    if (self.size() == sizeof local) {
+      std::memcpy(&local, self.data(), sizeof local);
+      local.sin_port = 0;
+    } else {
+      local.sin_family = AF_INET;
+    }
     const auto* sa = reinterpret_cast<const sockaddr*>(addr_bytes_[peer].data());
-    if (::connect(fd, sa, sizeof(sockaddr_in)) != 0) {
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&local), sizeof local) != 0 ||
+        ::connect(fd, sa, sizeof(sockaddr_in)) != 0) {
       ::close(fd);
       continue;
     }
@@ -206,9 +223,13 @@ void Agent::handle_datagram(const char* data, size_t n, const void* from, unsign
   DropReason why;
   auto msg = codec_.decode(std::string_view(data, n), &why);
   if (!msg.ok()) {
-    if (why == DropReason::kBadMac) ++wire_.dropped_bad_mac;
-    else if (why == DropReason::kOtherJob) ++wire_.dropped_other_job;
-    else ++wire_.dropped_malformed;
+    switch (why) {
+      case DropReason::kBadMac: ++wire_.dropped_bad_mac; break;
+      case DropReason::kOtherJob: ++wire_.dropped_other_job; break;
+      case DropReason::kOtherRun: ++wire_.dropped_other_run; break;
+      case DropReason::kBadVersion: ++wire_.dropped_version; break;
+      default: ++wire_.dropped_malformed; break;
+    }
     return;
   }
   if (static_cast<size_t>(msg->from) >= addr_bytes_.size() ||
@@ -216,11 +237,20 @@ void Agent::handle_datagram(const char* data, size_t n, const void* from, unsign
     ++wire_.dropped_malformed;
     return;
   }
+  // The sender must speak from the IP it published (its port differs: pings leave through a
+  // connected socket of their own).
+  const std::string& published = addr_bytes_[msg->from];
+  if (from_len != sizeof(sockaddr_in) || published.size() != sizeof(sockaddr_in) ||
+      static_cast<const sockaddr_in*>(from)->sin_addr.s_addr !=
+          reinterpret_cast<const sockaddr_in*>(published.data())->sin_addr.s_addr) {
+    ++wire_.dropped_unknown_source;
+    return;
+  }
   ++wire_.received;
-  if (msg->type == MsgType::kPing && from_len == sizeof(sockaddr_in)) {
+  if (!core_.on_message(*msg, now)) return;  // replayed, stale or misdirected: no answer
+  if (msg->type == MsgType::kPing) {
     reply_addr_[msg->from].assign(static_cast<const char*>(from), from_len);
   }
-  core_.on_message(*msg, now);
 }
 
 void Agent::pump(TimePoint now) {
@@ -261,7 +291,8 @@ void Agent::net_loop() {
   std::vector<int32_t> owners;
   char buf[kMaxDatagram + 1];
   const int poll_ms = std::max<int>(
-      1, static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(opt_.poll_interval).count()));
+      1, static_cast<int>(
+             std::chrono::duration_cast<std::chrono::milliseconds>(opt_.poll_interval).count()));
   while (running_.load()) {
     fds.clear();
     owners.clear();
@@ -282,7 +313,8 @@ void Agent::net_loop() {
       for (int budget = 0; budget < 256; ++budget) {
         sockaddr_in from{};
         socklen_t flen = sizeof from;
-        ssize_t n = ::recvfrom(fds[i].fd, buf, sizeof buf, 0, reinterpret_cast<sockaddr*>(&from), &flen);
+        ssize_t n =
+            ::recvfrom(fds[i].fd, buf, sizeof buf, 0, reinterpret_cast<sockaddr*>(&from), &flen);
         if (n < 0) {
           if (errno == ECONNREFUSED && owners[i] >= 0) {
             ++wire_.refused;
@@ -313,10 +345,9 @@ void Agent::store_loop() {
     Result<Generation> result = Status(StatusCode::kInternal, "unset");
     if (req.kind == StoreRequest::Kind::kPropose) {
       result = decide_generation(*store_, opt_.store_prefix, req.proposal, opt_.store_timeout);
-    } else if (req.hint_complete && req.base && req.number == req.base->number + 1) {
-      result = req.base->next(req.hint);  // gossip carried the full delta: no store round trip
     } else {
-      // Skipped generations: the latest record is self-contained (full live set).
+      // Gossip only says that a generation exists; the record is the store's (a datagram from a
+      // key holder must not be able to remove ranks). Records are self-contained (full live set).
       result = read_generation(*store_, opt_.store_prefix, req.number, opt_.store_timeout);
     }
     std::lock_guard lock(mu_);

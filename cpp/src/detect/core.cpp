@@ -36,16 +36,20 @@ CoreOptions CoreOptions::from_env(int32_t rank, int32_t world_size) {
   o.phi.min_stddev = env_ms("RESILIENT_DETECT_MIN_STDDEV_MS", o.phi.min_stddev);
   o.phi.first_interval = o.heartbeat_interval;
   o.max_silence = env_ms("RESILIENT_DETECT_MAX_SILENCE_MS", o.max_silence);
+  o.refused_silence = env_ms("RESILIENT_DETECT_REFUSED_SILENCE_MS", 3 * o.heartbeat_interval);
+  o.freshness_window = env_ms("RESILIENT_DETECT_FRESHNESS_MS", o.freshness_window);
   o.gossip_fanout = static_cast<int>(env_int("RESILIENT_DETECT_GOSSIP_FANOUT", o.gossip_fanout));
-  if (o.watch_count < 1 || o.heartbeat_interval <= Duration::zero() || o.gossip_fanout < 0) {
-    throw std::invalid_argument("RESILIENT_DETECT_*: watch count >= 1, heartbeat > 0, fanout >= 0");
+  if (o.watch_count < 1 || o.heartbeat_interval <= Duration::zero() || o.gossip_fanout < 0 ||
+      o.freshness_window <= Duration::zero()) {
+    throw std::invalid_argument(
+        "RESILIENT_DETECT_*: watch count >= 1, heartbeat > 0, fanout >= 0, freshness > 0");
   }
   return o;
 }
 
 DetectorCore::DetectorCore(CoreOptions opt, GenerationPtr initial, TimePoint now)
-    : opt_(std::move(opt)), gen_(std::move(initial)), next_ping_(now),
-      rng_(opt_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(opt_.rank)) {
+    : opt_(std::move(opt)), gen_(std::move(initial)), replay_(opt_.freshness_window),
+      next_ping_(now), rng_(opt_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(opt_.rank)) {
   RESILIENT_CHECK(gen_ != nullptr, "initial generation required");
   evicted_ = !gen_->contains(opt_.rank);
   rewatch(now);
@@ -56,7 +60,8 @@ std::vector<int32_t> DetectorCore::watchers_of(int32_t peer) const {
 }
 
 void DetectorCore::rewatch(TimePoint now) {
-  watched_ = evicted_ ? std::vector<int32_t>{} : ring_successors(gen_->live, opt_.rank, opt_.watch_count);
+  watched_ =
+      evicted_ ? std::vector<int32_t>{} : ring_successors(gen_->live, opt_.rank, opt_.watch_count);
   std::map<int32_t, Peer> next;
   for (int32_t r : watched_) {
     auto it = peers_.find(r);
@@ -71,72 +76,137 @@ void DetectorCore::rewatch(TimePoint now) {
   peers_ = std::move(next);
 }
 
-void DetectorCore::send(int32_t to, Message msg) {
+void DetectorCore::send(int32_t to, Message msg, TimePoint now) {
   msg.from = opt_.rank;
+  msg.to = to;
   msg.generation = gen_->number;
+  msg.seq = ++seq_;
+  msg.time_ns = now.time_since_epoch().count();
   ++counters_.messages_sent;
   outbox_.push_back({to, std::move(msg)});
 }
 
-void DetectorCore::on_message(const Message& m, TimePoint now) {
+void DetectorCore::ping(int32_t to, TimePoint now) {
+  Message m;
+  m.type = MsgType::kPing;
+  m.step = step_;
+  ++counters_.pings_sent;
+  send(to, std::move(m), now);
+}
+
+bool DetectorCore::on_message(const Message& m, TimePoint now) {
+  if (m.to != opt_.rank || m.from == opt_.rank || m.from < 0 || m.from >= opt_.world_size) {
+    ++counters_.dropped_misdirected;
+    return false;
+  }
+  switch (replay_.admit(m.from, m.seq, m.time_ns, now)) {
+    case Admission::kAccept: break;
+    case Admission::kDuplicate:
+    case Admission::kOldSeq: ++counters_.dropped_replay; return false;
+    case Admission::kStale: ++counters_.dropped_stale; return false;
+  }
+  if (m.type == MsgType::kAck) {
+    // Liveness evidence only as the answer to a ping of ours from the last freshness window
+    // (the echoed stamp is our own clock, under the sender's MAC).
+    Duration age = now.time_since_epoch() - Duration(m.echo_time_ns);
+    if (age < Duration::zero() || age > opt_.freshness_window) {
+      ++counters_.dropped_stale;
+      return false;
+    }
+  }
   ++counters_.messages_received;
   if (m.generation > gen_->number && m.type != MsgType::kGeneration) {
-    request_read(m.generation, {}, false, now);
+    request_read(m.generation, now);
   }
   switch (m.type) {
     case MsgType::kPing: {
       Message ack;
       ack.type = MsgType::kAck;
-      ack.seq = m.seq;
-      ack.time_ns = m.time_ns;
+      ack.echo_seq = m.seq;
+      ack.echo_time_ns = m.time_ns;
       ack.step = step_;
-      send(m.from, std::move(ack));
+      send(m.from, std::move(ack), now);
       break;
     }
     case MsgType::kAck: {
       auto it = peers_.find(m.from);
-      if (it == peers_.end() || m.seq <= it->second.last_seq) break;  // stale or duplicate
+      if (it == peers_.end() || m.echo_seq <= it->second.last_echo) break;  // reordered
       ++counters_.acks_received;
       Peer& p = it->second;
-      p.last_seq = m.seq;
+      p.last_echo = m.echo_seq;
+      p.refusals = 0;
       p.est.heartbeat(now);
-      double rtt = std::max(0.0, to_seconds(now.time_since_epoch() - Duration(m.time_ns)) * 1e3);
+      double rtt =
+          std::max(0.0, to_seconds(now.time_since_epoch() - Duration(m.echo_time_ns)) * 1e3);
       p.rtt_ms = p.rtt_ms < 0 ? rtt : 0.8 * p.rtt_ms + 0.2 * rtt;
       if (p.suspected) {
         p.suspected = false;
         ++counters_.unsuspicions;
         events_.push_back({Event::Kind::kUnsuspect, now, m.from, gen_->number, {}, ""});
+        tell_watchers(m.from, /*retract=*/true, now);
       }
       break;
     }
     case MsgType::kSuspect:
-      if (!gen_->contains(m.from)) break;
-      for (const Verdict& v : m.verdicts) {
-        if (!gen_->contains(v.rank) || v.rank == opt_.rank) continue;
-        if (m.flags & kFlagHard) {
-          confirm(v.rank, v.reason, now);
-        } else {
-          reports_[v.rank][m.from] = now;
-        }
-      }
+      on_suspect_message(m, now);
       break;
     case MsgType::kGeneration:
-      if (m.generation > gen_->number) {
-        request_read(m.generation, m.verdicts, (m.flags & kFlagComplete) != 0, now);
-      }
+      if (m.generation > gen_->number) request_read(m.generation, now);
       break;
+  }
+  return true;
+}
+
+// The hard-flag rule. A verdict about the sender itself with kFlagHard is the sender announcing
+// its own failure: authenticated, fresh, from its own address (the driver checks that), so it
+// confirms at once. Any other verdict is one watcher's suspicion of another rank: it counts
+// toward the two-watcher quorum only if the sender is one of that rank's watchers, whatever the
+// flags say, and kFlagRetract withdraws it.
+void DetectorCore::on_suspect_message(const Message& m, TimePoint now) {
+  if (!gen_->contains(m.from)) return;
+  for (const Verdict& v : m.verdicts) {
+    if (!gen_->contains(v.rank) || v.rank == opt_.rank) continue;
+    if (v.rank == m.from) {
+      if (m.flags & kFlagHard) confirm(v, now);
+      continue;
+    }
+    std::vector<int32_t> w = watchers_of(v.rank);
+    if (std::find(w.begin(), w.end(), m.from) == w.end()) {
+      ++counters_.ignored_claims;
+      continue;
+    }
+    if (m.flags & kFlagRetract) {
+      auto it = reports_.find(v.rank);
+      if (it != reports_.end()) it->second.erase(m.from);
+    } else {
+      reports_[v.rank][m.from] = now;
+    }
   }
 }
 
 void DetectorCore::on_unreachable(int32_t peer, TimePoint now) {
-  if (peers_.count(peer) && gen_->contains(peer)) confirm(peer, Reason::kCrash, now);
+  auto it = peers_.find(peer);
+  if (it == peers_.end() || !gen_->contains(peer)) return;
+  ++counters_.refusals;
+  if (it->second.refusals++ == 0) it->second.next_probe = now;  // probe again at the next tick
 }
 
-void DetectorCore::confirm(int32_t peer, Reason reason, TimePoint now) {
+void DetectorCore::tell_watchers(int32_t peer, bool retract, TimePoint now) {
+  Message m;
+  m.type = MsgType::kSuspect;
+  m.flags = retract ? kFlagRetract : 0;
+  m.verdicts = {Verdict{peer, Reason::kUnresponsive, ""}};
+  for (int32_t w : watchers_of(peer)) {
+    if (w != opt_.rank) send(w, m, now);
+  }
+}
+
+void DetectorCore::confirm(Verdict v, TimePoint now) {
+  const int32_t peer = v.rank;
   if (confirmed_.count(peer) || !gen_->contains(peer)) return;
   ++counters_.confirmations;
-  confirmed_[peer] = Verdict{peer, reason, ""};
-  events_.push_back({Event::Kind::kConfirm, now, peer, gen_->number, {}, reason_name(reason)});
+  events_.push_back({Event::Kind::kConfirm, now, peer, gen_->number, {}, reason_name(v.reason)});
+  confirmed_[peer] = std::move(v);
   maybe_propose(now);
 }
 
@@ -145,6 +215,12 @@ void DetectorCore::report_self(Verdict v, TimePoint now) {
   if (confirmed_.count(v.rank) || evicted_) return;
   events_.push_back({Event::Kind::kHang, now, v.rank, gen_->number, {}, v.section});
   confirmed_[v.rank] = v;
+  // Announce it too: if this rank cannot reach the store, a watcher proposes the removal.
+  Message m;
+  m.type = MsgType::kSuspect;
+  m.flags = kFlagHard;
+  m.verdicts = {v};
+  for (int32_t w : watchers_of(opt_.rank)) send(w, m, now);
   maybe_propose(now);
 }
 
@@ -152,20 +228,18 @@ void DetectorCore::maybe_propose(TimePoint now) {
   if (confirmed_.empty() || proposing_ != 0 || now < store_retry_at_) return;
   std::vector<Verdict> failed;
   for (const auto& [r, v] : confirmed_) failed.push_back(v);
-  StoreRequest req{StoreRequest::Kind::kPropose, gen_->number + 1, gen_->next(failed), {}, false, gen_};
+  StoreRequest req{StoreRequest::Kind::kPropose, gen_->number + 1, gen_->next(failed), gen_};
   proposing_ = req.number;
   ++counters_.proposals;
   store_requests_.push_back(std::move(req));
 }
 
-void DetectorCore::request_read(uint64_t number, std::vector<Verdict> hint, bool complete,
-                                TimePoint now) {
+void DetectorCore::request_read(uint64_t number, TimePoint now) {
   if (number <= gen_->number) return;
   if (reading_ >= number && now < read_retry_at_) return;  // already asked
   reading_ = number;
   read_retry_at_ = now + opt_.store_retry;
-  store_requests_.push_back(
-      {StoreRequest::Kind::kRead, number, Generation{}, std::move(hint), complete, gen_});
+  store_requests_.push_back({StoreRequest::Kind::kRead, number, Generation{}, gen_});
 }
 
 void DetectorCore::on_store_error(const StoreRequest& req, TimePoint now) {
@@ -222,27 +296,26 @@ void DetectorCore::adopt(GenerationPtr g, TimePoint now) {
       targets.push_back(r);
     }
   }
-  for (int32_t r : targets) send(r, note);
+  for (int32_t r : targets) send(r, note, now);
 }
 
 void DetectorCore::tick(TimePoint now) {
   if (evicted_) return;
   if (now >= next_ping_) {
-    for (int32_t r : watched_) {
-      Message ping;
-      ping.type = MsgType::kPing;
-      ping.seq = ++seq_;
-      ping.time_ns = now.time_since_epoch().count();
-      ping.step = step_;
-      ++counters_.pings_sent;
-      send(r, std::move(ping));
-    }
+    for (int32_t r : watched_) ping(r, now);
     next_ping_ += opt_.heartbeat_interval;
     if (next_ping_ <= now) next_ping_ = now + opt_.heartbeat_interval;
   }
   for (auto& [r, p] : peers_) {
     if (confirmed_.count(r)) continue;
-    bool suspect = p.est.phi(now) >= opt_.phi_threshold || p.est.silence(now) >= opt_.max_silence;
+    // A refusal is a hint, not evidence: probe at 4x the rate until an ack (or the verdict).
+    if (p.refusals > 0 && now >= p.next_probe) {
+      ping(r, now);
+      p.next_probe = now + opt_.heartbeat_interval / 4;
+    }
+    Duration silence = p.est.silence(now);
+    bool suspect = p.est.phi(now) >= opt_.phi_threshold || silence >= opt_.max_silence ||
+                   (p.refusals >= 2 && silence >= opt_.refused_silence);
     if (suspect && !p.suspected) {
       p.suspected = true;
       ++counters_.suspicions;
@@ -251,6 +324,7 @@ void DetectorCore::tick(TimePoint now) {
       p.suspected = false;
       ++counters_.unsuspicions;
       events_.push_back({Event::Kind::kUnsuspect, now, r, gen_->number, {}, ""});
+      tell_watchers(r, /*retract=*/true, now);
     }
     if (!p.suspected) continue;
     std::vector<int32_t> others = watchers_of(r);
@@ -258,16 +332,15 @@ void DetectorCore::tick(TimePoint now) {
     // Tell the other watchers, again every few intervals in case a report was lost.
     if (now - p.last_suspect_sent >= 5 * opt_.heartbeat_interval) {
       p.last_suspect_sent = now;
-      Message m;
-      m.type = MsgType::kSuspect;
-      m.verdicts = {Verdict{r, Reason::kUnresponsive, ""}};
-      for (int32_t w : others) send(w, m);
+      tell_watchers(r, /*retract=*/false, now);
     }
     size_t agree = 0;
     for (const auto& [who, when] : reports_[r]) {
       if (now - when <= opt_.report_ttl && gen_->contains(who)) ++agree;
     }
-    if (others.empty() || agree >= 1) confirm(r, Reason::kUnresponsive, now);
+    // The reason is informational (the quorum is the same): "crash" when the port refused.
+    Reason why = p.refusals >= 2 ? Reason::kCrash : Reason::kUnresponsive;
+    if (others.empty() || agree >= 1) confirm(Verdict{r, why, ""}, now);
   }
   maybe_propose(now);
 }

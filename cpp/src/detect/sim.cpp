@@ -32,7 +32,8 @@ double percentile(std::vector<double> v, double p) {
 
 class Sim {
  public:
-  explicit Sim(const SimOptions& o) : o_(o), rng_(o.seed), paused_until_(o.ranks), state_(o.ranks, 0) {
+  explicit Sim(const SimOptions& o)
+      : o_(o), rng_(o.seed), paused_until_(o.ranks), state_(o.ranks, 0) {
     auto g0 = std::make_shared<const Generation>(Generation::initial(o.ranks));
     decided_[0] = g0;
     CoreOptions base = o.core;
@@ -111,7 +112,8 @@ class Sim {
   }
 
   Duration delay() {
-    double ms = o_.latency_ms + std::exponential_distribution<double>(1.0 / std::max(1e-9, o_.jitter_ms))(rng_);
+    double ms = o_.latency_ms +
+                std::exponential_distribution<double>(1.0 / std::max(1e-9, o_.jitter_ms))(rng_);
     return from_seconds(ms / 1e3);
   }
 
@@ -127,9 +129,7 @@ class Sim {
       push(Ev{now + delay(), 0, EvKind::kDeliver, o.to, r, std::move(o.msg), nullptr});
     }
     for (auto& req : cores_[r]->take_store_requests()) {
-      bool delta = req.kind == StoreRequest::Kind::kRead && req.hint_complete && req.base &&
-                   req.number == req.base->number + 1;  // the agent applies these locally
-      if (!delta) ++store_ops_;
+      ++store_ops_;  // the agent reads every generation it learns of from the store
       GenerationPtr g;
       auto it = decided_.find(req.number);
       if (req.kind == StoreRequest::Kind::kPropose) {
@@ -142,7 +142,9 @@ class Sim {
       } else if (it != decided_.end()) {
         g = it->second;
       }
-      if (g) push(Ev{now + from_seconds(o_.store_latency_ms / 1e3), 0, EvKind::kStoreReply, r, -1, {}, g});
+      if (g)
+        push(Ev{
+            now + from_seconds(o_.store_latency_ms / 1e3), 0, EvKind::kStoreReply, r, -1, {}, g});
     }
     for (auto& e : cores_[r]->take_events()) {
       if (e.kind == Event::Kind::kSuspect && !failed_at_.count(e.rank)) ++false_suspicions_;

@@ -10,8 +10,8 @@ namespace resilient::detect {
 namespace {
 
 constexpr uint32_t kMagic = 0x54445352;  // "RSDT"
-constexpr uint8_t kVersion = 1;
-constexpr size_t kHeader = 4 + 1 + 1 + 2 + 8 + 4 + 8 + 8 + 8 + 8 + 2;
+constexpr size_t kHeader = 4 + 1 + 1 + 2 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 2;
+constexpr size_t kVersionAt = 4;
 
 template <typename T>
 void put(std::string& out, T v) {
@@ -43,10 +43,20 @@ class Reader {
   size_t pos_ = 0;
 };
 
-void mac(const std::string& key, std::string_view data, unsigned char* out) {
+void mac(std::string_view key, std::string_view data, unsigned char* out) {
   unsigned int len = kMacSize;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
        reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
+}
+
+// The per-run MAC key: a datagram authenticated in one run fails the MAC in every other run.
+std::string derive_key(const std::string& key, uint64_t job, std::string_view run) {
+  std::string label = "resilient-detect/2";
+  put(label, job);
+  label.append(run.data(), run.size());
+  unsigned char out[kMacSize];
+  mac(key, label, out);
+  return std::string(reinterpret_cast<const char*>(out), kMacSize);
 }
 
 }  // namespace
@@ -69,21 +79,26 @@ uint64_t job_id(std::string_view job_name) {
   return h;
 }
 
-Codec::Codec(std::string key, uint64_t job) : key_(std::move(key)), job_(job) {}
+Codec::Codec(std::string key, uint64_t job, std::string_view run)
+    : mac_key_(derive_key(key, job, run)), job_(job), run_(run_hash(run)) {}
 
 std::string Codec::encode(Message msg) const {
   std::string out;
   out.reserve(256);
   put(out, kMagic);
-  put(out, kVersion);
+  put(out, kWireVersion);
   put(out, static_cast<uint8_t>(msg.type));
   size_t flags_at = out.size();
   put(out, msg.flags);
   put(out, job_);
+  put(out, run_);
   put(out, msg.from);
+  put(out, msg.to);
   put(out, msg.generation);
   put(out, msg.seq);
   put(out, msg.time_ns);
+  put(out, msg.echo_seq);
+  put(out, msg.echo_time_ns);
   put(out, msg.step);
   size_t count_at = out.size();
   put(out, uint16_t{0});
@@ -103,7 +118,7 @@ std::string Codec::encode(Message msg) const {
   }
   std::memcpy(out.data() + count_at, &n, sizeof n);
   unsigned char tag[kMacSize];
-  mac(key_, out, tag);
+  mac(mac_key_, out, tag);
   out.append(reinterpret_cast<const char*>(tag), kMacSize);
   return out;
 }
@@ -114,6 +129,14 @@ Result<Message> Codec::decode(std::string_view d, DropReason* drop) const {
     return Status(code, what);
   };
   if (drop) *drop = DropReason::kNone;
+  // The version is read before anything else: an older layout is never parsed as this one.
+  if (d.size() > kVersionAt && static_cast<uint8_t>(d[kVersionAt]) != kWireVersion) {
+    uint32_t magic = 0;
+    std::memcpy(&magic, d.data(), std::min<size_t>(d.size(), sizeof magic));
+    if (magic == kMagic) {
+      return fail(DropReason::kBadVersion, StatusCode::kCorrupt, "other wire version");
+    }
+  }
   if (d.size() < kHeader + kMacSize || d.size() > kMaxDatagram) {
     return fail(DropReason::kMalformed, StatusCode::kCorrupt, "bad datagram size");
   }
@@ -124,14 +147,16 @@ Result<Message> Codec::decode(std::string_view d, DropReason* drop) const {
   r.get(&magic);
   r.get(&version);
   r.get(&type);
-  if (magic != kMagic || version != kVersion) {
+  if (magic != kMagic || version != kWireVersion) {
     return fail(DropReason::kMalformed, StatusCode::kCorrupt, "bad magic or version");
   }
   r.get(&m.flags);
   r.get(&m.job);
   if (m.job != job_) return fail(DropReason::kOtherJob, StatusCode::kNotFound, "other job");
+  r.get(&m.run);
+  if (m.run != run_) return fail(DropReason::kOtherRun, StatusCode::kNotFound, "other run");
   unsigned char tag[kMacSize];
-  mac(key_, d.substr(0, d.size() - kMacSize), tag);
+  mac(mac_key_, d.substr(0, d.size() - kMacSize), tag);
   if (CRYPTO_memcmp(tag, d.data() + d.size() - kMacSize, kMacSize) != 0) {
     return fail(DropReason::kBadMac, StatusCode::kFailedPrecondition, "bad MAC");
   }
@@ -139,9 +164,12 @@ Result<Message> Codec::decode(std::string_view d, DropReason* drop) const {
   m.type = static_cast<MsgType>(type);
   uint16_t n = 0;
   r.get(&m.from);
+  r.get(&m.to);
   r.get(&m.generation);
   r.get(&m.seq);
   r.get(&m.time_ns);
+  r.get(&m.echo_seq);
+  r.get(&m.echo_time_ns);
   r.get(&m.step);
   r.get(&n);
   for (uint16_t i = 0; i < n; ++i) {
@@ -154,7 +182,7 @@ Result<Message> Codec::decode(std::string_view d, DropReason* drop) const {
     v.reason = static_cast<Reason>(reason);
     m.verdicts.push_back(std::move(v));
   }
-  if (r.pos() != d.size() - kMacSize || m.from < 0) {
+  if (r.pos() != d.size() - kMacSize || m.from < 0 || m.to < 0) {
     return fail(DropReason::kMalformed, StatusCode::kCorrupt, "trailing bytes or bad sender");
   }
   return m;

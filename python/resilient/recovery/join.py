@@ -49,11 +49,13 @@ def parse_generation_record(text: str) -> tuple[int, list[int]]:
 class JoinerDetector:
     """Stands in for the detector on a joiner, which is outside the detector's fixed world: it
     follows the decided generations in the store (``<prefix>/gen/<g>``, at most every
-    ``interval_s``), so a joiner sees the same verdicts as the members, a little later."""
+    ``interval_s``), so a joiner sees the same verdicts as the members, a little later.
+    ``store_prefix`` is the members' detector prefix (it names their run)."""
 
     def __init__(self, store: Any, job: str, generation: int, live: list[int],
-                 interval_s: float = 0.05) -> None:
-        self._store, self._prefix = store, f"resilient/detect/{job}/gen/"
+                 interval_s: float = 0.05, store_prefix: str | None = None) -> None:
+        self.store_prefix = store_prefix or f"resilient/detect/{job}"
+        self._store, self._prefix = store, f"{self.store_prefix}/gen/"
         self._generation, self._live = generation, list(live)
         self._interval, self._next = interval_s, 0.0
 
@@ -112,6 +114,7 @@ def maybe_admit(rec: Any) -> bool:
                 "group_generation": group_gen, "rank": rec.world_size + i,
                 "world_size": len(members), "members": members, "generation": rec.generation,
                 "detector": [det_generation, sorted(live)],
+                "detector_prefix": rec.detector.store_prefix,
                 "join_epoch": rec.join_epoch, "admitted": upto}))
     _regroup(rec, group_gen, rec.rank, members)
     return True
@@ -131,7 +134,8 @@ def join_as_spare(rec: Any, timeout_s: float) -> None:
     rec.generation, rec.join_epoch, rec.admitted = (
         info["generation"], info["join_epoch"], info["admitted"])
     det_generation, live = info["detector"]
-    rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live)
+    rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live,
+                                  store_prefix=info.get("detector_prefix"))
     _regroup(rec, info["group_generation"], info["rank"], info["members"])
 
 

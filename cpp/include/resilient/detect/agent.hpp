@@ -3,9 +3,13 @@
 // GIL and no Python in the hot path.
 //
 // Threads: the network thread owns a UDP socket bound to the rank's address (pings from watchers
-// arrive there and are answered from it) plus one connected UDP socket per watched peer (pings go
-// out through it, acks come back on it, and a dead peer's ICMP port-unreachable surfaces there as
-// ECONNREFUSED: the fast path for a killed process). It ticks the core every `poll_interval`. The
+// arrive there and are answered from it) plus one connected UDP socket per watched peer, bound to
+// the same IP (pings go out through it, acks come back on it, and a dead peer's ICMP
+// port-unreachable surfaces there as ECONNREFUSED: a hint that makes the core probe faster, never
+// a verdict, since ICMP is unauthenticated). A datagram counts only if it authenticates for this
+// job and run, comes from the IP its sender published, and the core admits it (fresh, addressed
+// here); only then may a ping's source port become the address acks go to. It ticks the core
+// every `poll_interval`. The
 // store thread performs compare-and-set proposals and generation reads, off the hot path. Events
 // queue up for poll_events(); nothing calls back into the owner from these threads.
 
@@ -32,6 +36,7 @@ struct AgentOptions {
   WatchdogOptions watchdog;
   bool hang_watchdog = true;
   std::string job = "default";
+  std::string run_id;                    ///< one per launch of the job (docs/SECURITY.md)
   std::string key;                       ///< HMAC key (required, >= 16 bytes)
   std::vector<std::string> addresses;    ///< "ipv4:port" of every rank, indexed by rank
   std::string store_prefix = "resilient/detect";
@@ -44,6 +49,7 @@ struct AgentOptions {
 struct WireCounters {
   uint64_t sent = 0, received = 0, send_errors = 0, refused = 0;
   uint64_t dropped_malformed = 0, dropped_bad_mac = 0, dropped_other_job = 0;
+  uint64_t dropped_other_run = 0, dropped_version = 0, dropped_unknown_source = 0;
 };
 
 struct AgentMetrics {
@@ -109,7 +115,7 @@ class Agent {
   DetectorCore core_;
   HangWatchdog watchdog_;
   std::vector<std::pair<int32_t, int>> watch_fds_;       // peer -> connected socket
-  std::vector<std::string> reply_addr_;                  // last ping source per rank
+  std::vector<std::string> reply_addr_;                  // last admitted ping source per rank
   WireCounters wire_;
   std::deque<StoreRequest> store_queue_;
   std::condition_variable store_cv_;

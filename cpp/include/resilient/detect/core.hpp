@@ -6,11 +6,18 @@
 // Each rank watches the `watch_count` live ranks after it on a ring (so load does not grow with
 // world size): it pings them every heartbeat interval and feeds the acks into a phi-accrual
 // estimator. A watcher that suspects a peer tells the peer's other watchers; a peer is confirmed
-// failed when two watchers suspect it (one if it has only one), or at once on hard evidence (the
-// peer's port refuses: the process is gone). Confirmed failures become a proposal for the next
+// failed when two watchers suspect it (one if it has only one), or at once when the peer itself
+// announces its failure (an authenticated, fresh kSuspect with kFlagHard about its sender).
+// Nothing unauthenticated confirms anything: a refusal (ICMP port unreachable, which anyone can
+// spoof) only makes the watcher probe faster and, if no authenticated ack follows for
+// `refused_silence`, suspect; the second watcher is still needed. Claims about other ranks count
+// as their sender's suspicion, and only from a watcher of that rank. Every datagram passes the
+// ReplayGuard (freshness.hpp) before it counts; an ack counts only as the answer to a ping this
+// rank sent within the freshness window. Confirmed failures become a proposal for the next
 // generation (see membership.hpp), which the driver decides by compare-and-set on the store. A
-// decided generation is pushed to `gossip_fanout` random live ranks plus the ring successors, each
-// forwarding once; pings and acks carry the generation number as a fallback.
+// decided generation is announced to `gossip_fanout` random live ranks plus the ring successors,
+// each forwarding once; pings and acks carry the generation number as a fallback. An announcement
+// is a hint: the receiver reads the record from the store before acting on it.
 
 #include <cstdint>
 #include <map>
@@ -19,6 +26,7 @@
 #include <vector>
 
 #include "resilient/common/clock.hpp"
+#include "resilient/detect/freshness.hpp"
 #include "resilient/detect/membership.hpp"
 #include "resilient/detect/phi.hpp"
 #include "resilient/detect/wire.hpp"
@@ -35,6 +43,12 @@ struct CoreOptions {
   PhiOptions phi;
   /// Silence after which a peer is suspected whatever phi says (upper bound on detection).
   Duration max_silence = std::chrono::milliseconds(2500);
+  /// Silence after which a peer whose address refused at least twice since its last ack is
+  /// suspected (a killed process: ~3 heartbeats instead of the phi threshold's ~16).
+  Duration refused_silence = std::chrono::milliseconds(300);
+  /// Datagrams held back longer than this (relative to the fastest seen from their sender) and
+  /// acks to pings older than this are dropped as replays.
+  Duration freshness_window = std::chrono::seconds(5);
   /// How long another watcher's suspicion report counts toward confirmation.
   Duration report_ttl = std::chrono::seconds(5);
   int gossip_fanout = 3;
@@ -57,8 +71,6 @@ struct StoreRequest {
   enum class Kind { kPropose, kRead } kind;
   uint64_t number = 0;
   Generation proposal;                 ///< kPropose only
-  std::vector<Verdict> hint;           ///< kRead: removals gossiped for `number`, if complete
-  bool hint_complete = false;
   GenerationPtr base;                  ///< the generation the rank is at
 };
 
@@ -85,6 +97,11 @@ struct Counters {
   uint64_t messages_sent = 0, messages_received = 0, pings_sent = 0, acks_received = 0;
   uint64_t suspicions = 0, unsuspicions = 0, confirmations = 0, proposals = 0, generations = 0;
   uint64_t store_errors = 0;
+  uint64_t refusals = 0;            ///< refusal signals (ICMP port unreachable) taken as hints
+  uint64_t dropped_replay = 0;      ///< duplicates and sequence numbers below the window
+  uint64_t dropped_stale = 0;       ///< outside the freshness window (incl. acks to old pings)
+  uint64_t dropped_misdirected = 0; ///< addressed to another rank, from self, or unknown sender
+  uint64_t ignored_claims = 0;      ///< claims about another rank from a non-watcher
 };
 
 class DetectorCore {
@@ -92,14 +109,18 @@ class DetectorCore {
   DetectorCore(CoreOptions opt, GenerationPtr initial, TimePoint now);
 
   // ---- inputs ----
-  void on_message(const Message& msg, TimePoint now);
-  /// The peer's address refused a datagram (ICMP port unreachable): its process is gone.
+  /// An authenticated datagram. Returns whether it was admitted (fresh, addressed to this rank,
+  /// from another rank of the world); the driver may trust its source address only then.
+  bool on_message(const Message& msg, TimePoint now);
+  /// The peer's address refused a datagram (ICMP port unreachable). Unauthenticated, so only a
+  /// hint: the peer is probed faster and suspected if no ack follows for refused_silence.
   void on_unreachable(int32_t peer, TimePoint now);
   /// A generation decided by the store (proposal result or read). Older ones are ignored.
   void on_generation(GenerationPtr g, TimePoint now);
   /// A store request failed; it is retried after store_retry.
   void on_store_error(const StoreRequest& req, TimePoint now);
-  /// This rank's own watchdog saw a hang: propose removing self with reason kHang.
+  /// This rank's own watchdog saw a hang: propose removing self with reason kHang, and announce
+  /// it to this rank's watchers (a self-announcement confirms at once).
   void report_self(Verdict v, TimePoint now);
   /// Sends due pings, re-evaluates suspicion, proposes confirmed failures.
   void tick(TimePoint now);
@@ -123,18 +144,23 @@ class DetectorCore {
  private:
   struct Peer {
     PhiEstimator est;
-    uint64_t last_seq = 0;
+    uint64_t last_echo = 0;   // seq of the newest ping answered
     double rtt_ms = -1;
     bool suspected = false;
     TimePoint last_suspect_sent{};
+    uint32_t refusals = 0;    // since the last ack
+    TimePoint next_probe{};   // fast probing while refusals > 0
   };
 
   void adopt(GenerationPtr g, TimePoint now);
   void rewatch(TimePoint now);
-  void send(int32_t to, Message msg);
-  void confirm(int32_t peer, Reason reason, TimePoint now);
+  void send(int32_t to, Message msg, TimePoint now);
+  void ping(int32_t to, TimePoint now);
+  void tell_watchers(int32_t peer, bool retract, TimePoint now);
+  void on_suspect_message(const Message& m, TimePoint now);
+  void confirm(Verdict v, TimePoint now);
   void maybe_propose(TimePoint now);
-  void request_read(uint64_t number, std::vector<Verdict> hint, bool complete, TimePoint now);
+  void request_read(uint64_t number, TimePoint now);
   std::vector<int32_t> watchers_of(int32_t peer) const;
 
   CoreOptions opt_;
@@ -144,6 +170,7 @@ class DetectorCore {
   std::map<int32_t, Peer> peers_;
   std::map<int32_t, std::map<int32_t, TimePoint>> reports_;  // peer -> reporter -> when
   std::map<int32_t, Verdict> confirmed_;                     // awaiting a generation
+  ReplayGuard replay_;
   uint64_t seq_ = 0;
   uint64_t step_ = 0;
   TimePoint next_ping_;

@@ -6,9 +6,11 @@
 // live(g) minus the failed ranks with compare_set(key(g+1), expected="", desired=record): the first
 // writer wins and every other proposer gets the winner's record back, so each generation is decided
 // exactly once and no two ranks can act on different views of the same generation. Failures the
-// winner did not include are proposed again for g+2. Ranks learn of g+1 through gossip (the record's
-// removals ride in kGeneration messages and on every ping/ack's generation field) and apply it as a
-// delta, reading the store only when they skipped a generation. The store's host is the one single
+// winner did not include are proposed again for g+2. Ranks learn that g+1 exists through gossip
+// (kGeneration messages, and every ping/ack's generation field) and then read its record from the
+// store: a datagram is only a hint, so no key holder can remove a rank by announcing a generation.
+// Keys are scoped to one run (the prefix names the run id), so a store that outlives a run never
+// hands its records to the next one. The store's host is the one single
 // point of failure left (until an etcd backend exists); it must run outside the training ranks.
 
 #include <cstdint>
