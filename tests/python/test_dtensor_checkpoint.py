@@ -1,6 +1,7 @@
-"""Sharded (DTensor) state on CPU with gloo: FSDP2 and HSDP modules and their optimizers saved
-without a ShardSpec, each rank writing its local chunks, and loaded onto another mesh (FSDP 4 ->
-4, 4 -> 2, 4 -> 1 process, HSDP 2x2 -> FSDP 4, DDP-style replicated -> FSDP). Every phase runs
+"""Sharded (DTensor) state on CPU with gloo: FSDP2, HSDP, TP and FSDP+TP modules and their
+optimizers saved without a ShardSpec, each rank writing its local chunks, and loaded onto another
+mesh (FSDP 4 -> 4, 4 -> 2, 4 -> 1 process, HSDP 2x2 -> FSDP 4, FSDP+TP 2x2 -> FSDP 4, TP 2 -> 1
+process, DDP-style replicated -> FSDP). Every phase runs
 as torch.multiprocessing workers in a subprocess of its own, bounded in time; full tensors are
 compared bit for bit."""
 
@@ -23,13 +24,24 @@ def _model(seed: int):
     from torch import nn
 
     torch.manual_seed(seed)
-    # 3 output rows over 4 ranks: uneven chunks (1, 1, 1, 0)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    # FSDP over 4 ranks: 6 rows make uneven chunks (2, 2, 2, 0); TP over 2 splits 8 evenly
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6))
 
 
-def _shard(model, mesh):
+def _shard(model, mesh, kind: str = "fsdp"):
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
+    if kind in ("tp", "fsdp_tp"):  # Megatron-style: column- then row-parallel
+        tp = mesh if kind == "tp" else mesh["tp"]
+        parallelize_module(model, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if kind == "tp":
+            return model
+        mesh = mesh["dp"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -42,13 +54,15 @@ def _mesh(kind: str, world: int):
 
     if kind == "hsdp":  # replicate x shard
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if kind == "fsdp_tp":  # FSDP over dp, tensor parallel over tp (strided sharding)
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world,))
 
 
 def _train(model, opt, steps: int) -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        model(torch.randn(4, 5, generator=g)).square().mean().backward()
+        model(torch.randn(4, 6, generator=g)).square().mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -73,10 +87,8 @@ def _phase_save(rank: int, world: int, root: str, kind: str) -> dict:
     import resilient
 
     model = _model(0)
-    if kind == "replicated":  # every rank holds the whole module (DDP-style state)
-        pass
-    else:
-        _shard(model, _mesh(kind, world))
+    if kind != "replicated":  # replicated: every rank holds the whole module (DDP-style)
+        _shard(model, _mesh(kind, world), kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 2)
     with resilient.Checkpointer(root, create=True) as ck:
@@ -89,7 +101,7 @@ def _phase_load(rank: int, world: int, root: str, kind: str) -> dict:
 
     model = _model(123)  # other values: the load must overwrite every one
     if kind != "plain":
-        _shard(model, _mesh(kind, world))
+        _shard(model, _mesh(kind, world), kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind != "plain":
         _train(model, opt, 1)  # optimizer state exists (DTensor moments) and must be replaced
@@ -177,6 +189,15 @@ def test_fsdp_and_hsdp_state_saves_and_reshards_on_load(tmp_path):
     for r in _run("load", 4, "fsdp", hsdp, results):
         _same(r["model"], hsaved["model"])
         _same(r["optim"], hsaved["optim"])
+    # FSDP+TP 2x2 (strided sharding) -> FSDP 4, and TP 2 -> one process
+    tsaved = _run("save", 4, "fsdp_tp", tmp_path / "fsdp_tp", results)[0]
+    for r in _run("load", 4, "fsdp", tmp_path / "fsdp_tp", results):
+        _same(r["model"], tsaved["model"])
+        _same(r["optim"], tsaved["optim"])
+    psaved = _run("save", 2, "tp", tmp_path / "tp", results)[0]
+    one = _run("load", 1, "plain", tmp_path / "tp", results)[0]
+    _same(one["model"], psaved["model"])
+    _same(one["optim"], psaved["optim"])
     # DDP-style replicated state -> FSDP 2
     fsaved = _run("save", 2, "replicated", flat, results)[0]
     for r in _run("load", 2, "fsdp", flat, results):
