@@ -3,6 +3,7 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -38,14 +39,21 @@ std::vector<std::vector<std::pair<size_t, size_t>>> chunks_by_slab(const Staging
 // engine keeps its queue full across slab boundaries; slabs go back to the pool per batch.
 constexpr size_t kMaxBatchSlabs = 8;
 
+// What is left of the device copies' shared deadline: one timeout for the whole snapshot, not
+// one per slab (a hung copy stream would otherwise hold the writer for slabs x timeout).
+Duration left_until(TimePoint deadline) {
+  return std::max(deadline - SteadyClock::instance().now(), Duration::zero());
+}
+
 Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
                                     ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
   std::vector<std::future<void>> hashed(st.slabs.size());
   std::vector<Status> copy_errors(st.slabs.size());
+  const TimePoint copied_by = SteadyClock::instance().now() + o.timeout;
   for (size_t s = 0; s < st.slabs.size(); ++s) {
-    hashed[s] = workers.submit([&st, &by_slab, &copy_errors, &o, s] {
-      copy_errors[s] = st.wait_slab(s, o.timeout);  // device-to-host copies into this slab
+    hashed[s] = workers.submit([&st, &by_slab, &copy_errors, copied_by, s] {
+      copy_errors[s] = st.wait_slab(s, left_until(copied_by));  // device-to-host copies
       if (!copy_errors[s].ok()) return;
       for (auto [t, c] : by_slab[s]) {
         Chunk& ch = st.layout.tensors[t].chunks[c];
@@ -88,8 +96,9 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
                                   ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
   uint64_t pos = 0;
+  const TimePoint copied_by = SteadyClock::instance().now() + o.timeout;
   for (size_t s = 0; s < st.slabs.size(); ++s) {
-    RESILIENT_RETURN_IF_ERROR(st.wait_slab(s, o.timeout));
+    RESILIENT_RETURN_IF_ERROR(st.wait_slab(s, left_until(copied_by)));
     const auto& list = by_slab[s];
     std::vector<AlignedBuffer> out(list.size());
     std::vector<uint64_t> out_len(list.size());
