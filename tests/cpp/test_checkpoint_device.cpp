@@ -13,10 +13,10 @@
 #include <numeric>
 #include <vector>
 
+#include "io_test_util.hpp"
 #include "memory/detail/cuda_table.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/checkpoint/commit.hpp"
-#include "io_test_util.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -32,7 +32,7 @@ struct FakeGpu {
     size_t n;
   };
   std::mutex mu;
-  std::map<void*, std::vector<Op>> queued;       // per stream, not yet executed
+  std::map<void*, std::vector<Op>> queued;           // per stream, not yet executed
   std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
   std::map<void*, int> polls;
   std::map<void*, int> owner;  // stream or event -> its device
@@ -66,13 +66,19 @@ int ok() { return 0; }
 const CudaRuntime::Table* fake_table() {
   static CudaRuntime::Table t = [] {
     CudaRuntime::Table t;
-    t.get_device_count = [](int* n) { *n = 2; return ok(); };
+    t.get_device_count = [](int* n) {
+      *n = 2;
+      return ok();
+    };
     t.set_device = [](int d) {
       if (d < 0 || d >= 2) return 101;  // cudaErrorInvalidDevice
       FakeGpu::current() = d;
       return ok();
     };
-    t.get_device = [](int* d) { *d = FakeGpu::current(); return ok(); };
+    t.get_device = [](int* d) {
+      *d = FakeGpu::current();
+      return ok();
+    };
     t.memcpy_async = [](void* dst, const void* src, size_t n, int kind, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
@@ -122,7 +128,7 @@ const CudaRuntime::Table* fake_table() {
       if (it == g.events.end()) return ok();
       if (g.hung) return 600;
       if (it->second.second == 0) return ok();  // its copies already ran
-      if (++g.polls[e] < 2) return 600;  // cudaErrorNotReady: the copy is still "running"
+      if (++g.polls[e] < 2) return 600;         // cudaErrorNotReady: the copy is still "running"
       g.flush(it->second.first, it->second.second);
       return ok();
     };
@@ -141,8 +147,9 @@ const CudaRuntime::Table* fake_table() {
 class DeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = fs::temp_directory_path() / ("resilient-dev-" + std::to_string(::getpid()) + "-" +
-                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    root_ = fs::temp_directory_path() /
+            ("resilient-dev-" + std::to_string(::getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(root_);
   }
   void TearDown() override { fs::remove_all(root_); }
@@ -235,7 +242,8 @@ TEST_F(DeviceTest, AdjacentAllocationsAreNotCopiedAsOne) {
   ASSERT_TRUE((*h)->wait(30s).ok());
   std::vector<float> back(2 * 4096);
   auto m = c->manifest(1);
-  std::vector<ReadTarget> t = {{"a", back.data(), 4096 * 4, -1}, {"b", back.data() + 4096, 4096 * 4, -1}};
+  std::vector<ReadTarget> t = {{"a", back.data(), 4096 * 4, -1},
+                               {"b", back.data() + 4096, 4096 * 4, -1}};
   ASSERT_TRUE(c->read(*m, t).ok());
   EXPECT_EQ(back, block);
 }
@@ -285,7 +293,8 @@ TEST_F(DeviceTest, GroupedRestoreToADeviceWaitsForItsCopies) {
     EXPECT_EQ(read(64 << 10, back).code(), StatusCode::kCorrupt);
     auto& g = FakeGpu::get();
     std::lock_guard<std::mutex> lock(g.mu);
-    for (const auto& [stream, ops] : g.queued) EXPECT_TRUE(ops.empty()) << "a copy was left running";
+    for (const auto& [stream, ops] : g.queued)
+      EXPECT_TRUE(ops.empty()) << "a copy was left running";
   }
 }
 
@@ -332,7 +341,8 @@ TEST_F(DeviceTest, SlabsOfTimedOutCopiesAreQuarantinedNotReused) {
     auto h2 = c->save(2, on_host, {});
     ASSERT_TRUE(h2.ok());
     gpu.hung = false;
-    if (h1.ok()) ASSERT_TRUE((*h1)->wait_snapshot(10s).ok());
+    if (h1.ok())
+      ASSERT_TRUE((*h1)->wait_snapshot(10s).ok());
     else {
       std::lock_guard<std::mutex> lock(gpu.mu);
       for (auto& [stream, ops] : gpu.queued) gpu.flush(stream, SIZE_MAX);

@@ -8,10 +8,10 @@
 #include <numeric>
 #include <random>
 
+#include "io_test_util.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/checkpoint/commit.hpp"
 #include "resilient/io/file_hooks.hpp"
-#include "io_test_util.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -22,8 +22,9 @@ using namespace std::chrono_literals;
 class EngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = fs::temp_directory_path() / ("resilient-ckpt-" + std::to_string(::getpid()) + "-" +
-                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    root_ = fs::temp_directory_path() /
+            ("resilient-ckpt-" + std::to_string(::getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(root_);
   }
   void TearDown() override { fs::remove_all(root_); }
@@ -32,7 +33,7 @@ class EngineTest : public ::testing::Test {
     auto o = CheckpointOptions::from_env(root_.string());
     o.keep = keep;
     o.zstd_level = zstd;
-    o.chunk_bytes = 64 << 10;     // small chunks: many chunks per tensor
+    o.chunk_bytes = 64 << 10;  // small chunks: many chunks per tensor
     o.pool.slab_bytes = 256 << 10;
     o.pool.budget_bytes = 64 << 20;
     o.timeout = 30s;
@@ -56,7 +57,8 @@ class EngineTest : public ::testing::Test {
     if (!h.ok()) return h.status();
     return (*h)->wait(30s);
   }
-  Status load_into(Checkpointer& c, int64_t step, std::vector<float>& big, std::vector<int64_t>& small) {
+  Status load_into(Checkpointer& c, int64_t step, std::vector<float>& big,
+                   std::vector<int64_t>& small) {
     big.assign(300'000, 0);
     small.assign(3, 0);
     RESILIENT_ASSIGN_OR_RETURN(Manifest m, c.manifest(step));
@@ -100,10 +102,10 @@ TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
     uint64_t budget = 64 << 20;
   };
   const Reader readers[] = {
-      {256 << 10, 64 << 10, 4, 3},   // one extent per read
-      {256 << 10, 64 << 10, 8, 2},   // two per read
-      {256 << 10, 1 << 20, 8, 1},    // all in one read
-      {16 << 10, 16 << 10, 2, 3},    // 64 KiB chunks in 16 KiB slabs: heap buffers, two per read
+      {256 << 10, 64 << 10, 4, 3},  // one extent per read
+      {256 << 10, 64 << 10, 8, 2},  // two per read
+      {256 << 10, 1 << 20, 8, 1},   // all in one read
+      {16 << 10, 16 << 10, 2, 3},   // 64 KiB chunks in 16 KiB slabs: heap buffers, two per read
       // Budgets below threads x 2 x extents per read: fewer threads and extents, no waiting
       // for slabs another thread holds (a wait would end in the 5 s timeout).
       {256 << 10, 1 << 20, 8, 4, 256 << 10},
@@ -213,8 +215,10 @@ TEST_F(EngineTest, WriteFailuresLeaveThePreviousCheckpointIntact) {
     int err;
     StatusCode code;
   };
-  for (Case k : {Case{io::FileOp::kWrite, ENOSPC, StatusCode::kNoSpace}, Case{io::FileOp::kWrite, EIO, StatusCode::kIoError},
-                 Case{io::FileOp::kFsync, EIO, StatusCode::kIoError}, Case{io::FileOp::kRename, EIO, StatusCode::kIoError}}) {
+  for (Case k : {Case{io::FileOp::kWrite, ENOSPC, StatusCode::kNoSpace},
+                 Case{io::FileOp::kWrite, EIO, StatusCode::kIoError},
+                 Case{io::FileOp::kFsync, EIO, StatusCode::kIoError},
+                 Case{io::FileOp::kRename, EIO, StatusCode::kIoError}}) {
     fs::remove_all(root_);
     auto c = make();
     fill(1);
@@ -229,7 +233,8 @@ TEST_F(EngineTest, WriteFailuresLeaveThePreviousCheckpointIntact) {
     }
     auto steps = c->steps();
     EXPECT_EQ(*steps, std::vector<int64_t>{1}) << io::file_op_name(k.op);
-    EXPECT_FALSE(fs::exists(tmp_dir_path(root_.string(), 2))) << "failed save leaves no temporary directory";
+    EXPECT_FALSE(fs::exists(tmp_dir_path(root_.string(), 2)))
+        << "failed save leaves no temporary directory";
     std::vector<float> big;
     std::vector<int64_t> small;
     ASSERT_TRUE(load_into(*c, 1, big, small).ok());
@@ -262,7 +267,8 @@ TEST_F(EngineTest, StaleTemporaryDirectoryIsNotACheckpoint) {
   ASSERT_TRUE(save(*c, 1).ok());
   // A crash during a save of step 2 leaves .tmp-step-2 with data and even a manifest.
   fs::create_directories(tmp_dir_path(root_.string(), 2));
-  fs::copy(root_ / step_dir_name(1) / kManifestName, fs::path(tmp_dir_path(root_.string(), 2)) / kManifestName);
+  fs::copy(root_ / step_dir_name(1) / kManifestName,
+           fs::path(tmp_dir_path(root_.string(), 2)) / kManifestName);
   EXPECT_EQ(*c->steps(), std::vector<int64_t>{1});
   fill(2);
   ASSERT_TRUE(save(*c, 2).ok());  // the stale directory is replaced

@@ -99,7 +99,8 @@ TEST(Format, DeepNestingIsCorruptNotACrash) {
   std::string text = j.dump();
   text.insert(text.size() - 1, ",\"x\":" + deep);
   EXPECT_EQ(parse_code(text), StatusCode::kCorrupt);
-  std::string quoted = ",\"y\":\"" + std::string(1000, '[') + "\"";  // brackets in a string count not
+  std::string quoted =
+      ",\"y\":\"" + std::string(1000, '[') + "\"";  // brackets in a string count not
   std::string ok = j.dump();
   ok.insert(ok.size() - 1, quoted);
   EXPECT_EQ(parse_code(ok), StatusCode::kOk);
@@ -170,7 +171,7 @@ TEST(Format, Names) {
   const int64_t big = std::numeric_limits<int64_t>::max();
   EXPECT_EQ(parse_step_dir_name(step_dir_name(big)), big);
   EXPECT_EQ(parse_step_dir_name(step_dir_name(1'763'900'000'000)), 1'763'900'000'000);
-  EXPECT_EQ(parse_step_dir_name("step-0000000000042"), -1);    // a second name for 42
+  EXPECT_EQ(parse_step_dir_name("step-0000000000042"), -1);        // a second name for 42
   EXPECT_EQ(parse_step_dir_name("step-9223372036854775808"), -1);  // int64 overflow
   EXPECT_EQ(shard_file_name(3), "rank-00003.data");
   EXPECT_EQ(dtype_size("bfloat16"), 2u);
@@ -183,16 +184,18 @@ TEST(Layout, PacksSmallTensorsAndAlignsLargeOnes) {
   std::vector<std::byte> buf(1 << 20);
   const void* p = buf.data();
   const uint64_t big = kPackBelowBytes;  // the smallest aligned size
-  std::vector<TensorSpec> specs = {
-      {"a", "uint8", {3}, p, 3},         {"b", "float64", {1}, p, 8},
-      {"c", "bfloat16", {5}, p, 10},     {"empty", "float32", {0}, nullptr, 0},
-      {"big", "uint8", {int64_t(big)}, p, big}, {"d", "int32", {1}, p, 4},
-      {"e", "complex128", {2}, p, 32}};
+  std::vector<TensorSpec> specs = {{"a", "uint8", {3}, p, 3},
+                                   {"b", "float64", {1}, p, 8},
+                                   {"c", "bfloat16", {5}, p, 10},
+                                   {"empty", "float32", {0}, nullptr, 0},
+                                   {"big", "uint8", {int64_t(big)}, p, big},
+                                   {"d", "int32", {1}, p, 4},
+                                   {"e", "complex128", {2}, p, 32}};
   auto l = plan_layout(specs, 256 << 10, 16 << 20);
   ASSERT_TRUE(l.ok()) << l.status().to_string();
   auto off = [&](size_t i) { return l->tensors[i].chunks.at(0).offset; };
   EXPECT_EQ(off(0), 0u);
-  EXPECT_EQ(off(1), 8u);   // 3 rounded up to float64's 8
+  EXPECT_EQ(off(1), 8u);  // 3 rounded up to float64's 8
   EXPECT_EQ(off(2), 16u);
   EXPECT_TRUE(l->tensors[3].chunks.empty());
   EXPECT_EQ(off(4), 4096u);  // large: aligned

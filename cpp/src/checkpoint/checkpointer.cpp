@@ -25,11 +25,14 @@ CheckpointOptions CheckpointOptions::from_env(std::string root) {
 Status CheckpointOptions::validate() const {
   auto bad = [](const std::string& m) { return Status(StatusCode::kInvalidArgument, m); };
   if (root.empty()) return bad("checkpoint root must not be empty");
-  if (rank < 0 || world_size < 1 || rank >= world_size) return bad("rank must be in [0, world_size)");
-  if (chunk_bytes < 4096 || chunk_bytes % 4096 != 0) return bad("chunk_bytes must be a positive multiple of 4096");
+  if (rank < 0 || world_size < 1 || rank >= world_size)
+    return bad("rank must be in [0, world_size)");
+  if (chunk_bytes < 4096 || chunk_bytes % 4096 != 0)
+    return bad("chunk_bytes must be a positive multiple of 4096");
   if (zstd_level < 0 || zstd_level > 22) return bad("zstd_level must be in [0, 22]");
   if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
-  if (restore_threads < 1 || restore_threads > 256) return bad("restore_threads must be in [1, 256]");
+  if (restore_threads < 1 || restore_threads > 256)
+    return bad("restore_threads must be in [1, 256]");
   if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
   if (auto cpus = parse_cpu_list(background_cpus); !cpus.ok()) {
     return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
@@ -57,7 +60,8 @@ bool SaveHandle::done() const {
 Status SaveHandle::wait(Duration timeout) const {
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-    return Status(StatusCode::kTimeout, "checkpoint of step " + std::to_string(step_) + " not durable within " +
+    return Status(StatusCode::kTimeout, "checkpoint of step " + std::to_string(step_) +
+                                            " not durable within " +
                                             std::to_string(to_seconds(timeout)) + " s");
   }
   return status_;
@@ -97,8 +101,9 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   c->workers_ = std::make_unique<ThreadPool>(copy_threads, ThreadSetup{"rs-ckpt-copy"});
   c->hashers_ = std::make_unique<ThreadPool>(
       copy_threads, ThreadSetup{"rs-ckpt-hash", c->options_.background_nice, cpus});
-  c->streams_ = std::make_unique<DeviceStreams>(c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
-                                                static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
+  c->streams_ = std::make_unique<DeviceStreams>(
+      c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
+      static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
   c->writer_ = std::thread([p = c.get(), cpus] {
     // io-wq workers that io_uring creates for the writer's submissions inherit its CPUs.
@@ -119,11 +124,14 @@ Checkpointer::~Checkpointer() {
   if (writer_.joinable()) writer_.join();
 }
 
-Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<const TensorSpec> tensors,
-                                                       nlohmann::json values, bool commit, SaveMode mode) {
+Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step,
+                                                       std::span<const TensorSpec> tensors,
+                                                       nlohmann::json values, bool commit,
+                                                       SaveMode mode) {
   if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
   const TimePoint start = SteadyClock::instance().now();
-  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
+  auto staging =
+      snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
   if (!staging.ok()) return Status(staging.status()).prepend("saving step " + std::to_string(step));
   const double issue_s = to_seconds(SteadyClock::instance().now() - start);
   auto handle = std::make_shared<SaveHandle>(step, staging->copies);
@@ -133,8 +141,8 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step, std::span<c
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start, issue_s,
-                         to_seconds(SteadyClock::instance().now() - start)});
+    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
+                         issue_s, to_seconds(SteadyClock::instance().now() - start)});
     pending_.push_back(handle);
   }
   cv_.notify_all();
@@ -188,7 +196,8 @@ void Checkpointer::writer_loop() {
     }
     if (s.ok() && job.commit) {
       auto deleted = apply_retention(options_.root, options_.keep);
-      if (!deleted.ok()) RESILIENT_LOG(kWarn, "checkpoint retention: " << deleted.status().to_string());
+      if (!deleted.ok())
+        RESILIENT_LOG(kWarn, "checkpoint retention: " << deleted.status().to_string());
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -207,7 +216,9 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
     std::vector<iovec> iov;
     for (auto [p, n] : pool_->slabs()) iov.push_back(iovec{p, n});
     Status r = engine_->register_buffers(iov);
-    if (!r.ok()) log_once("ckpt-register-buffers", LogLevel::kInfo, "fixed buffers not registered: " + r.to_string());
+    if (!r.ok())
+      log_once("ckpt-register-buffers", LogLevel::kInfo,
+               "fixed buffers not registered: " + r.to_string());
     registered_epoch_ = pool_->epoch();
   }
   const std::string file = shard_file_name(options_.rank);
@@ -241,7 +252,9 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
 
 Result<std::vector<int64_t>> Checkpointer::steps() const { return committed_steps(options_.root); }
 
-Result<Manifest> Checkpointer::manifest(int64_t step) const { return read_manifest(options_.root, step); }
+Result<Manifest> Checkpointer::manifest(int64_t step) const {
+  return read_manifest(options_.root, step);
+}
 
 Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets) {
   RestoreOptions ro;

@@ -30,13 +30,13 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <set>
 #include <cerrno>
-#include <sys/stat.h>
+#include <set>
 
 #include "resilient/common/logging.hpp"
 #include "resilient/io/file.hpp"
@@ -100,8 +100,9 @@ Status commit_step(const std::string& root, const Manifest& manifest) {
       // tmp now holds the replaced step; it is no longer committed under any step-* name.
       RESILIENT_RETURN_IF_ERROR(io::remove_tree(tmp));
     } else if (err == EINVAL || err == ENOSYS) {
-      log_once("rename-exchange", LogLevel::kWarn,
-               "file system lacks RENAME_EXCHANGE; replacing an existing step moves it aside first");
+      log_once(
+          "rename-exchange", LogLevel::kWarn,
+          "file system lacks RENAME_EXCHANGE; replacing an existing step moves it aside first");
       const std::string trash = root + "/.trash-" + step_dir_name(manifest.step);
       RESILIENT_RETURN_IF_ERROR(io::remove_tree(trash));
       RESILIENT_RETURN_IF_ERROR(io::rename_path(final_dir, trash));
@@ -118,19 +119,22 @@ Status commit_step(const std::string& root, const Manifest& manifest) {
   // `latest` is a hint for tools and humans; never let a newer `latest` point backwards.
   auto current = read_latest(root);
   if (!current || *current <= manifest.step) {
-    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(root + "/" + kLatestName, step_dir_name(manifest.step) + "\n"));
+    RESILIENT_RETURN_IF_ERROR(
+        io::write_file_atomic(root + "/" + kLatestName, step_dir_name(manifest.step) + "\n"));
   }
   return ok_status();
 }
 
-Status commit_shards(const std::string& root, int64_t step, int world_size, const std::string& save_id) {
+Status commit_shards(const std::string& root, int64_t step, int world_size,
+                     const std::string& save_id) {
   if (world_size < 1) return Status(StatusCode::kInvalidArgument, "world_size must be >= 1");
   RESILIENT_ASSIGN_OR_RETURN(io::Dir top, io::Dir::open(root));
   RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, top.open_dir(tmp_dir_name(step), /*for_write=*/true));
   Manifest merged;
   merged.step = step;
   merged.world_size = world_size;
-  merged.values = {{"format", "resilient.sharded/1"}, {"save_id", save_id}, {"ranks", nlohmann::json::array()}};
+  merged.values = {
+      {"format", "resilient.sharded/1"}, {"save_id", save_id}, {"ranks", nlohmann::json::array()}};
   std::set<std::string> names;
   std::vector<uint64_t> sizes;
   for (int r = 0; r < world_size; ++r) {
@@ -138,15 +142,18 @@ Status commit_shards(const std::string& root, int64_t step, int world_size, cons
     const std::string path = dir.child(name);
     auto text = io::read_small_file_at(dir, name, kMaxManifestBytes);
     if (!text.ok()) {
-      return Status(text.status()).prepend("rank " + std::to_string(r) + " left no shard manifest for step " +
-                                           std::to_string(step));
+      return Status(text.status())
+          .prepend("rank " + std::to_string(r) + " left no shard manifest for step " +
+                   std::to_string(step));
     }
     RESILIENT_ASSIGN_OR_RETURN(Manifest m, parse_manifest(*text, path));
-    const nlohmann::json* id = m.values.is_object() && m.values.contains("save_id") ? &m.values["save_id"] : nullptr;
-    if (m.step != step || m.shards.size() != 1 || m.shards[0].rank != r || id == nullptr || *id != save_id) {
-      return Status(StatusCode::kFailedPrecondition,
-                    "shard manifest of rank " + std::to_string(r) + " belongs to another save of step " +
-                        std::to_string(step))
+    const nlohmann::json* id =
+        m.values.is_object() && m.values.contains("save_id") ? &m.values["save_id"] : nullptr;
+    if (m.step != step || m.shards.size() != 1 || m.shards[0].rank != r || id == nullptr ||
+        *id != save_id) {
+      return Status(StatusCode::kFailedPrecondition, "shard manifest of rank " + std::to_string(r) +
+                                                         " belongs to another save of step " +
+                                                         std::to_string(step))
           .with_path(path);
     }
     struct stat st;
@@ -158,15 +165,17 @@ Status commit_shards(const std::string& root, int64_t step, int world_size, cons
       return Status(StatusCode::kCorrupt, "not a regular file").with_path(data);
     }
     if (static_cast<uint64_t>(st.st_size) != m.shards[0].bytes) {
-      return Status(StatusCode::kCorrupt, "shard file size differs from its manifest").with_path(data);
+      return Status(StatusCode::kCorrupt, "shard file size differs from its manifest")
+          .with_path(data);
     }
     const auto shard = static_cast<uint32_t>(merged.shards.size());
     merged.shards.push_back(m.shards[0]);
     sizes.push_back(static_cast<uint64_t>(st.st_size));
     for (auto& t : m.tensors) {
       if (!names.insert(t.name).second) {
-        return Status(StatusCode::kInvalidArgument,
-                      "tensor '" + t.name + "' is saved by more than one rank (rank " + std::to_string(r) + ")");
+        return Status(StatusCode::kInvalidArgument, "tensor '" + t.name +
+                                                        "' is saved by more than one rank (rank " +
+                                                        std::to_string(r) + ")");
       }
       t.shard = shard;
       merged.tensors.push_back(std::move(t));
@@ -246,11 +255,13 @@ Result<Manifest> read_manifest(const std::string& root, int64_t step) {
     RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, top.open_dir(step_dir_name(step), /*for_write=*/false));
     return io::read_small_file_at(dir, kManifestName, kMaxManifestBytes);
   }();
-  if (!text.ok()) return Status(text.status()).prepend("reading manifest of step " + std::to_string(step));
+  if (!text.ok())
+    return Status(text.status()).prepend("reading manifest of step " + std::to_string(step));
   auto m = parse_manifest(*text, path);
   if (!m.ok()) return m.status();
   if (m->step != step) {
-    Status s(StatusCode::kCorrupt, "manifest says step " + std::to_string(m->step) + " but lives in " + step_dir_name(step));
+    Status s(StatusCode::kCorrupt, "manifest says step " + std::to_string(m->step) +
+                                       " but lives in " + step_dir_name(step));
     s.with_path(path);
     return s;
   }

@@ -20,7 +20,8 @@ using AlignedBuffer = std::unique_ptr<std::byte, AlignedFree>;
 
 AlignedBuffer aligned_alloc_bytes(uint64_t n) {
   void* p = nullptr;
-  if (posix_memalign(&p, io::kDirectAlignment, std::max<uint64_t>(n, io::kDirectAlignment)) != 0) return nullptr;
+  if (posix_memalign(&p, io::kDirectAlignment, std::max<uint64_t>(n, io::kDirectAlignment)) != 0)
+    return nullptr;
   return AlignedBuffer(static_cast<std::byte*>(p));
 }
 
@@ -29,7 +30,8 @@ std::vector<std::vector<std::pair<size_t, size_t>>> chunks_by_slab(const Staging
   std::vector<std::vector<std::pair<size_t, size_t>>> by(st.slabs.size());
   for (size_t t = 0; t < st.layout.tensors.size(); ++t) {
     const auto& chunks = st.layout.tensors[t].chunks;
-    for (size_t c = 0; c < chunks.size(); ++c) by[chunks[c].offset / st.slab_bytes].emplace_back(t, c);
+    for (size_t c = 0; c < chunks.size(); ++c)
+      by[chunks[c].offset / st.slab_bytes].emplace_back(t, c);
   }
   return by;
 }
@@ -45,8 +47,8 @@ Duration left_until(TimePoint deadline) {
   return std::max(deadline - SteadyClock::instance().now(), Duration::zero());
 }
 
-Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
-                                    ThreadPool& workers) {
+Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOptions& o,
+                                    io::IoEngine& engine, ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
   std::vector<std::future<void>> hashed(st.slabs.size());
   std::vector<Status> copy_errors(st.slabs.size());
@@ -62,7 +64,8 @@ Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOp
     });
   }
   auto drain = [&] {
-    for (auto& f : hashed) if (f.valid()) f.wait();
+    for (auto& f : hashed)
+      if (f.valid()) f.wait();
   };
   size_t s = 0;
   while (s < st.slabs.size()) {
@@ -73,13 +76,15 @@ Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOp
       return copy_errors[s];
     }
     while (end < st.slabs.size() && end - s < kMaxBatchSlabs &&
-           hashed[end].wait_for(std::chrono::seconds(0)) == std::future_status::ready && copy_errors[end].ok()) {
+           hashed[end].wait_for(std::chrono::seconds(0)) == std::future_status::ready &&
+           copy_errors[end].ok()) {
       hashed[end++].get();
     }
     std::vector<io::IoRequest> reqs;
     for (size_t k = s; k < end; ++k) {
       uint64_t begin = k * st.slab_bytes;
-      reqs.push_back(io::IoRequest{st.slabs[k].data(), std::min(st.slab_bytes, st.layout.bytes - begin), begin});
+      reqs.push_back(io::IoRequest{st.slabs[k].data(),
+                                   std::min(st.slab_bytes, st.layout.bytes - begin), begin});
     }
     Status w = engine.write(file, reqs, o.timeout);
     if (!w.ok()) {
@@ -92,8 +97,8 @@ Result<uint64_t> write_uncompressed(Staging& st, io::File& file, const PersistOp
   return st.layout.bytes;
 }
 
-Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOptions& o, io::IoEngine& engine,
-                                  ThreadPool& workers) {
+Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOptions& o,
+                                  io::IoEngine& engine, ThreadPool& workers) {
   auto by_slab = chunks_by_slab(st);
   uint64_t pos = 0;
   const TimePoint copied_by = SteadyClock::instance().now() + o.timeout;
@@ -174,8 +179,9 @@ Result<uint64_t> persist_shard(Staging& staging, const io::Dir& dir, const std::
                                const PersistOptions& options, io::IoEngine& engine,
                                ThreadPool& workers) {
   RESILIENT_ASSIGN_OR_RETURN(io::File file, io::File::create_at(dir, name, options.direct));
-  Result<uint64_t> size = options.zstd_level > 0 ? write_compressed(staging, file, options, engine, workers)
-                                                 : write_uncompressed(staging, file, options, engine, workers);
+  Result<uint64_t> size = options.zstd_level > 0
+                              ? write_compressed(staging, file, options, engine, workers)
+                              : write_uncompressed(staging, file, options, engine, workers);
   if (!size.ok()) return size.status();
   RESILIENT_RETURN_IF_ERROR(file.sync());
   RESILIENT_RETURN_IF_ERROR(file.close());

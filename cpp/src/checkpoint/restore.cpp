@@ -43,9 +43,11 @@ class DeviceWriter {
   }
   // Copies n bytes from a staging buffer (index `buf`) to device memory, asynchronously.
   Status copy(int device, void* dst, const void* src, uint64_t n, int buf) {
-    if (cuda_ == nullptr) return Status(StatusCode::kUnavailable, "device target but no CUDA runtime");
+    if (cuda_ == nullptr)
+      return Status(StatusCode::kUnavailable, "device target but no CUDA runtime");
     RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, stream_for(device));
-    RESILIENT_RETURN_IF_ERROR(cuda_->memcpy_async(dst, src, n, memory::CopyKind::kHostToDevice, stream));
+    RESILIENT_RETURN_IF_ERROR(
+        cuda_->memcpy_async(dst, src, n, memory::CopyKind::kHostToDevice, stream));
     used_[buf].emplace_back(device, stream);
     return ok_status();
   }
@@ -99,8 +101,8 @@ class DeviceWriter {
 
 struct Extent {
   uint32_t shard;
-  uint64_t begin;  // aligned file offset
-  uint64_t end;    // aligned
+  uint64_t begin;      // aligned file offset
+  uint64_t end;        // aligned
   size_t first, last;  // pieces [first, last)
 };
 
@@ -112,7 +114,8 @@ std::vector<Extent> coalesce(const std::vector<Piece>& pieces, uint64_t max_byte
     uint64_t e = io::align_up(p.chunk.offset + p.chunk.len);
     if (!out.empty()) {
       Extent& x = out.back();
-      if (x.shard == p.shard && b >= x.begin && b <= x.end && std::max(e, x.end) - x.begin <= max_bytes) {
+      if (x.shard == p.shard && b >= x.begin && b <= x.end &&
+          std::max(e, x.end) - x.begin <= max_bytes) {
         x.end = std::max(e, x.end);
         x.last = i + 1;
         continue;
@@ -123,15 +126,16 @@ std::vector<Extent> coalesce(const std::vector<Piece>& pieces, uint64_t max_byte
   return out;
 }
 
-Status decode(const Piece& p, const std::byte* stored, const std::string& path, DeviceWriter& device, int buf,
-              std::vector<std::byte>& scratch) {
+Status decode(const Piece& p, const std::byte* stored, const std::string& path,
+              DeviceWriter& device, int buf, std::vector<std::byte>& scratch) {
   if (checksum(stored, p.chunk.len) != p.chunk.xxh3) {
     Status s(StatusCode::kCorrupt, "checksum mismatch in tensor '" + *p.tensor + "'");
     s.with_path(path).with_offset(p.chunk.offset);
     return s;
   }
   if (p.dst == nullptr) return ok_status();
-  if (p.device >= 0 && p.chunk.codec == Codec::kNone) return device.copy(p.device, p.dst, stored, p.chunk.raw, buf);
+  if (p.device >= 0 && p.chunk.codec == Codec::kNone)
+    return device.copy(p.device, p.dst, stored, p.chunk.raw, buf);
   if (p.chunk.codec == Codec::kNone) {
     std::memcpy(p.dst, stored, p.chunk.raw);
     return ok_status();
@@ -187,8 +191,10 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     RESILIENT_ASSIGN_OR_RETURN(sizes[s], files[s].size());
   }
   for (const auto& p : pieces) {
-    if (p.chunk.offset + p.chunk.len > sizes[p.shard] || io::align_up(p.chunk.offset + p.chunk.len) > io::align_up(sizes[p.shard])) {
-      Status s(StatusCode::kCorrupt, "tensor '" + *p.tensor + "' extends past the end of its data file (truncated)");
+    if (p.chunk.offset + p.chunk.len > sizes[p.shard] ||
+        io::align_up(p.chunk.offset + p.chunk.len) > io::align_up(sizes[p.shard])) {
+      Status s(StatusCode::kCorrupt,
+               "tensor '" + *p.tensor + "' extends past the end of its data file (truncated)");
       s.with_path(paths[p.shard]).with_offset(p.chunk.offset);
       return s;
     }
@@ -237,7 +243,8 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
     // The buffers outlive the writer, whose destructor waits for the copies out of them.
-    std::vector<memory::Slab> slabs[2] = {std::vector<memory::Slab>(per_read), std::vector<memory::Slab>(per_read)};
+    std::vector<memory::Slab> slabs[2] = {std::vector<memory::Slab>(per_read),
+                                          std::vector<memory::Slab>(per_read)};
     using Heap = std::unique_ptr<std::byte, decltype(&std::free)>;
     std::vector<Heap> big;  // chunks larger than this pool's slabs (written with another slab size)
     DeviceWriter device(o.cuda);
@@ -263,7 +270,8 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
         } else {
           void* p = nullptr;
           if (posix_memalign(&p, io::kDirectAlignment, n) != 0) {
-            return fail(Status(StatusCode::kResourceExhausted, "out of memory reading a large chunk"));
+            return fail(
+                Status(StatusCode::kResourceExhausted, "out of memory reading a large chunk"));
           }
           big.emplace_back(static_cast<std::byte*>(p), &std::free);
           reqs.push_back(io::IoRequest{p, n, extents[k].begin});
@@ -278,7 +286,8 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
         const Extent& x = extents[k];
         auto* buf = static_cast<std::byte*>(reqs[k - first].buf);
         for (size_t i = x.first; i < x.last; ++i) {
-          Status d = decode(pieces[i], buf + (pieces[i].chunk.offset - x.begin), paths[shard], device, cur, scratch);
+          Status d = decode(pieces[i], buf + (pieces[i].chunk.offset - x.begin), paths[shard],
+                            device, cur, scratch);
           if (!d.ok()) return fail(d);
         }
       }
@@ -306,35 +315,41 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
 
 }  // namespace
 
-Status restore_tensors(const std::string& step_dir, const Manifest& m, std::span<const ReadTarget> targets,
-                       const RestoreOptions& o, memory::HostPool& pool) {
+Status restore_tensors(const std::string& step_dir, const Manifest& m,
+                       std::span<const ReadTarget> targets, const RestoreOptions& o,
+                       memory::HostPool& pool) {
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, i);
   std::vector<Piece> pieces;
   for (const auto& t : targets) {
     auto it = index.find(t.name);
     if (it == index.end()) {
-      return Status(StatusCode::kNotFound, "tensor '" + t.name + "' is not in checkpoint step " + std::to_string(m.step));
+      return Status(StatusCode::kNotFound,
+                    "tensor '" + t.name + "' is not in checkpoint step " + std::to_string(m.step));
     }
     const TensorEntry& e = m.tensors[it->second];
     if (e.nbytes != t.nbytes) {
-      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': checkpoint holds " + std::to_string(e.nbytes) +
-                                                      " bytes, target has " + std::to_string(t.nbytes));
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + t.name + "': checkpoint holds " + std::to_string(e.nbytes) +
+                        " bytes, target has " + std::to_string(t.nbytes));
     }
     if (t.device >= 0 && o.cuda == nullptr) {
-      return Status(StatusCode::kUnavailable, "tensor '" + t.name + "' is on a CUDA device but CUDA is not usable: " +
+      return Status(StatusCode::kUnavailable, "tensor '" + t.name +
+                                                  "' is on a CUDA device but CUDA is not usable: " +
                                                   memory::CudaRuntime::unavailable_reason());
     }
     uint64_t raw_off = 0;
     for (const auto& c : e.chunks) {
-      pieces.push_back(Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device});
+      pieces.push_back(
+          Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device});
       raw_off += c.raw;
     }
   }
   return run_pieces(step_dir, m, std::move(pieces), o, pool);
 }
 
-Status verify_step(const std::string& step_dir, const Manifest& m, const RestoreOptions& o, memory::HostPool& pool) {
+Status verify_step(const std::string& step_dir, const Manifest& m, const RestoreOptions& o,
+                   memory::HostPool& pool) {
   std::vector<Piece> pieces;
   for (const auto& e : m.tensors) {
     for (const auto& c : e.chunks) pieces.push_back(Piece{e.shard, c, nullptr, &e.name});

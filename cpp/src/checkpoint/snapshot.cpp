@@ -9,8 +9,10 @@
 
 namespace resilient::checkpoint {
 
-Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes, uint64_t chunk_bytes) {
-  RESILIENT_CHECK(slab_bytes > 0 && slab_bytes % io::kDirectAlignment == 0, "slab size must be 4 KiB aligned");
+Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes,
+                           uint64_t chunk_bytes) {
+  RESILIENT_CHECK(slab_bytes > 0 && slab_bytes % io::kDirectAlignment == 0,
+                  "slab size must be 4 KiB aligned");
   RESILIENT_CHECK(chunk_bytes > 0, "chunk size must be positive");
   Layout layout;
   layout.tensors.reserve(tensors.size());
@@ -18,19 +20,25 @@ Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_by
   uint64_t pos = 0;
   for (const auto& t : tensors) {
     if (t.name.empty()) return Status(StatusCode::kInvalidArgument, "a tensor has an empty name");
-    if (!names.insert(t.name).second) return Status(StatusCode::kInvalidArgument, "duplicate tensor name '" + t.name + "'");
+    if (!names.insert(t.name).second)
+      return Status(StatusCode::kInvalidArgument, "duplicate tensor name '" + t.name + "'");
     uint64_t esize = dtype_size(t.dtype);
-    if (esize == 0) return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': unsupported dtype '" + t.dtype + "'");
+    if (esize == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + t.name + "': unsupported dtype '" + t.dtype + "'");
     uint64_t numel = 1;
     for (int64_t d : t.shape) {
-      if (d < 0) return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': negative dimension");
+      if (d < 0)
+        return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': negative dimension");
       numel *= static_cast<uint64_t>(d);
     }
     if (numel * esize != t.nbytes) {
-      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': nbytes " + std::to_string(t.nbytes) +
+      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': nbytes " +
+                                                      std::to_string(t.nbytes) +
                                                       " does not match shape and dtype");
     }
-    if (t.nbytes > 0 && t.data == nullptr) return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': null data");
+    if (t.nbytes > 0 && t.data == nullptr)
+      return Status(StatusCode::kInvalidArgument, "tensor '" + t.name + "': null data");
     TensorEntry e;
     e.name = t.name;
     e.dtype = t.dtype;
@@ -90,8 +98,8 @@ size_t DeviceStreams::reap() {
 
 Result<memory::StreamHandle> DeviceStreams::get(int device, int index) {
   if (cuda_ == nullptr) {
-    return Status(StatusCode::kUnavailable,
-                  std::string("CUDA tensors need the CUDA runtime: ") + memory::CudaRuntime::unavailable_reason());
+    return Status(StatusCode::kUnavailable, std::string("CUDA tensors need the CUDA runtime: ") +
+                                                memory::CudaRuntime::unavailable_reason());
   }
   RESILIENT_RETURN_IF_ERROR(cuda_->set_device(device));
   const int key = device * per_device_ + index % per_device_;
@@ -135,7 +143,8 @@ bool DeviceCopies::slab_done(size_t i) const {
 Status DeviceCopies::wait_all(Duration timeout) const {
   const TimePoint deadline = SteadyClock::instance().now() + timeout;
   for (size_t i = 0; i < slab_events.size(); ++i) {
-    RESILIENT_RETURN_IF_ERROR(wait_slab(i, std::max(deadline - SteadyClock::instance().now(), Duration::zero())));
+    RESILIENT_RETURN_IF_ERROR(
+        wait_slab(i, std::max(deadline - SteadyClock::instance().now(), Duration::zero())));
   }
   return ok_status();
 }
@@ -163,8 +172,10 @@ void Staging::release_slabs() {
   }
   slabs.clear();
   if (held > 0) {
-    RESILIENT_LOG(kWarn, "device-to-host copies into " << held << " host slab(s) are not known to "
-                         "have completed; the slabs stay out of the pool until they have");
+    RESILIENT_LOG(kWarn, "device-to-host copies into "
+                             << held
+                             << " host slab(s) are not known to "
+                                "have completed; the slabs stay out of the pool until they have");
   }
 }
 
@@ -174,15 +185,15 @@ struct Copy {
   std::byte* dst;
   const std::byte* src;
   uint64_t n;
-  int device;     // -1: host
+  int device;  // -1: host
   size_t slab;
   size_t tensor;
 };
 
 // Issues the device copies in logical order, one stream per device, each ordered after the
 // tensors' producing streams, and records one event per (slab, device) after that slab's copies.
-Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vector<Copy>& work, Staging& st,
-                           DeviceStreams& streams) {
+Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vector<Copy>& work,
+                           Staging& st, DeviceStreams& streams) {
   const memory::CudaRuntime* cuda = streams.cuda();
   memory::DeviceGuard keep_device(cuda);  // runs on the caller's (PyTorch's) thread
   st.copies = std::make_shared<DeviceCopies>();
@@ -217,7 +228,8 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     }
     const size_t slab = work[i].slab;
     const int device = work[i].device;
-    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream, streams.get(device, static_cast<int>(slab)));
+    RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream,
+                               streams.get(device, static_cast<int>(slab)));
     size_t j = i;
     while (j < work.size() && work[j].slab == slab && work[j].device == device) {
       // Consecutive chunks of one tensor in one slab become one copy. Never merge across
@@ -226,12 +238,13 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
       std::byte* dst = work[j].dst;
       uint64_t n = work[j].n;
       const size_t tensor = work[j].tensor;
-      for (++j; j < work.size() && work[j].slab == slab && work[j].tensor == tensor && work[j].src == src + n &&
-                work[j].dst == dst + n;
+      for (++j; j < work.size() && work[j].slab == slab && work[j].tensor == tensor &&
+                work[j].src == src + n && work[j].dst == dst + n;
            ++j) {
         n += work[j].n;
       }
-      RESILIENT_RETURN_IF_ERROR(cuda->memcpy_async(dst, src, n, memory::CopyKind::kDeviceToHost, stream));
+      RESILIENT_RETURN_IF_ERROR(
+          cuda->memcpy_async(dst, src, n, memory::CopyKind::kDeviceToHost, stream));
     }
     memory::EventHandle done = 0;
     RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));
@@ -244,8 +257,9 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
 
 }  // namespace
 
-Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
-                         uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams) {
+Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool,
+                         ThreadPool& copies, uint64_t chunk_bytes, Duration timeout,
+                         DeviceStreams* streams) {
   if (streams != nullptr) streams->reap();
   Staging st;
   st.slab_bytes = pool.slab_bytes();
@@ -259,7 +273,8 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
   const uint64_t nslabs = (st.layout.bytes + st.slab_bytes - 1) / st.slab_bytes;
   if (nslabs * st.slab_bytes > pool.budget_bytes()) {
     return Status(StatusCode::kResourceExhausted,
-                  "checkpoint shard of " + std::to_string(st.layout.bytes) + " bytes exceeds the host pool budget of " +
+                  "checkpoint shard of " + std::to_string(st.layout.bytes) +
+                      " bytes exceeds the host pool budget of " +
                       std::to_string(pool.budget_bytes()) + " bytes (raise RESILIENT_POOL_BYTES)");
   }
   const TimePoint deadline = SteadyClock::instance().now() + timeout;
@@ -277,8 +292,8 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
     uint64_t done = 0;
     for (const auto& c : st.layout.tensors[ti].chunks) {
       size_t slab = c.offset / st.slab_bytes;
-      work.push_back(
-          Copy{st.slabs[slab].data() + c.offset % st.slab_bytes, src + done, c.raw, tensors[ti].device, slab, ti});
+      work.push_back(Copy{st.slabs[slab].data() + c.offset % st.slab_bytes, src + done, c.raw,
+                          tensors[ti].device, slab, ti});
       done += c.raw;
     }
   }

@@ -1,8 +1,7 @@
 #include "resilient/io/file.hpp"
 
-#include <fcntl.h>
-
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -57,7 +56,8 @@ Status open_error(int err, int flags, const char* what, const std::string& path)
   if (err == ELOOP && (flags & O_ACCMODE) == O_RDONLY) {
     return Status(StatusCode::kCorrupt, "is a symbolic link (refused)").with_path(path);
   }
-  if (err == ELOOP) return Status::from_errno(err, "refusing to write through a symbolic link", path);
+  if (err == ELOOP)
+    return Status::from_errno(err, "refusing to write through a symbolic link", path);
   return Status::from_errno(err, what, path);
 }
 
@@ -208,9 +208,9 @@ Result<File> File::open_read(const std::string& path, Feature direct) {
 Result<File> File::create_at(const Dir& dir, const std::string& name, Feature direct) {
   if (!plain_name(name)) return bad_name(name);
   const std::string path = dir.child(name);
-  RESILIENT_ASSIGN_OR_RETURN(auto opened, open_with_policy(dir.fd(), name, path,
-                                                           O_WRONLY | O_CREAT | O_TRUNC, direct,
-                                                           "create"));
+  RESILIENT_ASSIGN_OR_RETURN(
+      auto opened,
+      open_with_policy(dir.fd(), name, path, O_WRONLY | O_CREAT | O_TRUNC, direct, "create"));
   return File(opened.first, opened.second, path);
 }
 
@@ -367,8 +367,8 @@ Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::
   const std::string tmp_name = "." + name + ".tmp." + std::to_string(::getpid()) + "." +
                                std::to_string(counter.fetch_add(1));
   const std::string tmp = dir.child(tmp_name);
-  int fd = sys::openat(dir.fd(), tmp_name.c_str(), tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW,
-                       0644);
+  int fd =
+      sys::openat(dir.fd(), tmp_name.c_str(), tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0644);
   if (fd < 0) return Status::from_errno(errno, "create", tmp);
   Status st = ok_status();
   uint64_t done = 0;

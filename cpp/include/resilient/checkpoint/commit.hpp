@@ -37,13 +37,14 @@ Status commit_step(const std::string& root, const Manifest& manifest);
 /// The coordinator's half of a multi-rank save. Every rank r in [0, world_size) has saved with
 /// commit=false, leaving rank-<r>.data and its shard manifest rank-<r>.json (durable) in the step's
 /// temporary directory. This reads and validates the `world_size` shard manifests, checks that
-/// each carries values["save_id"] == `save_id` (a leftover of an older save is kFailedPrecondition),
-/// checks every data file's size against its chunk extents (kCorrupt), merges them into one
-/// Manifest (shard indices remapped, tensor names unique across ranks, values =
+/// each carries values["save_id"] == `save_id` (a leftover of an older save is
+/// kFailedPrecondition), checks every data file's size against its chunk extents (kCorrupt), merges
+/// them into one Manifest (shard indices remapped, tensor names unique across ranks, values =
 /// {"format": "resilient.sharded/1", "save_id", "ranks": [values of rank 0, 1, ...]}), and
 /// commits it with commit_step(). A missing rank manifest is kNotFound naming the rank.
 /// Thread safety: call from one coordinator per (root, step).
-Status commit_shards(const std::string& root, int64_t step, int world_size, const std::string& save_id);
+Status commit_shards(const std::string& root, int64_t step, int world_size,
+                     const std::string& save_id);
 
 /// Steps with a committed directory (a directory, not a symbolic link, that holds
 /// manifest.json), ascending. Missing root -> {}.

@@ -27,9 +27,9 @@ struct TensorSpec {
   std::vector<int64_t> shape;
   const void* data = nullptr;
   uint64_t nbytes = 0;
-  int device = -1;                      // -1: host memory; >= 0: CUDA device ordinal
-  memory::StreamHandle stream = 0;      // the caller's stream that produced the data (CUDA)
-  std::vector<int64_t> global_shape;    // optional: this tensor is a slice of a global tensor
+  int device = -1;                    // -1: host memory; >= 0: CUDA device ordinal
+  memory::StreamHandle stream = 0;    // the caller's stream that produced the data (CUDA)
+  std::vector<int64_t> global_shape;  // optional: this tensor is a slice of a global tensor
   std::vector<int64_t> global_offset;
 };
 
@@ -49,7 +49,8 @@ inline constexpr uint64_t kPackBelowBytes = 64 << 10;
 /// offsets; the image ends on a 4 KiB boundary. Splits each into chunks of at most
 /// `chunk_bytes` that never cross a slab boundary. Validates names (unique, non-empty), dtypes
 /// and nbytes against shape (kInvalidArgument naming the tensor).
-Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes, uint64_t chunk_bytes);
+Result<Layout> plan_layout(std::span<const TensorSpec> tensors, uint64_t slab_bytes,
+                           uint64_t chunk_bytes);
 
 struct DeviceCopies;
 
@@ -89,7 +90,8 @@ class DeviceStreams {
   const memory::CudaRuntime* cuda_;
   const int per_device_;
   std::mutex mu_;
-  std::vector<std::pair<int, memory::StreamHandle>> streams_;  // (device * per_device + index, stream)
+  std::vector<std::pair<int, memory::StreamHandle>>
+      streams_;  // (device * per_device + index, stream)
   std::mutex quarantine_mu_;
   std::vector<Held> quarantine_;
 };
@@ -144,11 +146,12 @@ struct Staging {
 /// Copies `tensors` into slabs from `pool`: host tensors with parallel memcpy on `copies` before
 /// returning; device tensors with cudaMemcpyAsync on `streams`' copy streams, ordered after each
 /// tensor's producing stream with an event, and NOT waited for: the
-/// caller must keep device tensors alive and unmodified until staging.copies->wait_all(). Fails with
-/// kResourceExhausted when the shard is larger than the pool's budget, kTimeout when slabs do not
-/// free up within `timeout`, kUnavailable for device tensors when CUDA is not usable. Returns
+/// caller must keep device tensors alive and unmodified until staging.copies->wait_all(). Fails
+/// with kResourceExhausted when the shard is larger than the pool's budget, kTimeout when slabs do
+/// not free up within `timeout`, kUnavailable for device tensors when CUDA is not usable. Returns
 /// `streams`' quarantined slabs whose copies have completed to the pool first.
-Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool, ThreadPool& copies,
-                         uint64_t chunk_bytes, Duration timeout, DeviceStreams* streams = nullptr);
+Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool,
+                         ThreadPool& copies, uint64_t chunk_bytes, Duration timeout,
+                         DeviceStreams* streams = nullptr);
 
 }  // namespace resilient::checkpoint
