@@ -967,12 +967,19 @@ class _Prepared:
     def plan_state(self, doc: Any, state: Any, saved: dict[str, list[Saved]]) -> None:
         wanted: dict[str, Any] = {}
 
-        def check(name: str, live: torch.Tensor | None, path: str) -> str | None:
+        def check(name: str, live: torch.Tensor | None, path: str,
+                  like: torch.Tensor | None = None) -> str | None:
             pieces = saved.get(name)
             if not pieces:
                 raise CorruptCheckpointError(
                     f"step {self.step}: the values reference tensor {name!r}, which has no data")
+            dtensor = None
+            if (live is None and like is not None and pieces[0].global_shape == tuple(like.shape)
+                    and self.ck.spec_for(name, None, pieces[0].global_shape) is None):
+                # a fresh optimizer's state: laid out like its parameter (sharded, on its device)
+                live = torch.zeros_like(like, dtype=codec.dtype_from_name(pieces[0].dtype))
             if live is not None and is_dtensor(live):
+                dtensor = live
                 live, spec = local_chunk(live)  # contract.unwritable checked it has one
                 shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
                 if pieces[0].dtype != dtype or pieces[0].global_shape != spec.global_shape:
@@ -995,6 +1002,8 @@ class _Prepared:
                 wanted[name] = self.reader.want(name, live, dtype, shape, spec, pieces)
             except ValueError as e:
                 return _reason(e, name)
+            if dtensor is not None:
+                wanted[name].target = dtensor  # read into its local chunk, restored as itself
             return None
 
         plan = contract.plan_load(doc, state, check)
@@ -1019,7 +1028,8 @@ class _Prepared:
         rdoc = ranks[rank].get("rank_state")
         wanted: dict[str, Any] = {}
 
-        def check(name: str, live: torch.Tensor | None, path: str) -> str | None:
+        def check(name: str, live: torch.Tensor | None, path: str,
+                  like: torch.Tensor | None = None) -> str | None:
             e = self.entries.get(f"R{rank}/{name}")
             if e is None:
                 raise CorruptCheckpointError(

@@ -34,7 +34,7 @@ from resilient.errors import IncompatibleCheckpointError
 
 #: check(name, target tensor or None, path) -> None if the saved tensor `name` can be read into
 #: the target (and registers the read), else why not.
-Check = Callable[[str, "torch.Tensor | None", str], "str | None"]
+Check = Callable[..., "str | None"]  # (name, live tensor or None, path, like=None)
 
 _PLAIN = (bool, int, float, str, bytes, bytearray, np.generic)
 
@@ -118,9 +118,14 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
         k = codec.key_str(key)
         return f"{path}/{k}" if path else k
 
+    # A fresh optimizer has no state to read into: its saved state tensors are created like
+    # their parameter (a DTensor for a sharded one, on its device) where the shapes agree.
+    protos: dict[str, torch.Tensor] = {}
+
     def fill(d: Any, path: str) -> Callable[[], Any]:
         for name in codec.tensor_refs(d):
-            why = check(name, None, path)
+            like = protos.get(name.rsplit("/", 1)[0]) if "/" in name else None
+            why = check(name, None, path) if like is None else check(name, None, path, like=like)
             if why is not None:
                 issues.mismatched.append(f"'{path}': {why}" if path else f"<root>: {why}")
             plan.new[name] = path
@@ -152,6 +157,8 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
             return lambda: t
         if codec.is_stateful(t):
             live = t.state_dict()
+            if isinstance(t, torch.optim.Optimizer):
+                protos.update(_parameter_slots(t, join(path, "state")))
             inner = walk(d, live, path, depth + 1)
             if inner is None:
                 return None
@@ -242,6 +249,13 @@ def _all_in_place(module: torch.nn.Module, restored: Any, live: Any) -> bool:
     own = {storage_ptr(t) for t in (*module.parameters(), *module.buffers())}
     return all(isinstance(v, torch.Tensor) and (v.numel() == 0 or storage_ptr(v) in own)
                for v in live.values())
+
+
+def _parameter_slots(opt: torch.optim.Optimizer, state_path: str) -> dict[str, torch.Tensor]:
+    """'<state_path>/<id>' -> the parameter whose state is saved under that id (ids count the
+    parameters of every group in order, as Optimizer.state_dict() numbers them)."""
+    params = (p for group in opt.param_groups for p in group["params"])
+    return {f"{state_path}/{i}": p for i, p in enumerate(params)}
 
 
 def _sequence(d: Any, want: str) -> list | None:
