@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ab profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ab fsdp profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +97,21 @@ for stage in "$@"; do
           PYTHONPATH=$pp bench "ab-$v-$RANDOM" --model gpt-1b --repeat 2 \
             --methods raw,resilient,resilient_overlap
         done ;;
+    fsdp) # FSDP2 example on every GPU (NCCL): uninterrupted vs kill -9 + resume, bit-exact
+        n=$(python -c "import torch; print(torch.cuda.device_count())")
+        common="--nproc $n --device cuda --steps 6 --save-every 3"
+        rm -rf /tmp/fsdp-a /tmp/fsdp-b
+        log "fsdp example on $n GPU(s)"
+        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-a --out "$OUT/fsdp-a.json" >"$OUT/fsdp.log" 2>&1; echo "uninterrupted rc=$?"
+        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --kill-at 4 >>"$OUT/fsdp.log" 2>&1; echo "killed rc=$? (expected non-zero)"
+        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --out "$OUT/fsdp-b.json" >>"$OUT/fsdp.log" 2>&1; echo "resumed rc=$?"
+        python - "$OUT/fsdp-a.json" "$OUT/fsdp-b.json" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+print("fsdp resume bit-exact:", all(a["losses"][k] == v for k, v in b["losses"].items())
+      and a["params"] == b["params"], sorted(b["losses"], key=int))
+PY
+        ;;
     profile-load) # load() and overlapped-save timings, the carried baseline package and this tree
         for v in base new; do
           if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi

@@ -134,3 +134,48 @@ def test_gpu_idiom_matrix(tmp_path, mode, save_as, load_as):
         with pytest.raises(resilient.IncompatibleCheckpointError, match="model/0.weight"):
             ck.load({"model": wrong, "optim": o3})
         assert all(torch.equal(a, b) for a, b in zip(before, wrong.state_dict().values()))
+
+
+FSDP_GPU = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import resilient
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+torch.manual_seed(0)
+def build():
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(m)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+m, o = build()
+def step():
+    m(torch.randn(8, 64, device="cuda")).square().mean().backward(); o.step(); o.zero_grad()
+step()
+with resilient.Checkpointer(sys.argv[1], create=True) as ck:
+    h = ck.save(1, {"model": m, "optim": o}, mode="overlap")
+    h.wait_snapshot()
+    saved = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    step()  # changes every parameter after the snapshot: the checkpoint keeps step 1's
+    h.wait()
+    m2, o2 = build()
+    assert ck.load({"model": m2, "optim": o2}) == 1
+    same = all(torch.equal(saved[k], v.full_tensor()) for k, v in m2.state_dict().items())
+    m, o = m2, o2
+    step()  # the fresh optimizer's state was created sharded, on the GPU
+    print("FSDP-GPU", same, next(iter(o2.state.values()))["exp_avg"].device)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_on_the_gpu_overlap_save_and_fresh_load(tmp_path, free_port):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FSDP_GPU, str(tmp_path / "c"), str(free_port)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FSDP-GPU True cuda:0" in out.stdout, out.stdout
