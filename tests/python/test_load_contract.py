@@ -147,11 +147,11 @@ DTENSOR = textwrap.dedent("""
         fully_shard(sharded)
         ck.load({"model": sharded})
         after = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-        print("RESTORED", all(torch.equal(plain.state_dict()[k], after[k]) for k in after))
+        print("RESTORED", all(torch.equal(plain.state_dict()[k], after[k].cpu()) for k in after))
         ck.save(2, {"model": sharded}).wait()
         again = nn.Linear(4, 4)
         ck.load({"model": again}, step=2)
-        print("ROUNDTRIP", all(torch.equal(plain.state_dict()[k], again.state_dict()[k])
+        print("ROUNDTRIP", all(torch.equal(plain.state_dict()[k], again.state_dict()[k].cpu())
                                for k in after))
     dist.destroy_process_group()
 """)
