@@ -5,6 +5,7 @@ test_load_contract_props.py."""
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import signal
@@ -600,3 +601,17 @@ def test_damaged_lineage_records_on_every_step_raise_not_a_fresh_start(tmp_path)
         state = {"w": torch.zeros(2)}
         assert ck.load(state, step=4) == 4  # explicitly: loads
         assert torch.equal(state["w"], torch.ones(2))
+
+
+def test_the_lineage_record_is_never_written_through_a_symlinked_directory(tmp_path):
+    from resilient.checkpoint import root as roots
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "c").mkdir()
+    link = tmp_path / "c" / ".tmp-step-000000000007"
+    link.symlink_to(outside)
+    with pytest.raises(OSError) as e:
+        roots.write_lineage(str(link), 7, 1, None)
+    assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)  # O_DIRECTORY|O_NOFOLLOW on a link
+    assert list(outside.iterdir()) == []

@@ -103,19 +103,29 @@ def _write_marker(path: str) -> None:
     write_atomic(os.path.join(path, MARKER), body)
 
 
-def write_atomic(path: str, text: str, sync_dir: bool = True) -> None:
+def write_atomic(path: str, text: str, sync_dir: bool = True, in_step: bool = False) -> None:
     """Writes `path` through a temporary file, fsync and rename, then fsyncs the directory
-    (unless the caller fsyncs it later, as the commit does for a step's directory)."""
-    tmp = f"{path}.tmp.{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    (unless the caller fsyncs it later, as the commit does for a step's directory). Everything
+    happens relative to one descriptor of the directory; `in_step`: the directory is a step's
+    (below the root), which must not be a symbolic link (ENOTDIR), so nothing is ever written
+    outside the root."""
+    directory, name = os.path.split(path)
+    flags = os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if in_step else 0)
+    dir_fd = os.open(directory or ".", flags)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
+        tmp = f"{name}.tmp.{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                     dir_fd=dir_fd)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if sync_dir:
+            os.fsync(dir_fd)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if sync_dir:
-        _fsync_dir(os.path.dirname(path))
+        os.close(dir_fd)
 
 
 def _fsync_dir(path: str) -> None:
@@ -190,7 +200,7 @@ def write_lineage(directory: str, step: int, seq: int,
     body = json.dumps(doc, separators=(",", ":"))
     # The commit fsyncs the step's directory after its manifest, and renames it last.
     write_atomic(os.path.join(directory, LINEAGE), f"{body}\n{_C.xxh3_hex(body.encode())}\n",
-                 sync_dir=False)
+                 sync_dir=False, in_step=True)
 
 
 def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | str | None]]:
