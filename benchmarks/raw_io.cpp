@@ -5,7 +5,8 @@
 //
 // Build (after scripts/build.sh), no gtest or Python needed on the target:
 //   g++ -O2 -std=c++20 -Icpp/include -Icpp/src benchmarks/raw_io.cpp \
-//     build/py/cpp/libresilient_io.a build/py/cpp/libresilient_memory.a build/py/cpp/libresilient_common.a \
+//     build/py/cpp/libresilient_io.a build/py/cpp/libresilient_memory.a
+//     build/py/cpp/libresilient_common.a \
 //     /usr/lib/x86_64-linux-gnu/liburing.a -ldl -lpthread -static-libstdc++ -static-libgcc \
 //     -o build/probe/raw_io
 // Run: build/probe/raw_io [dir=/tmp] [GiB=4]

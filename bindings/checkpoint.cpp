@@ -33,7 +33,8 @@ TensorSpec to_spec(const pyb::dict& d) {
   if (d.contains("device")) t.device = d["device"].cast<int>();
   if (d.contains("stream")) t.stream = d["stream"].cast<uintptr_t>();
   if (d.contains("global_shape")) t.global_shape = d["global_shape"].cast<std::vector<int64_t>>();
-  if (d.contains("global_offset")) t.global_offset = d["global_offset"].cast<std::vector<int64_t>>();
+  if (d.contains("global_offset"))
+    t.global_offset = d["global_offset"].cast<std::vector<int64_t>>();
   return t;
 }
 
@@ -71,8 +72,8 @@ pyb::list tensor_list(const Manifest& m) {
 
 void register_checkpoint(pyb::module_& m) {
   pyb::class_<CheckpointOptions>(m, "CheckpointOptions")
-      .def(pyb::init([](const std::string& root) { return CheckpointOptions::from_env(root); }), pyb::arg("root"),
-           "Options with defaults and RESILIENT_* environment overrides applied.")
+      .def(pyb::init([](const std::string& root) { return CheckpointOptions::from_env(root); }),
+           pyb::arg("root"), "Options with defaults and RESILIENT_* environment overrides applied.")
       .def_readwrite("root", &CheckpointOptions::root)
       .def_readwrite("keep", &CheckpointOptions::keep)
       .def_readwrite("rank", &CheckpointOptions::rank)
@@ -83,46 +84,69 @@ void register_checkpoint(pyb::module_& m) {
       .def_readwrite("restore_threads", &CheckpointOptions::restore_threads)
       .def_readwrite("background_nice", &CheckpointOptions::background_nice)
       .def_readwrite("background_cpus", &CheckpointOptions::background_cpus)
-      .def_property("timeout_s", [](const CheckpointOptions& o) { return to_seconds(o.timeout); },
-                    [](CheckpointOptions& o, double s) { o.timeout = from_seconds(s); })
-      .def_property("pool_bytes", [](const CheckpointOptions& o) { return o.pool.budget_bytes; },
-                    [](CheckpointOptions& o, uint64_t b) { o.pool.budget_bytes = b; })
-      .def_property("slab_bytes", [](const CheckpointOptions& o) { return o.pool.slab_bytes; },
-                    [](CheckpointOptions& o, uint64_t b) { o.pool.slab_bytes = b; })
-      .def_property("request_bytes", [](const CheckpointOptions& o) { return o.io.request_bytes; },
-                    [](CheckpointOptions& o, uint64_t b) { o.io.request_bytes = b; })
-      .def_property("queue_depth", [](const CheckpointOptions& o) { return o.io.queue_depth; },
-                    [](CheckpointOptions& o, int d) { o.io.queue_depth = d; })
-      .def_property("io_uring", [](const CheckpointOptions& o) { return std::string(feature_name(o.io.uring)); },
-                    [](CheckpointOptions& o, const std::string& v) { o.io.uring = unwrap(parse_feature(v)); })
-      .def_property("o_direct", [](const CheckpointOptions& o) { return std::string(feature_name(o.io.direct)); },
-                    [](CheckpointOptions& o, const std::string& v) { o.io.direct = unwrap(parse_feature(v)); })
-      .def_property("pin_memory", [](const CheckpointOptions& o) { return std::string(feature_name(o.pool.pin)); },
-                    [](CheckpointOptions& o, const std::string& v) { o.pool.pin = unwrap(parse_feature(v)); });
+      .def_property(
+          "timeout_s", [](const CheckpointOptions& o) { return to_seconds(o.timeout); },
+          [](CheckpointOptions& o, double s) { o.timeout = from_seconds(s); })
+      .def_property(
+          "pool_bytes", [](const CheckpointOptions& o) { return o.pool.budget_bytes; },
+          [](CheckpointOptions& o, uint64_t b) { o.pool.budget_bytes = b; })
+      .def_property(
+          "slab_bytes", [](const CheckpointOptions& o) { return o.pool.slab_bytes; },
+          [](CheckpointOptions& o, uint64_t b) { o.pool.slab_bytes = b; })
+      .def_property(
+          "request_bytes", [](const CheckpointOptions& o) { return o.io.request_bytes; },
+          [](CheckpointOptions& o, uint64_t b) { o.io.request_bytes = b; })
+      .def_property(
+          "queue_depth", [](const CheckpointOptions& o) { return o.io.queue_depth; },
+          [](CheckpointOptions& o, int d) { o.io.queue_depth = d; })
+      .def_property(
+          "io_uring",
+          [](const CheckpointOptions& o) { return std::string(feature_name(o.io.uring)); },
+          [](CheckpointOptions& o, const std::string& v) { o.io.uring = unwrap(parse_feature(v)); })
+      .def_property(
+          "o_direct",
+          [](const CheckpointOptions& o) { return std::string(feature_name(o.io.direct)); },
+          [](CheckpointOptions& o, const std::string& v) {
+            o.io.direct = unwrap(parse_feature(v));
+          })
+      .def_property(
+          "pin_memory",
+          [](const CheckpointOptions& o) { return std::string(feature_name(o.pool.pin)); },
+          [](CheckpointOptions& o, const std::string& v) {
+            o.pool.pin = unwrap(parse_feature(v));
+          });
 
   pyb::class_<SaveHandle, std::shared_ptr<SaveHandle>>(m, "SaveHandle")
       .def_property_readonly("step", &SaveHandle::step)
       .def("done", &SaveHandle::done)
-      .def("wait_snapshot", [](const SaveHandle& h, std::optional<double> timeout_s) {
-             Status s;
-             {
-               pyb::gil_scoped_release release;
-               s = h.wait_snapshot(seconds_or_forever(timeout_s));
-             }
-             throw_if_error(s);
-           }, pyb::arg("timeout") = pyb::none(),
-           "Waits until the snapshot no longer reads the saved tensors (device copies done).")
-      .def("fence_stream", [](const SaveHandle& h, uintptr_t stream) { throw_if_error(h.fence_stream(stream)); },
-           pyb::arg("stream"),
-           "Makes the CUDA stream wait on the device for the snapshot's copies (no host block).")
-      .def("wait", [](const SaveHandle& h, std::optional<double> timeout_s) {
-             Status s;
-             {
-               pyb::gil_scoped_release release;
-               s = h.wait(seconds_or_forever(timeout_s));
-             }
-             throw_if_error(s);
-           }, pyb::arg("timeout") = pyb::none())
+      .def(
+          "wait_snapshot",
+          [](const SaveHandle& h, std::optional<double> timeout_s) {
+            Status s;
+            {
+              pyb::gil_scoped_release release;
+              s = h.wait_snapshot(seconds_or_forever(timeout_s));
+            }
+            throw_if_error(s);
+          },
+          pyb::arg("timeout") = pyb::none(),
+          "Waits until the snapshot no longer reads the saved tensors (device copies done).")
+      .def(
+          "fence_stream",
+          [](const SaveHandle& h, uintptr_t stream) { throw_if_error(h.fence_stream(stream)); },
+          pyb::arg("stream"),
+          "Makes the CUDA stream wait on the device for the snapshot's copies (no host block).")
+      .def(
+          "wait",
+          [](const SaveHandle& h, std::optional<double> timeout_s) {
+            Status s;
+            {
+              pyb::gil_scoped_release release;
+              s = h.wait(seconds_or_forever(timeout_s));
+            }
+            throw_if_error(s);
+          },
+          pyb::arg("timeout") = pyb::none())
       .def("stats", [](const SaveHandle& h) { return stats_dict(h.stats()); });
 
   pyb::class_<Manifest>(m, "Manifest")
@@ -133,47 +157,65 @@ void register_checkpoint(pyb::module_& m) {
       .def("tensors", &tensor_list)
       .def("to_json", [](const Manifest& mf) { return to_json(mf); });
 
-  m.def("xxh3_hex", [](const pyb::bytes& data) {
-    std::string_view v = data;
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(XXH3_64bits(v.data(), v.size())));
-    return std::string(buf);
-  }, pyb::arg("data"), "XXH3-64 of `data`, 16 lowercase hex digits (lineage records).");
-  m.def("seal_manifest", [](const std::string& text) { return unwrap(seal_manifest(text)); }, pyb::arg("text"),
-        "Reseals a manifest's JSON text (after editing it by hand): docs/FORMAT.md.");
-  m.def("parse_manifest", [](const std::string& text, const std::string& origin) {
-    return unwrap(parse_manifest(text, origin));
-  }, pyb::arg("text"), pyb::arg("origin") = "<string>");
+  m.def(
+      "xxh3_hex",
+      [](const pyb::bytes& data) {
+        std::string_view v = data;
+        char buf[17];
+        std::snprintf(buf, sizeof buf, "%016llx",
+                      static_cast<unsigned long long>(XXH3_64bits(v.data(), v.size())));
+        return std::string(buf);
+      },
+      pyb::arg("data"), "XXH3-64 of `data`, 16 lowercase hex digits (lineage records).");
+  m.def(
+      "seal_manifest", [](const std::string& text) { return unwrap(seal_manifest(text)); },
+      pyb::arg("text"),
+      "Reseals a manifest's JSON text (after editing it by hand): docs/FORMAT.md.");
+  m.def(
+      "parse_manifest",
+      [](const std::string& text, const std::string& origin) {
+        return unwrap(parse_manifest(text, origin));
+      },
+      pyb::arg("text"), pyb::arg("origin") = "<string>");
 
   pyb::class_<Checkpointer>(m, "Checkpointer")
-      .def(pyb::init([](const CheckpointOptions& o) { return unwrap(Checkpointer::create(o)); }), pyb::arg("options"))
-      .def("save", [](Checkpointer& c, int64_t step, const pyb::list& tensors, const std::string& values_json,
-                      bool commit, const std::string& mode) {
-             if (mode != "blocking" && mode != "overlap") throw pyb::value_error("mode must be 'blocking' or 'overlap'");
-             const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
-             std::vector<TensorSpec> specs;
-             specs.reserve(tensors.size());
-             for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
-             nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
-             if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
-             Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
-             {
-               pyb::gil_scoped_release release;
-               h = c.save(step, specs, std::move(values), commit, save_mode);
-             }
-             return unwrap(std::move(h));
-           }, pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}", pyb::arg("commit") = true,
-           pyb::arg("mode") = "blocking")
-      .def("wait_all", [](Checkpointer& c, std::optional<double> timeout_s) {
-             Status s;
-             {
-               pyb::gil_scoped_release release;
-               s = c.wait_all(seconds_or_forever(timeout_s));
-             }
-             throw_if_error(s);
-           }, pyb::arg("timeout") = pyb::none())
+      .def(pyb::init([](const CheckpointOptions& o) { return unwrap(Checkpointer::create(o)); }),
+           pyb::arg("options"))
+      .def(
+          "save",
+          [](Checkpointer& c, int64_t step, const pyb::list& tensors,
+             const std::string& values_json, bool commit, const std::string& mode) {
+            if (mode != "blocking" && mode != "overlap")
+              throw pyb::value_error("mode must be 'blocking' or 'overlap'");
+            const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
+            std::vector<TensorSpec> specs;
+            specs.reserve(tensors.size());
+            for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
+            nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
+            if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
+            Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+            {
+              pyb::gil_scoped_release release;
+              h = c.save(step, specs, std::move(values), commit, save_mode);
+            }
+            return unwrap(std::move(h));
+          },
+          pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}",
+          pyb::arg("commit") = true, pyb::arg("mode") = "blocking")
+      .def(
+          "wait_all",
+          [](Checkpointer& c, std::optional<double> timeout_s) {
+            Status s;
+            {
+              pyb::gil_scoped_release release;
+              s = c.wait_all(seconds_or_forever(timeout_s));
+            }
+            throw_if_error(s);
+          },
+          pyb::arg("timeout") = pyb::none())
       .def("steps", [](const Checkpointer& c) { return unwrap(c.steps()); })
-      .def("manifest", [](const Checkpointer& c, int64_t step) {
+      .def("manifest",
+           [](const Checkpointer& c, int64_t step) {
              Result<Manifest> r = Status(StatusCode::kInternal, "unset");
              {
                pyb::gil_scoped_release release;
@@ -181,7 +223,8 @@ void register_checkpoint(pyb::module_& m) {
              }
              return unwrap(std::move(r));
            })
-      .def("read", [](Checkpointer& c, const Manifest& mf, const pyb::list& targets) {
+      .def("read",
+           [](Checkpointer& c, const Manifest& mf, const pyb::list& targets) {
              std::vector<ReadTarget> ts;
              for (const auto& item : targets) {
                auto d = item.cast<pyb::dict>();
@@ -199,7 +242,8 @@ void register_checkpoint(pyb::module_& m) {
              }
              throw_if_error(s);
            })
-      .def("verify", [](Checkpointer& c, const Manifest& mf) {
+      .def("verify",
+           [](Checkpointer& c, const Manifest& mf) {
              Status s;
              {
                pyb::gil_scoped_release release;
@@ -207,35 +251,46 @@ void register_checkpoint(pyb::module_& m) {
              }
              throw_if_error(s);
            })
-      .def_property_readonly("io_backend", [](const Checkpointer& c) { return std::string(c.io_backend()); })
-      .def_property_readonly("pool_allocated_bytes", [](Checkpointer& c) { return c.pool().allocated_bytes(); })
+      .def_property_readonly("io_backend",
+                             [](const Checkpointer& c) { return std::string(c.io_backend()); })
+      .def_property_readonly("pool_allocated_bytes",
+                             [](Checkpointer& c) { return c.pool().allocated_bytes(); })
       .def_property_readonly("pool_pinned", [](Checkpointer& c) { return c.pool().pinned(); })
-      .def("close", [](Checkpointer& c, std::optional<double> timeout_s) {
-             Status s;
-             {
-               pyb::gil_scoped_release release;
-               s = c.wait_all(seconds_or_forever(timeout_s));
-             }
-             throw_if_error(s);
-           }, pyb::arg("timeout") = pyb::none());
+      .def(
+          "close",
+          [](Checkpointer& c, std::optional<double> timeout_s) {
+            Status s;
+            {
+              pyb::gil_scoped_release release;
+              s = c.wait_all(seconds_or_forever(timeout_s));
+            }
+            throw_if_error(s);
+          },
+          pyb::arg("timeout") = pyb::none());
 
-  m.def("commit_shards", [](const std::string& root, int64_t step, int world_size, const std::string& save_id) {
-    Status s;
-    {
-      pyb::gil_scoped_release release;
-      s = commit_shards(root, step, world_size, save_id);
-    }
-    throw_if_error(s);
-  }, pyb::arg("root"), pyb::arg("step"), pyb::arg("world_size"), pyb::arg("save_id"),
-     "Merges the rank-<r>.json shard manifests of a multi-rank save and commits the step.");
-  m.def("apply_retention", [](const std::string& root, int keep) {
-    Result<std::vector<int64_t>> r = Status(StatusCode::kInternal, "unset");
-    {
-      pyb::gil_scoped_release release;
-      r = apply_retention(root, keep);
-    }
-    return unwrap(std::move(r));
-  }, pyb::arg("root"), pyb::arg("keep"), "Deletes committed steps beyond the newest `keep`.");
+  m.def(
+      "commit_shards",
+      [](const std::string& root, int64_t step, int world_size, const std::string& save_id) {
+        Status s;
+        {
+          pyb::gil_scoped_release release;
+          s = commit_shards(root, step, world_size, save_id);
+        }
+        throw_if_error(s);
+      },
+      pyb::arg("root"), pyb::arg("step"), pyb::arg("world_size"), pyb::arg("save_id"),
+      "Merges the rank-<r>.json shard manifests of a multi-rank save and commits the step.");
+  m.def(
+      "apply_retention",
+      [](const std::string& root, int keep) {
+        Result<std::vector<int64_t>> r = Status(StatusCode::kInternal, "unset");
+        {
+          pyb::gil_scoped_release release;
+          r = apply_retention(root, keep);
+        }
+        return unwrap(std::move(r));
+      },
+      pyb::arg("root"), pyb::arg("keep"), "Deletes committed steps beyond the newest `keep`.");
   m.def("read_latest", [](const std::string& root) { return read_latest(root); });
   m.def("committed_steps", [](const std::string& root) { return unwrap(committed_steps(root)); });
 }

@@ -114,12 +114,11 @@ pyb::dict report_dict(const RecoveryReport& r) {
 
 void register_options(pyb::module_& s) {
   auto seconds = [](Duration CommOptions::*field) {
-    return std::make_pair(
-        [field](const CommOptions& o) { return to_seconds(o.*field); },
-        [field](CommOptions& o, double v) {
-          if (!(v >= 0)) throw pyb::value_error("seconds must be >= 0");
-          o.*field = from_seconds(v);
-        });
+    return std::make_pair([field](const CommOptions& o) { return to_seconds(o.*field); },
+                          [field](CommOptions& o, double v) {
+                            if (!(v >= 0)) throw pyb::value_error("seconds must be >= 0");
+                            o.*field = from_seconds(v);
+                          });
   };
   pyb::class_<CommOptions> o(s, "CommOptions",
                              "Communicator manager settings (RESILIENT_COMM_* overrides).");
@@ -169,14 +168,14 @@ void register_comm(pyb::module_& m) {
       });
 
   pyb::class_<Store, PyStore, std::shared_ptr<Store>>(
-      s, "Store", "Key/value store for unique ids: override set(key, value) and "
-                  "get(key, timeout_s) -> bytes.")
+      s, "Store",
+      "Key/value store for unique ids: override set(key, value) and "
+      "get(key, timeout_s) -> bytes.")
       .def(pyb::init<>());
   pyb::class_<InMemoryStore, Store, std::shared_ptr<InMemoryStore>>(s, "InMemoryStore")
       .def(pyb::init<>())
-      .def("set", [](InMemoryStore& st, const std::string& k, const pyb::bytes& v) {
-        throw_if_error(st.set(k, std::string(v)));
-      })
+      .def("set", [](InMemoryStore& st, const std::string& k,
+                     const pyb::bytes& v) { throw_if_error(st.set(k, std::string(v))); })
       .def("get", [](InMemoryStore& st, const std::string& k, double timeout_s) {
         return pyb::bytes(unwrap(without_gil([&] { return st.get(k, from_seconds(timeout_s)); })));
       });
@@ -191,83 +190,88 @@ void register_comm(pyb::module_& m) {
              NcclUniqueId id = unwrap(c.new_unique_id());
              return pyb::bytes(id.internal, sizeof(id.internal));
            })
-      .def("init",
-           [](CommManager& c, const pyb::bytes& id, int nranks, int rank, uint64_t gen) {
-             NcclUniqueId uid = to_id(id);
-             throw_if_error(without_gil([&] { return c.init(uid, nranks, rank, gen); }));
-           },
-           pyb::arg("unique_id"), pyb::arg("nranks"), pyb::arg("rank"),
-           pyb::arg("generation") = 0)
-      .def("init_from_store",
-           [](CommManager& c, Store& store, uint64_t gen, int nranks, int rank) {
-             throw_if_error(
-                 without_gil([&] { return c.init_from_store(store, gen, nranks, rank); }));
-           },
-           pyb::arg("store"), pyb::arg("generation"), pyb::arg("nranks"), pyb::arg("rank"))
-      .def("all_reduce",
-           [](CommManager& c, uintptr_t send, uintptr_t recv, size_t count,
-              const std::string& dtype, const std::string& op, uintptr_t stream) {
-             NcclDataType dt = parse_dtype(dtype);
-             NcclRedOp rop = parse_op(op);
-             throw_if_error(without_gil([&] {
-               return c.all_reduce(as_ptr(send), as_ptr(recv), count, dt, rop, as_ptr(stream));
-             }));
-           },
-           pyb::arg("send_ptr"), pyb::arg("recv_ptr"), pyb::arg("count"), pyb::arg("dtype"),
-           pyb::arg("op") = "sum", pyb::arg("stream") = 0)
-      .def("broadcast",
-           [](CommManager& c, uintptr_t send, uintptr_t recv, size_t count,
-              const std::string& dtype, int root, uintptr_t stream) {
-             NcclDataType dt = parse_dtype(dtype);
-             throw_if_error(without_gil([&] {
-               return c.broadcast(as_ptr(send), as_ptr(recv), count, dt, root, as_ptr(stream));
-             }));
-           },
-           pyb::arg("send_ptr"), pyb::arg("recv_ptr"), pyb::arg("count"), pyb::arg("dtype"),
-           pyb::arg("root"), pyb::arg("stream") = 0)
-      .def("wait",
-           [](CommManager& c, pyb::object done, double timeout_s) {
-             DoneQuery q;
-             if (!done.is_none()) {
-               q = [done]() -> Result<bool> {
-                 pyb::gil_scoped_acquire gil;
-                 try {
-                   return done().cast<bool>();
-                 } catch (pyb::error_already_set& e) {
-                   return Status(StatusCode::kInternal, std::string("done query: ") + e.what());
-                 }
-               };
-             }
-             throw_if_error(without_gil([&] { return c.wait(q, from_seconds(timeout_s)); }));
-           },
-           pyb::arg("done"), pyb::arg("timeout_s"),
-           "Polls the async error and done() (e.g. torch.cuda.Event.query) until done.")
+      .def(
+          "init",
+          [](CommManager& c, const pyb::bytes& id, int nranks, int rank, uint64_t gen) {
+            NcclUniqueId uid = to_id(id);
+            throw_if_error(without_gil([&] { return c.init(uid, nranks, rank, gen); }));
+          },
+          pyb::arg("unique_id"), pyb::arg("nranks"), pyb::arg("rank"), pyb::arg("generation") = 0)
+      .def(
+          "init_from_store",
+          [](CommManager& c, Store& store, uint64_t gen, int nranks, int rank) {
+            throw_if_error(
+                without_gil([&] { return c.init_from_store(store, gen, nranks, rank); }));
+          },
+          pyb::arg("store"), pyb::arg("generation"), pyb::arg("nranks"), pyb::arg("rank"))
+      .def(
+          "all_reduce",
+          [](CommManager& c, uintptr_t send, uintptr_t recv, size_t count, const std::string& dtype,
+             const std::string& op, uintptr_t stream) {
+            NcclDataType dt = parse_dtype(dtype);
+            NcclRedOp rop = parse_op(op);
+            throw_if_error(without_gil([&] {
+              return c.all_reduce(as_ptr(send), as_ptr(recv), count, dt, rop, as_ptr(stream));
+            }));
+          },
+          pyb::arg("send_ptr"), pyb::arg("recv_ptr"), pyb::arg("count"), pyb::arg("dtype"),
+          pyb::arg("op") = "sum", pyb::arg("stream") = 0)
+      .def(
+          "broadcast",
+          [](CommManager& c, uintptr_t send, uintptr_t recv, size_t count, const std::string& dtype,
+             int root, uintptr_t stream) {
+            NcclDataType dt = parse_dtype(dtype);
+            throw_if_error(without_gil([&] {
+              return c.broadcast(as_ptr(send), as_ptr(recv), count, dt, root, as_ptr(stream));
+            }));
+          },
+          pyb::arg("send_ptr"), pyb::arg("recv_ptr"), pyb::arg("count"), pyb::arg("dtype"),
+          pyb::arg("root"), pyb::arg("stream") = 0)
+      .def(
+          "wait",
+          [](CommManager& c, pyb::object done, double timeout_s) {
+            DoneQuery q;
+            if (!done.is_none()) {
+              q = [done]() -> Result<bool> {
+                pyb::gil_scoped_acquire gil;
+                try {
+                  return done().cast<bool>();
+                } catch (pyb::error_already_set& e) {
+                  return Status(StatusCode::kInternal, std::string("done query: ") + e.what());
+                }
+              };
+            }
+            throw_if_error(without_gil([&] { return c.wait(q, from_seconds(timeout_s)); }));
+          },
+          pyb::arg("done"), pyb::arg("timeout_s"),
+          "Polls the async error and done() (e.g. torch.cuda.Event.query) until done.")
       .def("check", [](CommManager& c) { throw_if_error(c.check()); })
       .def("abort", [](CommManager& c) { throw_if_error(without_gil([&] { return c.abort(); })); })
       .def("request_abort", &CommManager::request_abort)
-      .def("recover",
-           [](CommManager& c, uint64_t gen, std::vector<int> excluded, int new_size,
-              Store* store) {
-             RecoveryReport r = unwrap(without_gil([&] {
-               return c.recover({gen, std::move(excluded), new_size}, store);
-             }));
-             return report_dict(r);
-           },
-           pyb::arg("generation"), pyb::arg("excluded"), pyb::arg("new_size") = 0,
-           pyb::arg("store") = nullptr)
-      .def("plan",
-           [](const CommManager& c, bool joiners) {
-             RecoveryPlan p = unwrap(c.plan(joiners));
-             return std::make_pair(teardown_name(p.teardown), rebuild_name(p.rebuild));
-           },
-           pyb::arg("has_joiners") = false)
-      .def_property_readonly("state", [](const CommManager& c) { return comm_state_name(c.state()); })
+      .def(
+          "recover",
+          [](CommManager& c, uint64_t gen, std::vector<int> excluded, int new_size, Store* store) {
+            RecoveryReport r = unwrap(without_gil([&] {
+              return c.recover({gen, std::move(excluded), new_size}, store);
+            }));
+            return report_dict(r);
+          },
+          pyb::arg("generation"), pyb::arg("excluded"), pyb::arg("new_size") = 0,
+          pyb::arg("store") = nullptr)
+      .def(
+          "plan",
+          [](const CommManager& c, bool joiners) {
+            RecoveryPlan p = unwrap(c.plan(joiners));
+            return std::make_pair(teardown_name(p.teardown), rebuild_name(p.rebuild));
+          },
+          pyb::arg("has_joiners") = false)
+      .def_property_readonly("state",
+                             [](const CommManager& c) { return comm_state_name(c.state()); })
       .def_property_readonly("rank", &CommManager::rank)
       .def_property_readonly("size", &CommManager::size)
       .def_property_readonly("generation", &CommManager::generation)
-      .def_property_readonly("handle", [](const CommManager& c) {
-        return reinterpret_cast<uintptr_t>(c.handle());
-      });
+      .def_property_readonly(
+          "handle", [](const CommManager& c) { return reinterpret_cast<uintptr_t>(c.handle()); });
 }
 
 }  // namespace resilient::py

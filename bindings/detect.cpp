@@ -136,9 +136,10 @@ pyb::dict metrics_dict(const AgentMetrics& m) {
   return d;
 }
 
-#define DURATION_PROP(cls, field)                                                     \
-  def_property(#field "_s", [](const cls& o) { return secs(o.field); },              \
-               [](cls& o, double s) { o.field = from_seconds(s); })
+#define DURATION_PROP(cls, field)                              \
+  def_property(                                                \
+      #field "_s", [](const cls& o) { return secs(o.field); }, \
+      [](cls& o, double s) { o.field = from_seconds(s); })
 
 }  // namespace
 
@@ -183,8 +184,9 @@ void register_detect(pyb::module_& root) {
       .def_readwrite("hang_watchdog", &AgentOptions::hang_watchdog)
       .def_readwrite("job", &AgentOptions::job)
       .def_readwrite("run_id", &AgentOptions::run_id)
-      .def_property("key", [](const AgentOptions& o) { return pyb::bytes(o.key); },
-                    [](AgentOptions& o, const std::string& k) { o.key = k; })
+      .def_property(
+          "key", [](const AgentOptions& o) { return pyb::bytes(o.key); },
+          [](AgentOptions& o, const std::string& k) { o.key = k; })
       .def_readwrite("addresses", &AgentOptions::addresses)
       .def_readwrite("store_prefix", &AgentOptions::store_prefix)
       .DURATION_PROP(AgentOptions, store_timeout)
@@ -239,23 +241,25 @@ void register_detect(pyb::module_& root) {
       });
 
   m.def("job_id", [](const std::string& name) { return job_id(name); });
-  m.def("encode_for_test",
-        [](const std::string& key, const std::string& job, int from, uint64_t gen,
-           const std::string& run, int to, uint64_t seq, int64_t time_ns) {
-          Message msg;
-          msg.type = MsgType::kPing;
-          msg.from = from;
-          msg.to = to;
-          msg.generation = gen;
-          msg.seq = seq;
-          msg.time_ns = time_ns;
-          return pyb::bytes(Codec(key, job_id(job), run).encode(msg));
-        },
-        pyb::arg("key"), pyb::arg("job"), pyb::arg("from_rank"), pyb::arg("generation"),
-        pyb::arg("run") = "", pyb::arg("to") = 0, pyb::arg("seq") = 1, pyb::arg("time_ns") = 0,
-        "A ping datagram (current wire version), for tests that inject traffic.");
-  m.def("monotonic_ns", [] { return SteadyClock::instance().now().time_since_epoch().count(); },
-        "The agent's clock (time_ns of datagrams), for tests.");
+  m.def(
+      "encode_for_test",
+      [](const std::string& key, const std::string& job, int from, uint64_t gen,
+         const std::string& run, int to, uint64_t seq, int64_t time_ns) {
+        Message msg;
+        msg.type = MsgType::kPing;
+        msg.from = from;
+        msg.to = to;
+        msg.generation = gen;
+        msg.seq = seq;
+        msg.time_ns = time_ns;
+        return pyb::bytes(Codec(key, job_id(job), run).encode(msg));
+      },
+      pyb::arg("key"), pyb::arg("job"), pyb::arg("from_rank"), pyb::arg("generation"),
+      pyb::arg("run") = "", pyb::arg("to") = 0, pyb::arg("seq") = 1, pyb::arg("time_ns") = 0,
+      "A ping datagram (current wire version), for tests that inject traffic.");
+  m.def(
+      "monotonic_ns", [] { return SteadyClock::instance().now().time_since_epoch().count(); },
+      "The agent's clock (time_ns of datagrams), for tests.");
 
   m.def("run_simulation", [](const SimOptions& o) {
     SimReport r;
@@ -282,29 +286,28 @@ void register_detect(pyb::module_& root) {
       .def_readwrite("phi_window", &SimOptions::phi_window)
       .def_readwrite("seed", &SimOptions::seed)
       .def_readwrite("core", &SimOptions::core);
-  pyb::class_<SimReport>(m, "SimReport")
-      .def("as_dict", [](const SimReport& r) {
-        pyb::dict d;
-        d["ranks"] = r.ranks;
-        d["sim_seconds"] = r.sim_seconds;
-        d["wall_seconds"] = r.wall_seconds;
-        d["failures"] = r.failures;
-        d["undetected"] = r.undetected;
-        d["detect_all_p50_ms"] = r.detect_all_p50_ms;
-        d["detect_all_p99_ms"] = r.detect_all_p99_ms;
-        d["detect_all_max_ms"] = r.detect_all_max_ms;
-        d["crash_p50_ms"] = r.crash_p50_ms;
-        d["silent_p50_ms"] = r.silent_p50_ms;
-        d["per_rank_p50_ms"] = r.per_rank_p50_ms;
-        d["per_rank_p99_ms"] = r.per_rank_p99_ms;
-        d["false_positives"] = r.false_positives;
-        d["false_suspicions"] = r.false_suspicions;
-        d["messages_per_rank_per_s"] = r.messages_per_rank_per_s;
-        d["store_ops"] = r.store_ops;
-        d["generations"] = r.generations;
-        d["agreed"] = r.agreed;
-        return d;
-      });
+  pyb::class_<SimReport>(m, "SimReport").def("as_dict", [](const SimReport& r) {
+    pyb::dict d;
+    d["ranks"] = r.ranks;
+    d["sim_seconds"] = r.sim_seconds;
+    d["wall_seconds"] = r.wall_seconds;
+    d["failures"] = r.failures;
+    d["undetected"] = r.undetected;
+    d["detect_all_p50_ms"] = r.detect_all_p50_ms;
+    d["detect_all_p99_ms"] = r.detect_all_p99_ms;
+    d["detect_all_max_ms"] = r.detect_all_max_ms;
+    d["crash_p50_ms"] = r.crash_p50_ms;
+    d["silent_p50_ms"] = r.silent_p50_ms;
+    d["per_rank_p50_ms"] = r.per_rank_p50_ms;
+    d["per_rank_p99_ms"] = r.per_rank_p99_ms;
+    d["false_positives"] = r.false_positives;
+    d["false_suspicions"] = r.false_suspicions;
+    d["messages_per_rank_per_s"] = r.messages_per_rank_per_s;
+    d["store_ops"] = r.store_ops;
+    d["generations"] = r.generations;
+    d["agreed"] = r.agreed;
+    return d;
+  });
 }
 
 }  // namespace resilient::py

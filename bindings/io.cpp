@@ -220,9 +220,8 @@ void register_io(pyb::module_& m) {
       "covers open to durable.");
   m.def(
       "raw_read",
-      [](const std::string& path, uint64_t request_bytes, int queue_depth,
-         const std::string& uring, const std::string& direct, uint64_t buffer_bytes,
-         double timeout_s) {
+      [](const std::string& path, uint64_t request_bytes, int queue_depth, const std::string& uring,
+         const std::string& direct, uint64_t buffer_bytes, double timeout_s) {
         Result<RawResult> r = Status(StatusCode::kInternal, "not run");
         {
           pyb::gil_scoped_release release;

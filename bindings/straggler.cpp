@@ -51,16 +51,19 @@ void register_straggler(pyb::module_& m) {
       .value("WAIT", st::Phase::kWait);
   s.def("phase_name", [](st::Phase p) { return std::string(st::phase_name(p)); });
 
-  s.def("median", [](const std::vector<double>& v) { return st::median(v); },
-        "Median of the finite values (NaN when none).");
-  s.def("mad", [](const std::vector<double>& v, double c) { return st::mad(v, c); },
-        "Median absolute deviation of the finite values around center.");
-  s.def("summarize",
-        [](const std::vector<double>& v) {
-          st::RobustSummary r = st::summarize(v);
-          return pyb::make_tuple(r.median, r.mad, r.count);
-        },
-        "(median, mad, count) of the finite values.");
+  s.def(
+      "median", [](const std::vector<double>& v) { return st::median(v); },
+      "Median of the finite values (NaN when none).");
+  s.def(
+      "mad", [](const std::vector<double>& v, double c) { return st::mad(v, c); },
+      "Median absolute deviation of the finite values around center.");
+  s.def(
+      "summarize",
+      [](const std::vector<double>& v) {
+        st::RobustSummary r = st::summarize(v);
+        return pyb::make_tuple(r.median, r.mad, r.count);
+      },
+      "(median, mad, count) of the finite values.");
 
   pyb::class_<st::StragglerOptions>(s, "StragglerOptions")
       .def(pyb::init<>())
@@ -151,12 +154,14 @@ void register_straggler(pyb::module_& m) {
       .def_property_readonly("world_size", &st::StragglerDetector::world_size)
       .def_property_readonly("windows", &st::StragglerDetector::windows)
       .def_property_readonly("options", &st::StragglerDetector::options)
-      .def("cusum", [](const st::StragglerDetector& d, int rank) {
-             if (rank < 0 || rank >= d.world_size()) throw pyb::index_error("rank out of range");
-             const st::CusumState& c = d.cusum_state(rank);
-             return pyb::make_tuple(c.sum, c.run_start, c.persistent, c.flagged_windows);
-           },
-           "(sum, run_start, persistent, flagged_windows) of a rank's CUSUM.")
+      .def(
+          "cusum",
+          [](const st::StragglerDetector& d, int rank) {
+            if (rank < 0 || rank >= d.world_size()) throw pyb::index_error("rank out of range");
+            const st::CusumState& c = d.cusum_state(rank);
+            return pyb::make_tuple(c.sum, c.run_start, c.persistent, c.flagged_windows);
+          },
+          "(sum, run_start, persistent, flagged_windows) of a rank's CUSUM.")
       .def("reset", &st::StragglerDetector::reset);
 }
 

@@ -81,6 +81,11 @@ fi
 step "ruff"
 run ruff ruff check python tests examples benchmarks
 
+step "clang-format (.clang-format: Google, 100 columns)"
+run clang-format clang-format --dry-run -Werror $(git ls-files 'cpp/*.cpp' 'cpp/*.hpp' \
+  'bindings/*.cpp' 'bindings/*.hpp' 'tests/cpp/*.cpp' 'tests/cpp/*.hpp' 'benchmarks/*.cpp' \
+  'examples/*.cpp' 'examples/**/*.cpp')
+
 echo
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"

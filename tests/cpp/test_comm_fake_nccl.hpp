@@ -17,7 +17,7 @@ struct FakeComm {
   int rank = 0;
   int size = 0;
   std::string id;
-  int pending_polls = 0;   // polls that still report ncclInProgress; -1 = forever
+  int pending_polls = 0;     // polls that still report ncclInProgress; -1 = forever
   int async = kNcclSuccess;  // reported once no longer pending
   bool aborted = false;
   bool destroyed = false;
@@ -40,12 +40,12 @@ struct FakeNccl {
   int version = nccl_version_code(2, 28, 9);
   bool has_revoke = true;
   bool has_shrink = true;
-  int init_polls = 2;        // -1: init never completes
+  int init_polls = 2;  // -1: init never completes
   int init_rc = kNcclInProgress;
-  int shrink_polls = 1;      // polls of the parent until the child is published; -1: never
+  int shrink_polls = 1;             // polls of the parent until the child is published; -1: never
   int shrink_async = kNcclSuccess;  // a second failure during the shrink
   int shrink_rc = kNcclInProgress;  // NCCL 2.28.9 was seen to return ncclSuccess here
-  int revoke_polls = 1;      // -1: the revoked comm never quiesces
+  int revoke_polls = 1;             // -1: the revoked comm never quiesces
   int async_after_revoke = kNcclSuccess;
   int collective_rc = kNcclSuccess;
   // Observations.
@@ -67,7 +67,10 @@ struct FakeNccl {
 
 namespace detail {
 inline FakeNccl& g() { return *FakeNccl::current(); }
-inline int get_version(int* v) { *v = g().version; return kNcclSuccess; }
+inline int get_version(int* v) {
+  *v = g().version;
+  return kNcclSuccess;
+}
 inline int get_unique_id(NcclUniqueId* id) {
   std::memset(id->internal, 0, sizeof(id->internal));
   std::string s = "fake-id-" + std::to_string(++g().unique_ids);
@@ -131,7 +134,10 @@ inline int destroy(NcclComm comm) {
   FakeNccl::of(comm)->destroyed = true;
   return kNcclSuccess;
 }
-inline int count(NcclComm comm, int* n) { *n = FakeNccl::of(comm)->size; return kNcclSuccess; }
+inline int count(NcclComm comm, int* n) {
+  *n = FakeNccl::of(comm)->size;
+  return kNcclSuccess;
+}
 inline int user_rank(NcclComm comm, int* r) {
   *r = FakeNccl::of(comm)->rank;
   return kNcclSuccess;
@@ -146,9 +152,12 @@ inline int broadcast(const void*, void*, size_t, int, int, NcclComm, void*) {
 }
 inline const char* error_string(int rc) {
   switch (rc) {
-    case kNcclRemoteError: return "remote process exited or there was a network error";
-    case kNcclInProgress: return "operation in progress";
-    default: return "fake NCCL error";
+    case kNcclRemoteError:
+      return "remote process exited or there was a network error";
+    case kNcclInProgress:
+      return "operation in progress";
+    default:
+      return "fake NCCL error";
   }
 }
 inline const char* last_error(NcclComm) { return "fake last error"; }

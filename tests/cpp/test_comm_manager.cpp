@@ -111,8 +111,8 @@ TEST_F(CommManagerTest, InitFromStoreRejectsMalformedId) {
 
 TEST_F(CommManagerTest, AllReduceAndWaitUntilDone) {
   auto m = ready(0, 2);
-  ASSERT_TRUE(m->all_reduce(nullptr, nullptr, 4, NcclDataType::kFloat32, NcclRedOp::kSum,
-                            nullptr).ok());
+  ASSERT_TRUE(
+      m->all_reduce(nullptr, nullptr, 4, NcclDataType::kFloat32, NcclRedOp::kSum, nullptr).ok());
   int queries = 0;
   Status st = m->wait([&]() -> Result<bool> { return ++queries == 3; }, 1s);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -122,17 +122,17 @@ TEST_F(CommManagerTest, AllReduceAndWaitUntilDone) {
 
 TEST_F(CommManagerTest, CollectiveThatNeverCompletesTimesOut) {
   auto m = ready(0, 2);
-  ASSERT_TRUE(m->all_reduce(nullptr, nullptr, 4, NcclDataType::kFloat32, NcclRedOp::kSum,
-                            nullptr).ok());
+  ASSERT_TRUE(
+      m->all_reduce(nullptr, nullptr, 4, NcclDataType::kFloat32, NcclRedOp::kSum, nullptr).ok());
   const TimePoint before = clock_.now();
   Status st = m->wait([]() -> Result<bool> { return false; }, 500ms);
   EXPECT_EQ(st.code(), StatusCode::kTimeout);
   EXPECT_GE(clock_.now() - before, 500ms);
   EXPECT_EQ(m->state(), CommState::kFailed);
   // A failed communicator refuses new collectives until recovered.
-  EXPECT_EQ(m->all_reduce(nullptr, nullptr, 1, NcclDataType::kFloat32, NcclRedOp::kSum,
-                          nullptr).code(),
-            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      m->all_reduce(nullptr, nullptr, 1, NcclDataType::kFloat32, NcclRedOp::kSum, nullptr).code(),
+      StatusCode::kFailedPrecondition);
 }
 
 TEST_F(CommManagerTest, EnqueueErrorFailsTheCommunicator) {

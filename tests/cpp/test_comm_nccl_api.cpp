@@ -41,7 +41,11 @@ TEST(NcclConfig, NonBlockingAndNeverNewerThanTheLibrary) {
 }
 
 TEST_F(NcclApiTest, FeaturesFollowTheRuntimeVersion) {
-  struct Case { int version; bool shrink; bool revoke; };
+  struct Case {
+    int version;
+    bool shrink;
+    bool revoke;
+  };
   for (Case c : {Case{nccl_version_code(2, 21, 5), false, false},
                  Case{nccl_version_code(2, 27, 0), true, false},
                  Case{nccl_version_code(2, 28, 6), true, false},

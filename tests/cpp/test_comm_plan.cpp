@@ -43,12 +43,10 @@ TEST(PlanRecovery, FollowsOptions) {
   EXPECT_EQ(plan_of({true, true}, o, true, false),
             (RecoveryPlan{Teardown::kAbort, Rebuild::kReinit}));
   o.revoke = Feature::kOn;
-  EXPECT_EQ(plan_recovery({true, false}, o, true, false).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(plan_recovery({true, false}, o, true, false).status().code(), StatusCode::kUnavailable);
   CommOptions s;
   s.rebuild_mode = RebuildMode::kShrink;
-  EXPECT_EQ(plan_recovery({false, true}, s, true, false).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(plan_recovery({false, true}, s, true, false).status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(plan_recovery({true, true}, s, true, true).status().code(),
             StatusCode::kFailedPrecondition);
   EXPECT_EQ(plan_recovery({true, true}, s, false, false).status().code(),

@@ -105,8 +105,9 @@ TEST_F(CommRecoverTest, OldNcclAbortsAndReinitsThroughStore) {
   FakeComm* parent = FakeNccl::of(m->handle());
   fail(*m);
   // The new rank 0 (old rank 0) published its id for generation 1.
-  ASSERT_TRUE(store_.set("resilient/comm/default/gen1/nccl_id",
-                         std::string("gen1-id").append(121, '\0')).ok());
+  ASSERT_TRUE(
+      store_.set("resilient/comm/default/gen1/nccl_id", std::string("gen1-id").append(121, '\0'))
+          .ok());
   auto report = m->recover({.generation = 1, .excluded = {2}}, &store_);
   ASSERT_TRUE(report.ok()) << report.status().to_string();
   EXPECT_EQ(report->plan, (RecoveryPlan{Teardown::kAbort, Rebuild::kReinit}));

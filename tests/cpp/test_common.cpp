@@ -40,7 +40,8 @@ TEST(Result, PropagatesErrorsThroughMacros) {
 
 TEST(Check, ThrowsWithMessage) {
   try {
-    RESILIENT_CHECK(1 + 1 == 3, "math is " << "broken");
+    RESILIENT_CHECK(1 + 1 == 3, "math is "
+                                    << "broken");
     FAIL();
   } catch (const std::logic_error& e) {
     EXPECT_NE(std::string(e.what()).find("math is broken"), std::string::npos);

@@ -50,8 +50,8 @@ TEST_F(CrashReport, RealFaultReportsTheAddressAndStillDies) {
   EXPECT_EXIT(
       {
         void* want = reinterpret_cast<void*>(0x5e5e00000000ULL);
-        void* page = ::mmap(want, 4096, PROT_NONE,
-                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+        void* page =
+            ::mmap(want, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
         if (page != want) ::_exit(3);
         install_crash_handler();
         *static_cast<volatile int*>(page) = 1;  // the handler returns, the write faults again

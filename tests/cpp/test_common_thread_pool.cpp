@@ -31,9 +31,10 @@ TEST(ThreadPool, ParallelForVisitsEachIndexOnceAndRethrows) {
   std::vector<std::atomic<int>> seen(1000);
   pool.parallel_for(seen.size(), [&](size_t i) { seen[i].fetch_add(1); });
   for (const auto& s : seen) EXPECT_EQ(s.load(), 1);
-  EXPECT_THROW(pool.parallel_for(10, [](size_t i) {
-                 if (i == 7) throw std::invalid_argument("seven");
-               }),
+  EXPECT_THROW(pool.parallel_for(10,
+                                 [](size_t i) {
+                                   if (i == 7) throw std::invalid_argument("seven");
+                                 }),
                std::invalid_argument);
 }
 

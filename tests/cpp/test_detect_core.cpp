@@ -68,7 +68,8 @@ class Cluster {
       if (down(r) || gone.count(r)) continue;
       const auto& gen = cores_[r]->generation();
       if (gen->number != g) return false;
-      for (int x : gone) if (gen->contains(x)) return false;
+      for (int x : gone)
+        if (gen->contains(x)) return false;
     }
     return true;
   }
@@ -115,10 +116,12 @@ class Cluster {
       later(milliseconds(2), [this, r, req] {
         if (down(r)) return;
         Result<Generation> g = req.kind == StoreRequest::Kind::kPropose
-            ? decide_generation(store_, "t", req.proposal, milliseconds(100))
-            : read_generation(store_, "t", req.number, milliseconds(100));
-        if (g.ok()) cores_[r]->on_generation(std::make_shared<const Generation>(*g), clock_.now());
-        else cores_[r]->on_store_error(req, clock_.now());
+                                   ? decide_generation(store_, "t", req.proposal, milliseconds(100))
+                                   : read_generation(store_, "t", req.number, milliseconds(100));
+        if (g.ok())
+          cores_[r]->on_generation(std::make_shared<const Generation>(*g), clock_.now());
+        else
+          cores_[r]->on_store_error(req, clock_.now());
         drain(r);
       });
     }
@@ -185,12 +188,14 @@ TEST(DetectCore, RankZeroAndTwoAtOnce) {
   c.run_until([] { return false; }, std::chrono::seconds(2));
   c.crash(0);
   c.crash(1);
-  double t = c.run_until([&] {
-    for (int r = 2; r < 8; ++r) {
-      if (c.core(r).generation()->live != std::vector<int32_t>{2, 3, 4, 5, 6, 7}) return false;
-    }
-    return true;
-  }, std::chrono::seconds(3));
+  double t = c.run_until(
+      [&] {
+        for (int r = 2; r < 8; ++r) {
+          if (c.core(r).generation()->live != std::vector<int32_t>{2, 3, 4, 5, 6, 7}) return false;
+        }
+        return true;
+      },
+      std::chrono::seconds(3));
   ASSERT_GE(t, 0);
   EXPECT_LE(t, 0.5);
 }
@@ -229,7 +234,8 @@ TEST(DetectCore, HangSelfReportReachesEveryRank) {
   ASSERT_GE(c.run_until([&] { return c.all_agree(1, {2}); }, std::chrono::seconds(1)), 0);
   for (int r : {0, 1, 3, 4}) {
     const Event* gen = nullptr;
-    for (const Event& e : c.events(r)) if (e.kind == Event::Kind::kGeneration) gen = &e;
+    for (const Event& e : c.events(r))
+      if (e.kind == Event::Kind::kGeneration) gen = &e;
     ASSERT_NE(gen, nullptr);
     ASSERT_EQ(gen->removed.size(), 1u);
     EXPECT_EQ(gen->removed[0].reason, Reason::kHang);
@@ -290,7 +296,8 @@ TEST(DetectCore, RefusalAndSilenceFindAKilledRankFast) {
   std::printf("[detect] crash found and agreed in %.0f ms (refusal-assisted)\n", t * 1e3);
   EXPECT_LE(t, 0.6);
   EXPECT_GE(c.core(0).counters().confirmations + c.core(1).counters().confirmations +
-                c.core(2).counters().confirmations, 2u);
+                c.core(2).counters().confirmations,
+            2u);
 }
 
 // Finding 3 (within a run): everything a frozen rank said before freezing, replayed to its
@@ -302,13 +309,15 @@ TEST(DetectCore, ReplayedAcksDoNotKeepAFrozenRankAlive) {
   ASSERT_GT(recorded.size(), 50u);
   c.stop(5);
   size_t next = 0;
-  double t = c.run_until([&] {
-    for (int k = 0; k < 5; ++k, ++next) {  // 500 replayed datagrams per second
-      const Message& m = recorded[next % recorded.size()];
-      if (m.to != 5) c.inject(m.to, m);
-    }
-    return c.all_agree(1, {5});
-  }, std::chrono::seconds(5));
+  double t = c.run_until(
+      [&] {
+        for (int k = 0; k < 5; ++k, ++next) {  // 500 replayed datagrams per second
+          const Message& m = recorded[next % recorded.size()];
+          if (m.to != 5) c.inject(m.to, m);
+        }
+        return c.all_agree(1, {5});
+      },
+      std::chrono::seconds(5));
   ASSERT_GE(t, 0);
   EXPECT_LE(t, 3.0);
   uint64_t replay = 0, stale = 0;

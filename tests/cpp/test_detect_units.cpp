@@ -102,13 +102,13 @@ std::string v1_datagram(const std::string& key, uint64_t job) {
   put(static_cast<uint8_t>(MsgType::kAck));
   put(uint16_t{0});
   put(job);
-  put(int32_t{3});                 // from
-  put(uint64_t{0});                // generation
-  put(uint64_t{7});                // seq
-  put(int64_t{123});               // time_ns
-  put(uint64_t{0});                // step
-  put(uint16_t{0});                // no verdicts
-  out.append(64, '\0');            // pad: as long as a version 2 header
+  put(int32_t{3});       // from
+  put(uint64_t{0});      // generation
+  put(uint64_t{7});      // seq
+  put(int64_t{123});     // time_ns
+  put(uint64_t{0});      // step
+  put(uint16_t{0});      // no verdicts
+  out.append(64, '\0');  // pad: as long as a version 2 header
   unsigned char tag[kMacSize];
   unsigned int len = kMacSize;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
@@ -168,8 +168,8 @@ TEST(DetectFreshness, DuplicatesOldNumbersAndHeldBackDatagramsAreRefused) {
   EXPECT_EQ(g.admit(1, 11, sent(t), t + milliseconds(2)), Admission::kAccept);  // reordered
   EXPECT_EQ(g.admit(1, 11, sent(t), t + milliseconds(2)), Admission::kDuplicate);
   EXPECT_EQ(g.admit(1, 200, sent(t), t + milliseconds(3)), Admission::kAccept);
-  EXPECT_EQ(g.admit(1, 136, sent(t), t + milliseconds(3)), Admission::kOldSeq);   // 64 below
-  EXPECT_EQ(g.admit(1, 137, sent(t), t + milliseconds(3)), Admission::kAccept);   // 63 below
+  EXPECT_EQ(g.admit(1, 136, sent(t), t + milliseconds(3)), Admission::kOldSeq);  // 64 below
+  EXPECT_EQ(g.admit(1, 137, sent(t), t + milliseconds(3)), Admission::kAccept);  // 63 below
   EXPECT_EQ(g.admit(2, 12, sent(t), t), Admission::kAccept);  // senders are separate
   // Held back: sent at t, delivered 6 s later with a fresh number (captured and replayed).
   EXPECT_EQ(g.admit(1, 201, sent(t), t + seconds(6)), Admission::kStale);
@@ -241,7 +241,7 @@ TEST(DetectMembership, RingWatchSets) {
   EXPECT_EQ(ring_successors(live, 9, 2), (std::vector<int32_t>{0, 2}));
   EXPECT_EQ(ring_predecessors(live, 0, 3), (std::vector<int32_t>{9, 5, 3}));
   EXPECT_EQ(ring_predecessors(live, 4, 2), (std::vector<int32_t>{3, 2}));  // non-member
-  EXPECT_EQ(ring_successors(live, 3, 10).size(), 4u);                        // never self
+  EXPECT_EQ(ring_successors(live, 3, 10).size(), 4u);                      // never self
   EXPECT_TRUE(ring_successors({1}, 1, 3).empty());
 }
 
@@ -281,7 +281,7 @@ TEST(DetectWatchdog, LearnsStepTimeAndFiresOnce) {
   EXPECT_EQ(h->section, "step");
   EXPECT_FALSE(w.check(t + milliseconds(2000)).has_value());  // latched
   w.progress(11, t + milliseconds(2100));
-  EXPECT_TRUE(w.check(t + milliseconds(3000)).has_value());   // re-armed by progress
+  EXPECT_TRUE(w.check(t + milliseconds(3000)).has_value());  // re-armed by progress
 }
 
 TEST(DetectWatchdog, SectionsHaveTheirOwnLimits) {

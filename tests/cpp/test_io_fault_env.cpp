@@ -35,8 +35,8 @@ TEST(FaultEnv, ParsesEveryVariable) {
   ::setenv("RESILIENT_FAULT_DELAY_MS", "1.5", 1);
   auto spec = fault_spec_from_env();
   ASSERT_TRUE(spec.ok()) << spec.status().to_string();
-  EXPECT_EQ(spec.value().ops, (1u << static_cast<int>(FileOp::kWrite)) |
-                                  (1u << static_cast<int>(FileOp::kFsync)));
+  EXPECT_EQ(spec.value().ops,
+            (1u << static_cast<int>(FileOp::kWrite)) | (1u << static_cast<int>(FileOp::kFsync)));
   EXPECT_EQ(spec.value().error, ENOSPC);
   EXPECT_EQ(spec.value().path_contains, "step-");
   EXPECT_EQ(spec.value().after, 2);

@@ -49,9 +49,15 @@ TEST(CudaRuntimeGet, HonoursCudaOff) {
 std::atomic<int> g_queries{0};
 int g_query_result = detail::kCudaErrorNotReady;
 
-int fake_count(int* n) { *n = 2; return 0; }
+int fake_count(int* n) {
+  *n = 2;
+  return 0;
+}
 int fake_set_device(int d) { return d < 2 ? 0 : 101; }  // cudaErrorInvalidDevice
-int fake_get_device(int* d) { *d = 1; return 0; }
+int fake_get_device(int* d) {
+  *d = 1;
+  return 0;
+}
 int fake_query(void*) {
   ++g_queries;
   return g_query_result;

@@ -153,7 +153,9 @@ TEST(StragglerDetector, PersistentStragglerNamedWithChangePoint) {
   }
   EXPECT_EQ(persistent_window, 3);
   EXPECT_NE(d.update(sync_window({0.01, 0.01, 0.01, 0.012}, step, step + 9))
-                ->reports[0].to_string().find("rank 3 persistent straggler"),
+                ->reports[0]
+                .to_string()
+                .find("rank 3 persistent straggler"),
             std::string::npos);
 }
 
@@ -205,7 +207,8 @@ TEST(StragglerDetector, ReportAfterOneReportsTheFirstSlowWindow) {
 TEST(StragglerDetector, RecoveryIsReported) {
   StragglerDetector d = make(4);
   int64_t step = 0;
-  for (int w = 0; w < 4; ++w, step += 10) d.update(sync_window({0.02, 0.01, 0.01, 0.01}, step, step + 9));
+  for (int w = 0; w < 4; ++w, step += 10)
+    d.update(sync_window({0.02, 0.01, 0.01, 0.01}, step, step + 9));
   EXPECT_TRUE(d.cusum_state(0).persistent);
   bool recovered = false;
   for (int w = 0; w < 20 && !recovered; ++w, step += 10) {

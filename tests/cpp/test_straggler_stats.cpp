@@ -112,7 +112,8 @@ TEST(StragglerCusum, SustainedShiftBecomesPersistentWithChangePoint) {
   EXPECT_LE(st.sum, p.cap);
   // Recovery: S decays by the drift each clean window; the last update reports it.
   bool recovered = false;
-  for (int w = 0; w < 20 && !recovered; ++w) recovered = cusum_update(st, 0.0, 100 + w, p).recovered;
+  for (int w = 0; w < 20 && !recovered; ++w)
+    recovered = cusum_update(st, 0.0, 100 + w, p).recovered;
   EXPECT_TRUE(recovered);
   EXPECT_FALSE(st.persistent);
 }

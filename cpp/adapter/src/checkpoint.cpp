@@ -44,7 +44,8 @@ std::string piece_name(const std::string &name, size_t dims) {
 // The lineage record of a committed step (root.py: a line of JSON, then its XXH3-64 in hex):
 // seq, or nullopt for none or a damaged one.
 std::optional<int64_t> lineage_seq(const std::string &root, int64_t step) {
-  auto text = io::read_small_file(root + "/" + checkpoint::step_dir_name(step) + "/lineage.json", 4096);
+  auto text =
+      io::read_small_file(root + "/" + checkpoint::step_dir_name(step) + "/lineage.json", 4096);
   if (!text.ok()) return std::nullopt;
   const auto nl = text->find('\n');
   if (nl == std::string::npos) return std::nullopt;
@@ -53,7 +54,8 @@ std::optional<int64_t> lineage_seq(const std::string &root, int64_t step) {
   while (!digest.empty() && digest.back() == '\n') digest.pop_back();
   if (digest != hex64(XXH3_64bits(body.data(), body.size()))) return std::nullopt;
   json doc = json::parse(body, nullptr, false);
-  if (!doc.is_object() || !doc.contains("seq") || !doc["seq"].is_number_integer()) return std::nullopt;
+  if (!doc.is_object() || !doc.contains("seq") || !doc["seq"].is_number_integer())
+    return std::nullopt;
   return doc["seq"].get<int64_t>();
 }
 
@@ -186,7 +188,8 @@ Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t
                                                      TrainState &state) {
   const auto &opts = ckpt.options();
   if (opts.world_size != 1) {
-    return Status(StatusCode::kInvalidArgument, "the libtorch adapter saves from one process (world_size 1)");
+    return Status(StatusCode::kInvalidArgument,
+                  "the libtorch adapter saves from one process (world_size 1)");
   }
   std::vector<torch::Tensor> keep;
   std::vector<TensorSpec> specs;
@@ -217,8 +220,8 @@ Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t
   }
   doc["values"] = state.values;
   const std::string save_id = "cpp-" + std::to_string(step) + "-" + std::to_string(::getpid());
-  json values = {{"format", kRankFormat}, {"save_id", save_id}, {"rank", 0}, {"world_size", 1},
-                 {"state", doc}, {"rank_state", nullptr}};
+  json values = {{"format", kRankFormat}, {"save_id", save_id}, {"rank", 0},
+                 {"world_size", 1},       {"state", doc},       {"rank_state", nullptr}};
   RESILIENT_RETURN_IF_ERROR(ensure_root(opts.root));
   // The engine writes the shard and its rank manifest; then the commit below, as Python's
   // rank 0 does: lineage record, merged manifest, rename. Returns once committed.
@@ -226,10 +229,12 @@ Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t
   RESILIENT_RETURN_IF_ERROR(handle->wait(opts.timeout));
   RESILIENT_ASSIGN_OR_RETURN(Head head, lineage_head(opts.root));
   json lineage = {{"seq", head.max_seq + 1}, {"step", step}, {"parent", nullptr}};
-  if (head.step) lineage["parent"] = {{"step", *head.step}, {"seq", head.seq ? json(*head.seq) : json()}};
+  if (head.step)
+    lineage["parent"] = {{"step", *head.step}, {"seq", head.seq ? json(*head.seq) : json()}};
   const std::string body = lineage.dump();
-  RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(checkpoint::tmp_dir_path(opts.root, step) + "/lineage.json",
-                                                  body + "\n" + hex64(XXH3_64bits(body.data(), body.size())) + "\n"));
+  RESILIENT_RETURN_IF_ERROR(
+      io::write_file_atomic(checkpoint::tmp_dir_path(opts.root, step) + "/lineage.json",
+                            body + "\n" + hex64(XXH3_64bits(body.data(), body.size())) + "\n"));
   RESILIENT_RETURN_IF_ERROR(checkpoint::commit_shards(opts.root, step, 1, save_id));
   return handle;
 }
@@ -237,14 +242,14 @@ Result<std::shared_ptr<checkpoint::SaveHandle>> save(Checkpointer &ckpt, int64_t
 Result<int64_t> load(Checkpointer &ckpt, TrainState &state, std::optional<int64_t> step) {
   if (!step) {
     RESILIENT_ASSIGN_OR_RETURN(Head head, lineage_head(ckpt.options().root));
-    if (!head.step)
-      return Status(StatusCode::kNotFound, "no checkpoint in " + ckpt.options().root);
+    if (!head.step) return Status(StatusCode::kNotFound, "no checkpoint in " + ckpt.options().root);
     step = head.step;
   }
   RESILIENT_ASSIGN_OR_RETURN(Manifest m, ckpt.manifest(*step));
-  const json *ranks = m.values.is_object() && m.values.value("format", "") == kFormat && m.values.contains("ranks")
-                          ? &m.values["ranks"]
-                          : nullptr;
+  const json *ranks =
+      m.values.is_object() && m.values.value("format", "") == kFormat && m.values.contains("ranks")
+          ? &m.values["ranks"]
+          : nullptr;
   if (ranks == nullptr || !ranks->is_array() || ranks->empty() || !(*ranks)[0].is_object() ||
       !(*ranks)[0].contains("state") || !(*ranks)[0]["state"].is_object()) {
     return Status(StatusCode::kVersionMismatch,
@@ -260,9 +265,11 @@ Result<int64_t> load(Checkpointer &ckpt, TrainState &state, std::optional<int64_
     for (const auto &t : m.tensors) {
       if (t.name.rfind(prefix, 0) != 0) continue;
       if (e != nullptr || (!t.global_shape.empty() && t.global_shape != t.shape)) {
-        return Status(StatusCode::kInvalidArgument,
-                      "tensor '" + name + "' is stored in pieces (saved by several ranks or sharded); "
-                      "the libtorch adapter reads whole tensors: assemble it in Python (read_global)");
+        return Status(
+            StatusCode::kInvalidArgument,
+            "tensor '" + name +
+                "' is stored in pieces (saved by several ranks or sharded); "
+                "the libtorch adapter reads whole tensors: assemble it in Python (read_global)");
       }
       e = &t;
     }

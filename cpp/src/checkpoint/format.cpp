@@ -55,7 +55,8 @@ uint64_t seal_hash(std::string text) {
 }
 
 bool has_seal(const std::string& text) {
-  return text.size() > kSealEnd + 1 && std::string_view(text).substr(0, kSealPrefix.size()) == kSealPrefix &&
+  return text.size() > kSealEnd + 1 &&
+         std::string_view(text).substr(0, kSealPrefix.size()) == kSealPrefix &&
          text[kSealEnd] == '"' && (text[kSealEnd + 1] == ',' || text[kSealEnd + 1] == '}');
 }
 
@@ -66,16 +67,21 @@ int json_depth(const std::string& text, int limit) {
   bool in_string = false, escaped = false;
   for (char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
-    if (c == '"') in_string = true;
+    if (c == '"')
+      in_string = true;
     else if (c == '{' || c == '[') {
       deepest = std::max(deepest, ++depth);
       if (deepest > limit) return deepest;
-    } else if (c == '}' || c == ']') --depth;
+    } else if (c == '}' || c == ']')
+      --depth;
   }
   return deepest;
 }
@@ -123,11 +129,11 @@ bool get_int_list(const json& j, const char* key, std::vector<int64_t>* out, boo
 
 uint64_t dtype_size(const std::string& dtype) {
   static const std::map<std::string, uint64_t> sizes = {
-      {"float64", 8}, {"float32", 4},  {"float16", 2},   {"bfloat16", 2},   {"int64", 8},
-      {"int32", 4},   {"int16", 2},    {"int8", 1},      {"uint8", 1},      {"uint16", 2},
-      {"uint32", 4},  {"uint64", 8},   {"bool", 1},      {"complex64", 8},  {"complex128", 16},
-      {"float8_e4m3fn", 1}, {"float8_e5m2", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2fnuz", 1},
-      {"complex32", 4}};
+      {"float64", 8},     {"float32", 4},         {"float16", 2},         {"bfloat16", 2},
+      {"int64", 8},       {"int32", 4},           {"int16", 2},           {"int8", 1},
+      {"uint8", 1},       {"uint16", 2},          {"uint32", 4},          {"uint64", 8},
+      {"bool", 1},        {"complex64", 8},       {"complex128", 16},     {"float8_e4m3fn", 1},
+      {"float8_e5m2", 1}, {"float8_e4m3fnuz", 1}, {"float8_e5m2fnuz", 1}, {"complex32", 4}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -168,7 +174,8 @@ std::string to_json(const Manifest& m) {
   j["step"] = m.step;
   j["world_size"] = m.world_size;
   json shards = json::array();
-  for (const auto& s : m.shards) shards.push_back({{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}});
+  for (const auto& s : m.shards)
+    shards.push_back({{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}});
   j["shards"] = std::move(shards);
   json tensors = json::array();
   for (const auto& t : m.tensors) {
@@ -178,8 +185,8 @@ std::string to_json(const Manifest& m) {
       if (c.codec != Codec::kNone) cj["codec"] = codec_name(c.codec);
       chunks.push_back(std::move(cj));
     }
-    json tj = {{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"nbytes", t.nbytes},
-               {"shard", t.shard}, {"chunks", std::move(chunks)}};
+    json tj = {{"name", t.name},     {"dtype", t.dtype}, {"shape", t.shape},
+               {"nbytes", t.nbytes}, {"shard", t.shard}, {"chunks", std::move(chunks)}};
     if (!t.global_shape.empty()) {
       tj["global_shape"] = t.global_shape;
       tj["global_offset"] = t.global_offset;
@@ -193,11 +200,13 @@ std::string to_json(const Manifest& m) {
 }
 
 Result<std::string> seal_manifest(const std::string& text) {
-  if (text.empty() || text[0] != '{') return Status(StatusCode::kInvalidArgument, "a manifest is a JSON object");
+  if (text.empty() || text[0] != '{')
+    return Status(StatusCode::kInvalidArgument, "a manifest is a JSON object");
   std::string rest = has_seal(text) ? text.substr(kSealEnd + 1) : text.substr(1);
   if (!rest.empty() && rest[0] == ',') rest.erase(0, 1);
   const bool empty_object = rest == "}";
-  std::string out = std::string(kSealPrefix) + std::string(16, '0') + (empty_object ? "\"" : "\",") + rest;
+  std::string out =
+      std::string(kSealPrefix) + std::string(16, '0') + (empty_object ? "\"" : "\",") + rest;
   const std::string digits = hex64(seal_hash(out));
   out.replace(kSealPrefix.size(), 16, digits);
   return out;
@@ -225,15 +234,18 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
   Manifest m;
   if (!get_to(j, "version", &m.version)) return corrupt(origin, "missing version");
   if (m.version < kOldestFormatVersion || m.version > kFormatVersion) {
-    Status s(StatusCode::kVersionMismatch,
-             "checkpoint format version " + std::to_string(m.version) + " is not supported (this build reads version " +
-                 std::to_string(kFormatVersion) + ")");
+    Status s(StatusCode::kVersionMismatch, "checkpoint format version " +
+                                               std::to_string(m.version) +
+                                               " is not supported (this build reads version " +
+                                               std::to_string(kFormatVersion) + ")");
     s.with_path(origin);
     return s;
   }
-  if (m.version >= 2 && !sealed) return corrupt(origin, "manifest seal missing (version 2 manifests are sealed)");
+  if (m.version >= 2 && !sealed)
+    return corrupt(origin, "manifest seal missing (version 2 manifests are sealed)");
   if (!get_to(j, "step", &m.step) || m.step < 0) return corrupt(origin, "missing or negative step");
-  if (!get_to(j, "world_size", &m.world_size) || m.world_size < 1) return corrupt(origin, "bad world_size");
+  if (!get_to(j, "world_size", &m.world_size) || m.world_size < 1)
+    return corrupt(origin, "bad world_size");
 
   auto shards = j.find("shards");
   if (shards == j.end() || !shards->is_array() || shards->empty() || shards->size() > kMaxShards) {
@@ -245,7 +257,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
         !get_to(sj, "bytes", &s.bytes)) {
       return corrupt(origin, "bad shard entry");
     }
-    if (!safe_file_name(s.file)) return corrupt(origin, "shard file name escapes the checkpoint directory: '" + s.file + "'");
+    if (!safe_file_name(s.file))
+      return corrupt(origin, "shard file name escapes the checkpoint directory: '" + s.file + "'");
     if (s.rank < 0) return corrupt(origin, "negative shard rank");
     m.shards.push_back(std::move(s));
   }
@@ -263,7 +276,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
         !get_int_list(tj, "shape", &t.shape, false) ||
         !get_int_list(tj, "global_shape", &t.global_shape, true) ||
         !get_int_list(tj, "global_offset", &t.global_offset, true)) {
-      return corrupt(origin, "bad tensor entry" + (t.name.empty() ? std::string() : " '" + t.name + "'"));
+      return corrupt(origin,
+                     "bad tensor entry" + (t.name.empty() ? std::string() : " '" + t.name + "'"));
     }
     const std::string what = "tensor '" + t.name + "': ";
     uint64_t esize = dtype_size(t.dtype);
@@ -274,12 +288,14 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
       return corrupt(origin, what + "global_shape/global_offset do not match shape");
     }
     for (size_t d = 0; d < t.global_shape.size(); ++d) {
-      if (t.global_offset[d] + t.shape[d] > t.global_shape[d]) return corrupt(origin, what + "slice outside global shape");
+      if (t.global_offset[d] + t.shape[d] > t.global_shape[d])
+        return corrupt(origin, what + "slice outside global shape");
     }
     // numel with overflow checks
     uint64_t numel = 1;
     for (int64_t dim : t.shape) {
-      if (dim != 0 && numel > kMaxTensorBytes / static_cast<uint64_t>(dim)) return corrupt(origin, what + "absurd shape");
+      if (dim != 0 && numel > kMaxTensorBytes / static_cast<uint64_t>(dim))
+        return corrupt(origin, what + "absurd shape");
       numel *= static_cast<uint64_t>(dim);
     }
     if (numel > kMaxTensorBytes / esize || numel * esize != t.nbytes) {
@@ -297,9 +313,12 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
           !get_to(cj, "raw", &c.raw) || !get_to(cj, "xxh3", &hash) || !parse_hex64(hash, &c.xxh3)) {
         return corrupt(origin, what + "bad chunk entry");
       }
-      if (cj.contains("codec") && !get_to(cj, "codec", &codec)) return corrupt(origin, what + "bad codec");
-      if (codec == "zstd") c.codec = Codec::kZstd;
-      else if (codec != "none") return corrupt(origin, what + "unknown codec '" + codec + "'");
+      if (cj.contains("codec") && !get_to(cj, "codec", &codec))
+        return corrupt(origin, what + "bad codec");
+      if (codec == "zstd")
+        c.codec = Codec::kZstd;
+      else if (codec != "none")
+        return corrupt(origin, what + "unknown codec '" + codec + "'");
       if (c.len > kMaxChunkBytes || c.raw > kMaxChunkBytes || c.raw == 0 ||
           (c.codec == Codec::kNone && c.len != c.raw) || c.offset > kMaxTensorBytes) {
         return corrupt(origin, what + "absurd chunk size or offset");
@@ -309,7 +328,8 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
       t.chunks.push_back(c);
     }
     if (raw_total != t.nbytes) return corrupt(origin, what + "chunks do not cover the tensor");
-    if (!names.insert(t.name).second) return corrupt(origin, "tensor '" + t.name + "' is listed twice");
+    if (!names.insert(t.name).second)
+      return corrupt(origin, "tensor '" + t.name + "' is listed twice");
     m.tensors.push_back(std::move(t));
   }
   if (auto v = j.find("values"); v != j.end()) m.values = *v;
@@ -322,7 +342,8 @@ Status check_extents(const Manifest& m, const std::vector<uint64_t>& file_sizes)
     uint64_t size = file_sizes.at(t.shard);
     for (const auto& c : t.chunks) {
       if (c.offset + c.len > size) {
-        Status s(StatusCode::kCorrupt, "tensor '" + t.name + "' extends past the end of its data file (truncated)");
+        Status s(StatusCode::kCorrupt,
+                 "tensor '" + t.name + "' extends past the end of its data file (truncated)");
         s.with_path(m.shards[t.shard].file).with_offset(c.offset);
         return s;
       }

@@ -30,10 +30,14 @@ namespace resilient::comm {
 
 const char* comm_state_name(CommState s) {
   switch (s) {
-    case CommState::kEmpty: return "empty";
-    case CommState::kReady: return "ready";
-    case CommState::kFailed: return "failed";
-    case CommState::kAborted: return "aborted";
+    case CommState::kEmpty:
+      return "empty";
+    case CommState::kReady:
+      return "ready";
+    case CommState::kFailed:
+      return "failed";
+    case CommState::kAborted:
+      return "aborted";
   }
   return "?";
 }
@@ -56,9 +60,14 @@ Status CommManager::nccl_error(int rc, NcclComm comm, const std::string& what) c
   switch (rc) {
     case kNcclRemoteError:
     case kNcclSystemError:
-    case kNcclUnhandledCudaError: code = StatusCode::kUnavailable; break;
-    case kNcclInvalidArgument: code = StatusCode::kInvalidArgument; break;
-    default: break;
+    case kNcclUnhandledCudaError:
+      code = StatusCode::kUnavailable;
+      break;
+    case kNcclInvalidArgument:
+      code = StatusCode::kInvalidArgument;
+      break;
+    default:
+      break;
   }
   return Status(code, what + ": " + lib_->describe(rc, comm));
 }
@@ -111,8 +120,7 @@ Status CommManager::init(const NcclUniqueId& id, int nranks, int rank, uint64_t 
   }
   if (nranks <= 0 || rank < 0 || rank >= nranks) {
     return Status(StatusCode::kInvalidArgument, "init: rank " + std::to_string(rank) +
-                                                    " outside [0, " + std::to_string(nranks) +
-                                                    ")");
+                                                    " outside [0, " + std::to_string(nranks) + ")");
   }
   abort_requested_.store(false);
   attempted_any_ = true;
@@ -171,8 +179,8 @@ Status CommManager::all_reduce(const void* send, void* recv, size_t count, NcclD
     return Status(StatusCode::kFailedPrecondition,
                   std::string("all_reduce on a communicator that is ") + comm_state_name(state_));
   }
-  int rc = lib_->api().all_reduce(send, recv, count, static_cast<int>(dtype),
-                                  static_cast<int>(op), comm_, stream);
+  int rc = lib_->api().all_reduce(send, recv, count, static_cast<int>(dtype), static_cast<int>(op),
+                                  comm_, stream);
   Status st;
   if (rc == kNcclInProgress) {
     st = poll(comm_, clock_->now() + options_.collective_timeout, "all_reduce enqueue", {});
@@ -237,8 +245,7 @@ Status CommManager::abort() {
 }
 
 Result<RecoveryPlan> CommManager::plan(bool has_joiners) const {
-  NcclCapabilities caps{lib_->supports(NcclFeature::kShrink),
-                        lib_->supports(NcclFeature::kRevoke)};
+  NcclCapabilities caps{lib_->supports(NcclFeature::kShrink), lib_->supports(NcclFeature::kRevoke)};
   return plan_recovery(caps, options_, comm_ != nullptr, has_joiners);
 }
 

@@ -57,24 +57,24 @@ Status CommManager::shrink(const RebuildRequest& request, int new_size, bool abo
   // Non-blocking, NCCL writes the child through this pointer from its own thread when the
   // child's init completes, after ncclCommShrink returned: so it points at a member.
   std::atomic_ref<NcclComm>(shrink_child_).store(nullptr, std::memory_order_release);
-  int rc = api.comm_shrink(comm_, excluded.data(), static_cast<int>(excluded.size()),
-                           &shrink_child_, &config,
-                           abort_parent ? kNcclShrinkAbort : kNcclShrinkDefault);
+  int rc =
+      api.comm_shrink(comm_, excluded.data(), static_cast<int>(excluded.size()), &shrink_child_,
+                      &config, abort_parent ? kNcclShrinkAbort : kNcclShrinkDefault);
   RESILIENT_LOG(kDebug, "comm: ncclCommShrink(parent " << comm_ << ", " << excluded.size()
-                                                        << " excluded) returned " << rc);
+                                                       << " excluded) returned " << rc);
   NcclComm child = nullptr;
-  Status st = (rc == kNcclSuccess || rc == kNcclInProgress)
-                  ? await_shrink(comm_, parent_async, clock_->now() + options_.init_timeout,
-                                 what, child)
-                  : nccl_error(rc, comm_, what);
+  Status st =
+      (rc == kNcclSuccess || rc == kNcclInProgress)
+          ? await_shrink(comm_, parent_async, clock_->now() + options_.init_timeout, what, child)
+          : nccl_error(rc, comm_, what);
   RESILIENT_LOG(kDebug, "comm: child " << child << " of the shrink: " << st.to_string());
   int rank = report.new_rank;
   int size = new_size;
   if (st.ok() && (api.comm_user_rank(child, &rank) != kNcclSuccess ||
                   api.comm_count(child, &size) != kNcclSuccess || rank != report.new_rank ||
                   size != new_size)) {
-    st = Status(StatusCode::kInternal, what + ": NCCL assigned rank " + std::to_string(rank) +
-                                           "/" + std::to_string(size) + ", expected " +
+    st = Status(StatusCode::kInternal, what + ": NCCL assigned rank " + std::to_string(rank) + "/" +
+                                           std::to_string(size) + ", expected " +
                                            std::to_string(report.new_rank) + "/" +
                                            std::to_string(new_size));
   }
@@ -114,9 +114,9 @@ Result<RecoveryReport> CommManager::recover(const RebuildRequest& request, Store
   const int survivors = size_ - static_cast<int>(request.excluded.size());
   const int new_size = request.new_size == 0 ? survivors : request.new_size;
   if (new_size < survivors || survivors <= 0) {
-    return Status(StatusCode::kInvalidArgument,
-                  "recover: new size " + std::to_string(new_size) + " with " +
-                      std::to_string(survivors) + " survivors");
+    return Status(StatusCode::kInvalidArgument, "recover: new size " + std::to_string(new_size) +
+                                                    " with " + std::to_string(survivors) +
+                                                    " survivors");
   }
   RESILIENT_ASSIGN_OR_RETURN(RecoveryPlan plan, this->plan(new_size > survivors));
   if (plan.rebuild == Rebuild::kReinit && store == nullptr) {
@@ -199,8 +199,7 @@ Result<RecoveryReport> CommManager::recover(const RebuildRequest& request, Store
   RESILIENT_LOG(kInfo, "comm: generation " << generation_ << " ready: rank " << rank_ << "/"
                                            << size_ << " via " << teardown_name(plan.teardown)
                                            << " + " << rebuild_name(plan.rebuild) << " in "
-                                           << to_seconds(report.teardown + report.rebuild)
-                                           << " s");
+                                           << to_seconds(report.teardown + report.rebuild) << " s");
   return report;
 }
 

@@ -70,9 +70,9 @@ NcclConfig make_nccl_config(int runtime_version, bool blocking) {
   // than the library's or than ours.
   c.version = static_cast<unsigned int>(std::min(runtime_version, kNcclHeaderVersion));
   c.blocking = blocking ? 1 : 0;
-  for (int* f : {&c.cga_cluster_size, &c.min_ctas, &c.max_ctas, &c.split_share,
-                 &c.traffic_class, &c.collnet_enable, &c.cta_policy, &c.shrink_share,
-                 &c.nvls_ctas, &c.n_channels_per_net_peer, &c.nvlink_centric_sched}) {
+  for (int* f : {&c.cga_cluster_size, &c.min_ctas, &c.max_ctas, &c.split_share, &c.traffic_class,
+                 &c.collnet_enable, &c.cta_policy, &c.shrink_share, &c.nvls_ctas,
+                 &c.n_channels_per_net_peer, &c.nvlink_centric_sched}) {
     *f = kNcclConfigUndefInt;
   }
   c.net_name = nullptr;
@@ -82,18 +82,24 @@ NcclConfig make_nccl_config(int runtime_version, bool blocking) {
 
 int nccl_min_version(NcclFeature feature) {
   switch (feature) {
-    case NcclFeature::kNonBlocking: return nccl_version_code(2, 14, 0);
-    case NcclFeature::kShrink: return nccl_version_code(2, 27, 0);
-    case NcclFeature::kRevoke: return nccl_version_code(2, 28, 7);
+    case NcclFeature::kNonBlocking:
+      return nccl_version_code(2, 14, 0);
+    case NcclFeature::kShrink:
+      return nccl_version_code(2, 27, 0);
+    case NcclFeature::kRevoke:
+      return nccl_version_code(2, 28, 7);
   }
   return 0;
 }
 
 const char* nccl_feature_name(NcclFeature feature) {
   switch (feature) {
-    case NcclFeature::kNonBlocking: return "non-blocking communicators";
-    case NcclFeature::kShrink: return "ncclCommShrink";
-    case NcclFeature::kRevoke: return "ncclCommRevoke";
+    case NcclFeature::kNonBlocking:
+      return "non-blocking communicators";
+    case NcclFeature::kShrink:
+      return "ncclCommShrink";
+    case NcclFeature::kRevoke:
+      return "ncclCommRevoke";
   }
   return "?";
 }
@@ -145,8 +151,8 @@ Result<std::shared_ptr<const NcclLibrary>> NcclLibrary::from_table(const NcclApi
                   "NCCL " + format_nccl_version(version) + " from " + origin +
                       " is too old: resilient needs >= 2.14.0 (non-blocking communicators)");
   }
-  return std::shared_ptr<const NcclLibrary>(new NcclLibrary(api, version, std::move(origin),
-                                                            nullptr));
+  return std::shared_ptr<const NcclLibrary>(
+      new NcclLibrary(api, version, std::move(origin), nullptr));
 }
 
 Result<std::shared_ptr<const NcclLibrary>> NcclLibrary::load(const NcclLoadOptions& options) {
@@ -155,8 +161,7 @@ Result<std::shared_ptr<const NcclLibrary>> NcclLibrary::load(const NcclLoadOptio
   }
   std::vector<std::string> candidates;
   if (!options.path.empty()) {
-    candidates.push_back(is_directory(options.path) ? options.path + "/" + kLibName
-                                                    : options.path);
+    candidates.push_back(is_directory(options.path) ? options.path + "/" + kLibName : options.path);
   }
   if (options.search_system) candidates.emplace_back(kLibName);
   std::string attempts;
@@ -198,22 +203,27 @@ Result<std::shared_ptr<const NcclLibrary>> NcclLibrary::load(const NcclLoadOptio
       continue;
     }
     // Hand the handle to the library object so it is closed with it.
-    auto owned = std::shared_ptr<const NcclLibrary>(
-        new NcclLibrary(api, (*lib)->version(), origin, handle));
-    RESILIENT_LOG(kInfo, "comm: loaded NCCL " << format_nccl_version(owned->version())
-                                              << " from " << origin);
+    auto owned =
+        std::shared_ptr<const NcclLibrary>(new NcclLibrary(api, (*lib)->version(), origin, handle));
+    RESILIENT_LOG(
+        kInfo, "comm: loaded NCCL " << format_nccl_version(owned->version()) << " from " << origin);
     return owned;
   }
-  return Status(StatusCode::kUnavailable, "cannot load NCCL (set RESILIENT_NCCL_PATH to "
-                                          "torch's nvidia/nccl/lib):" + attempts);
+  return Status(StatusCode::kUnavailable,
+                "cannot load NCCL (set RESILIENT_NCCL_PATH to "
+                "torch's nvidia/nccl/lib):" +
+                    attempts);
 }
 
 bool NcclLibrary::supports(NcclFeature feature) const {
   if (version_ < nccl_min_version(feature)) return false;
   switch (feature) {
-    case NcclFeature::kNonBlocking: return true;
-    case NcclFeature::kShrink: return api_.comm_shrink != nullptr;
-    case NcclFeature::kRevoke: return api_.comm_revoke != nullptr;
+    case NcclFeature::kNonBlocking:
+      return true;
+    case NcclFeature::kShrink:
+      return api_.comm_shrink != nullptr;
+    case NcclFeature::kRevoke:
+      return api_.comm_revoke != nullptr;
   }
   return false;
 }

@@ -14,9 +14,12 @@ Result<RebuildMode> parse_rebuild_mode(std::string_view text) {
 
 const char* rebuild_mode_name(RebuildMode mode) {
   switch (mode) {
-    case RebuildMode::kAuto: return "auto";
-    case RebuildMode::kShrink: return "shrink";
-    case RebuildMode::kReinit: return "reinit";
+    case RebuildMode::kAuto:
+      return "auto";
+    case RebuildMode::kShrink:
+      return "shrink";
+    case RebuildMode::kReinit:
+      return "reinit";
   }
   return "?";
 }
@@ -32,9 +35,9 @@ CommOptions CommOptions::from_env() {
   o.collective_timeout = seconds("RESILIENT_COMM_COLLECTIVE_TIMEOUT_S", o.collective_timeout);
   o.quiesce_timeout = seconds("RESILIENT_COMM_QUIESCE_TIMEOUT_S", o.quiesce_timeout);
   o.store_timeout = seconds("RESILIENT_COMM_STORE_TIMEOUT_S", o.store_timeout);
-  int64_t poll_us = env_int("RESILIENT_COMM_POLL_INTERVAL_US",
-                            std::chrono::duration_cast<std::chrono::microseconds>(
-                                o.poll_interval).count());
+  int64_t poll_us =
+      env_int("RESILIENT_COMM_POLL_INTERVAL_US",
+              std::chrono::duration_cast<std::chrono::microseconds>(o.poll_interval).count());
   if (poll_us < 0) throw std::invalid_argument("RESILIENT_COMM_POLL_INTERVAL_US must be >= 0");
   o.poll_interval = std::chrono::microseconds(poll_us);
   if (auto mode = env_string("RESILIENT_COMM_REBUILD")) {

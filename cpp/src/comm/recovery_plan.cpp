@@ -7,18 +7,24 @@ namespace resilient::comm {
 
 const char* teardown_name(Teardown t) {
   switch (t) {
-    case Teardown::kNone: return "none";
-    case Teardown::kRevoke: return "revoke";
-    case Teardown::kShrinkAbort: return "shrink_abort";
-    case Teardown::kAbort: return "abort";
+    case Teardown::kNone:
+      return "none";
+    case Teardown::kRevoke:
+      return "revoke";
+    case Teardown::kShrinkAbort:
+      return "shrink_abort";
+    case Teardown::kAbort:
+      return "abort";
   }
   return "?";
 }
 
 const char* rebuild_name(Rebuild r) {
   switch (r) {
-    case Rebuild::kShrink: return "shrink";
-    case Rebuild::kReinit: return "reinit";
+    case Rebuild::kShrink:
+      return "shrink";
+    case Rebuild::kReinit:
+      return "reinit";
   }
   return "?";
 }
@@ -68,9 +74,9 @@ Result<int> survivor_rank(int old_rank, int old_size, const std::vector<int>& ex
   }
   for (int r : sorted) {
     if (r < 0 || r >= old_size) {
-      return Status(StatusCode::kInvalidArgument, "excluded rank " + std::to_string(r) +
-                                                      " outside [0, " +
-                                                      std::to_string(old_size) + ")");
+      return Status(
+          StatusCode::kInvalidArgument,
+          "excluded rank " + std::to_string(r) + " outside [0, " + std::to_string(old_size) + ")");
     }
   }
   if (std::binary_search(sorted.begin(), sorted.end(), old_rank)) {

@@ -33,14 +33,18 @@ Result<Feature> parse_feature(std::string_view text) {
   if (t == "auto") return Feature::kAuto;
   if (t == "on" || t == "1" || t == "true" || t == "yes") return Feature::kOn;
   if (t == "off" || t == "0" || t == "false" || t == "no") return Feature::kOff;
-  return Status(StatusCode::kInvalidArgument, "expected auto, on or off, got '" + std::string(text) + "'");
+  return Status(StatusCode::kInvalidArgument,
+                "expected auto, on or off, got '" + std::string(text) + "'");
 }
 
 const char* feature_name(Feature f) {
   switch (f) {
-    case Feature::kAuto: return "auto";
-    case Feature::kOn: return "on";
-    case Feature::kOff: return "off";
+    case Feature::kAuto:
+      return "auto";
+    case Feature::kOn:
+      return "on";
+    case Feature::kOff:
+      return "off";
   }
   return "?";
 }
@@ -55,14 +59,22 @@ Result<uint64_t> parse_bytes(std::string_view text) {
   }
   std::string suffix = trim(std::string_view(end));
   double mult = 1;
-  if (suffix.empty() || suffix == "b") mult = 1;
-  else if (suffix == "k" || suffix == "kb" || suffix == "kib") mult = 1024.0;
-  else if (suffix == "m" || suffix == "mb" || suffix == "mib") mult = 1024.0 * 1024;
-  else if (suffix == "g" || suffix == "gb" || suffix == "gib") mult = 1024.0 * 1024 * 1024;
-  else if (suffix == "t" || suffix == "tb" || suffix == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
-  else return Status(StatusCode::kInvalidArgument, "unknown size suffix in '" + std::string(text) + "'");
+  if (suffix.empty() || suffix == "b")
+    mult = 1;
+  else if (suffix == "k" || suffix == "kb" || suffix == "kib")
+    mult = 1024.0;
+  else if (suffix == "m" || suffix == "mb" || suffix == "mib")
+    mult = 1024.0 * 1024;
+  else if (suffix == "g" || suffix == "gb" || suffix == "gib")
+    mult = 1024.0 * 1024 * 1024;
+  else if (suffix == "t" || suffix == "tb" || suffix == "tib")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    return Status(StatusCode::kInvalidArgument,
+                  "unknown size suffix in '" + std::string(text) + "'");
   double bytes = v * mult;
-  if (bytes > 9.0e18) return Status(StatusCode::kInvalidArgument, "size too large: '" + std::string(text) + "'");
+  if (bytes > 9.0e18)
+    return Status(StatusCode::kInvalidArgument, "size too large: '" + std::string(text) + "'");
   return static_cast<uint64_t>(bytes);
 }
 
@@ -75,7 +87,8 @@ Result<int64_t> parse_int(std::string_view text) {
     return Status(StatusCode::kInvalidArgument, "not an integer: '" + std::string(text) + "'");
   }
   if (errno == ERANGE) {
-    return Status(StatusCode::kInvalidArgument, "integer out of range: '" + std::string(text) + "'");
+    return Status(StatusCode::kInvalidArgument,
+                  "integer out of range: '" + std::string(text) + "'");
   }
   return static_cast<int64_t>(x);
 }

@@ -7,20 +7,34 @@ namespace resilient {
 
 const char* status_code_name(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
-    case StatusCode::kCorrupt: return "Corrupt";
-    case StatusCode::kVersionMismatch: return "VersionMismatch";
-    case StatusCode::kIoError: return "IoError";
-    case StatusCode::kNoSpace: return "NoSpace";
-    case StatusCode::kTimeout: return "Timeout";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kAlreadyExists:
+      return "AlreadyExists";
+    case StatusCode::kCorrupt:
+      return "Corrupt";
+    case StatusCode::kVersionMismatch:
+      return "VersionMismatch";
+    case StatusCode::kIoError:
+      return "IoError";
+    case StatusCode::kNoSpace:
+      return "NoSpace";
+    case StatusCode::kTimeout:
+      return "Timeout";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kFailedPrecondition:
+      return "FailedPrecondition";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case StatusCode::kInternal:
+      return "Internal";
   }
   return "Unknown";
 }
@@ -48,7 +62,8 @@ std::string Status::to_string() const {
   std::string s = std::string(status_code_name(code_)) + ": " + message_;
   std::string extra;
   if (!path_.empty()) extra += "file=" + path_;
-  if (offset_) extra += (extra.empty() ? "" : " ") + std::string("offset=") + std::to_string(*offset_);
+  if (offset_)
+    extra += (extra.empty() ? "" : " ") + std::string("offset=") + std::to_string(*offset_);
   if (errno_) extra += (extra.empty() ? "" : " ") + std::string("errno=") + std::to_string(errno_);
   if (!extra.empty()) s += " [" + extra + "]";
   return s;
@@ -56,8 +71,8 @@ std::string Status::to_string() const {
 
 namespace detail {
 void check_failed(const char* file, int line, const char* cond, const std::string& msg) {
-  throw std::logic_error(std::string(file) + ":" + std::to_string(line) + ": check failed: " +
-                         cond + (msg.empty() ? "" : ": " + msg));
+  throw std::logic_error(std::string(file) + ":" + std::to_string(line) +
+                         ": check failed: " + cond + (msg.empty() ? "" : ": " + msg));
 }
 }  // namespace detail
 

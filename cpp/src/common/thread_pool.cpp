@@ -50,7 +50,8 @@ Result<std::vector<int>> parse_cpu_list(std::string_view text) {
   std::vector<int> cpus;
   auto bad = [&](std::string_view part) {
     return Status(StatusCode::kInvalidArgument, "CPU list '" + std::string(text) + "': bad part '" +
-                                                    std::string(part) + "' (expected e.g. 8-15 or 0,2,4-7)");
+                                                    std::string(part) +
+                                                    "' (expected e.g. 8-15 or 0,2,4-7)");
   };
   auto number = [](std::string_view s, int& out) {
     if (s.empty() || s.size() > 5) return false;
@@ -64,8 +65,8 @@ Result<std::vector<int>> parse_cpu_list(std::string_view text) {
   size_t start = 0;
   while (start < text.size()) {
     size_t comma = text.find(',', start);
-    std::string_view part = text.substr(start, comma == std::string_view::npos ? text.size() - start
-                                                                               : comma - start);
+    std::string_view part =
+        text.substr(start, comma == std::string_view::npos ? text.size() - start : comma - start);
     size_t dash = part.find('-');
     int lo = 0, hi = 0;
     if (dash == std::string_view::npos) {

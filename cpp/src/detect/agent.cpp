@@ -57,8 +57,8 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opt, std::shared_ptr<S
   }
   socklen_t len = sizeof self;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len);
-  return std::unique_ptr<Agent>(new Agent(std::move(opt), std::move(store), std::move(initial), fd,
-                                          ntohs(self.sin_port)));
+  return std::unique_ptr<Agent>(
+      new Agent(std::move(opt), std::move(store), std::move(initial), fd, ntohs(self.sin_port)));
 }
 
 Agent::Agent(AgentOptions opt, std::shared_ptr<Store> store, GenerationPtr initial, int fd,
@@ -150,9 +150,14 @@ std::vector<Event> Agent::poll_events(Duration timeout) {
 AgentMetrics Agent::metrics() {
   std::lock_guard lock(mu_);
   TimePoint now = SteadyClock::instance().now();
-  return AgentMetrics{core_.counters(), wire_, core_.peer_stats(now), core_.generation()->number,
-                      core_.generation()->live.size(), watchdog_.section(),
-                      to_seconds(watchdog_.limit()), watchdog_.step()};
+  return AgentMetrics{core_.counters(),
+                      wire_,
+                      core_.peer_stats(now),
+                      core_.generation()->number,
+                      core_.generation()->live.size(),
+                      watchdog_.section(),
+                      to_seconds(watchdog_.limit()),
+                      watchdog_.step()};
 }
 
 GenerationPtr Agent::generation() {
@@ -164,8 +169,10 @@ void Agent::sync_watch_sockets() {
   const auto& want = core_.watched();
   std::vector<std::pair<int32_t, int>> next;
   for (auto& [peer, fd] : watch_fds_) {
-    if (std::find(want.begin(), want.end(), peer) != want.end()) next.push_back({peer, fd});
-    else ::close(fd);
+    if (std::find(want.begin(), want.end(), peer) != want.end())
+      next.push_back({peer, fd});
+    else
+      ::close(fd);
   }
   for (int32_t peer : want) {
     bool have = std::any_of(next.begin(), next.end(), [&](auto& p) { return p.first == peer; });
@@ -202,7 +209,8 @@ void Agent::send_one(const Outgoing& o) {
     }
   } else {
     const std::string& a = (o.msg.type == MsgType::kAck && !reply_addr_[o.to].empty())
-                               ? reply_addr_[o.to] : addr_bytes_[o.to];
+                               ? reply_addr_[o.to]
+                               : addr_bytes_[o.to];
     if (a.empty()) return;
     rc = ::sendto(fd_, data.data(), data.size(), 0, reinterpret_cast<const sockaddr*>(a.data()),
                   sizeof(sockaddr_in));
@@ -224,11 +232,21 @@ void Agent::handle_datagram(const char* data, size_t n, const void* from, unsign
   auto msg = codec_.decode(std::string_view(data, n), &why);
   if (!msg.ok()) {
     switch (why) {
-      case DropReason::kBadMac: ++wire_.dropped_bad_mac; break;
-      case DropReason::kOtherJob: ++wire_.dropped_other_job; break;
-      case DropReason::kOtherRun: ++wire_.dropped_other_run; break;
-      case DropReason::kBadVersion: ++wire_.dropped_version; break;
-      default: ++wire_.dropped_malformed; break;
+      case DropReason::kBadMac:
+        ++wire_.dropped_bad_mac;
+        break;
+      case DropReason::kOtherJob:
+        ++wire_.dropped_other_job;
+        break;
+      case DropReason::kOtherRun:
+        ++wire_.dropped_other_run;
+        break;
+      case DropReason::kBadVersion:
+        ++wire_.dropped_version;
+        break;
+      default:
+        ++wire_.dropped_malformed;
+        break;
     }
     return;
   }
@@ -355,8 +373,8 @@ void Agent::store_loop() {
     if (result.ok()) {
       core_.on_generation(std::make_shared<const Generation>(std::move(result).value()), now);
     } else {
-      RESILIENT_LOG(kInfo, "detect: store request for generation " << req.number << " failed: "
-                                                                   << result.status().to_string());
+      RESILIENT_LOG(kInfo, "detect: store request for generation "
+                               << req.number << " failed: " << result.status().to_string());
       core_.on_store_error(req, now);
     }
     pump(now);

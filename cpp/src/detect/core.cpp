@@ -15,12 +15,18 @@ Duration env_ms(const char* name, Duration fallback) {
 
 const char* event_kind_name(Event::Kind k) {
   switch (k) {
-    case Event::Kind::kSuspect: return "suspect";
-    case Event::Kind::kUnsuspect: return "unsuspect";
-    case Event::Kind::kConfirm: return "confirm";
-    case Event::Kind::kGeneration: return "generation";
-    case Event::Kind::kEvicted: return "evicted";
-    case Event::Kind::kHang: return "hang";
+    case Event::Kind::kSuspect:
+      return "suspect";
+    case Event::Kind::kUnsuspect:
+      return "unsuspect";
+    case Event::Kind::kConfirm:
+      return "confirm";
+    case Event::Kind::kGeneration:
+      return "generation";
+    case Event::Kind::kEvicted:
+      return "evicted";
+    case Event::Kind::kHang:
+      return "hang";
   }
   return "?";
 }
@@ -48,8 +54,11 @@ CoreOptions CoreOptions::from_env(int32_t rank, int32_t world_size) {
 }
 
 DetectorCore::DetectorCore(CoreOptions opt, GenerationPtr initial, TimePoint now)
-    : opt_(std::move(opt)), gen_(std::move(initial)), replay_(opt_.freshness_window),
-      next_ping_(now), rng_(opt_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(opt_.rank)) {
+    : opt_(std::move(opt)),
+      gen_(std::move(initial)),
+      replay_(opt_.freshness_window),
+      next_ping_(now),
+      rng_(opt_.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(opt_.rank)) {
   RESILIENT_CHECK(gen_ != nullptr, "initial generation required");
   evicted_ = !gen_->contains(opt_.rank);
   rewatch(now);
@@ -100,10 +109,15 @@ bool DetectorCore::on_message(const Message& m, TimePoint now) {
     return false;
   }
   switch (replay_.admit(m.from, m.seq, m.time_ns, now)) {
-    case Admission::kAccept: break;
+    case Admission::kAccept:
+      break;
     case Admission::kDuplicate:
-    case Admission::kOldSeq: ++counters_.dropped_replay; return false;
-    case Admission::kStale: ++counters_.dropped_stale; return false;
+    case Admission::kOldSeq:
+      ++counters_.dropped_replay;
+      return false;
+    case Admission::kStale:
+      ++counters_.dropped_stale;
+      return false;
   }
   if (m.type == MsgType::kAck) {
     // Liveness evidence only as the answer to a ping of ours from the last freshness window

@@ -6,10 +6,14 @@ namespace resilient::detect {
 
 const char* admission_name(Admission a) {
   switch (a) {
-    case Admission::kAccept: return "accept";
-    case Admission::kDuplicate: return "duplicate";
-    case Admission::kOldSeq: return "old_seq";
-    case Admission::kStale: return "stale";
+    case Admission::kAccept:
+      return "accept";
+    case Admission::kDuplicate:
+      return "duplicate";
+    case Admission::kOldSeq:
+      return "old_seq";
+    case Admission::kStale:
+      return "stale";
   }
   return "?";
 }

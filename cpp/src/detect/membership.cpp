@@ -25,7 +25,9 @@ bool to_int(std::string_view s, int64_t* v) {
   return ec == std::errc() && p == s.data() + s.size();
 }
 
-Status corrupt(const std::string& why) { return Status(StatusCode::kCorrupt, "generation record: " + why); }
+Status corrupt(const std::string& why) {
+  return Status(StatusCode::kCorrupt, "generation record: " + why);
+}
 
 }  // namespace
 
@@ -48,7 +50,8 @@ std::string Generation::serialize() const {
   os << ";removed=";
   for (size_t i = 0; i < removed.size(); ++i) {
     if (i) os << ',';
-    os << removed[i].rank << ':' << static_cast<int>(removed[i].reason) << ':' << removed[i].section;
+    os << removed[i].rank << ':' << static_cast<int>(removed[i].reason) << ':'
+       << removed[i].section;
   }
   return os.str();
 }
@@ -68,17 +71,20 @@ Result<Generation> Generation::parse(std::string_view text) {
     int64_t a = 0, b = 0;
     if (!to_int(item.substr(0, dash), &a)) return corrupt("bad rank");
     b = a;
-    if (dash != std::string_view::npos && !to_int(item.substr(dash + 1), &b)) return corrupt("bad range");
+    if (dash != std::string_view::npos && !to_int(item.substr(dash + 1), &b))
+      return corrupt("bad range");
     if (a < 0 || b < a || (!g.live.empty() && a <= g.live.back())) return corrupt("unsorted ranks");
     for (int64_t r = a; r <= b; ++r) g.live.push_back(static_cast<int32_t>(r));
   }
   for (auto item : split(parts[2].substr(8), ',')) {
     auto f = split(item, ':');
     int64_t rank = 0, reason = 0;
-    if (f.size() != 3 || !to_int(f[0], &rank) || !to_int(f[1], &reason) || reason < 1 || reason > 3) {
+    if (f.size() != 3 || !to_int(f[0], &rank) || !to_int(f[1], &reason) || reason < 1 ||
+        reason > 3) {
       return corrupt("bad removal");
     }
-    g.removed.push_back({static_cast<int32_t>(rank), static_cast<Reason>(reason), std::string(f[2])});
+    g.removed.push_back(
+        {static_cast<int32_t>(rank), static_cast<Reason>(reason), std::string(f[2])});
   }
   return g;
 }
@@ -95,7 +101,8 @@ Generation Generation::next(const std::vector<Verdict>& failed) const {
     }
   }
   std::sort(gone.begin(), gone.end());
-  std::set_difference(live.begin(), live.end(), gone.begin(), gone.end(), std::back_inserter(n.live));
+  std::set_difference(live.begin(), live.end(), gone.begin(), gone.end(),
+                      std::back_inserter(n.live));
   std::sort(n.removed.begin(), n.removed.end(),
             [](const Verdict& a, const Verdict& b) { return a.rank < b.rank; });
   return n;
@@ -180,11 +187,12 @@ std::string generation_key(const std::string& prefix, uint64_t g) {
 
 Result<Generation> decide_generation(Store& store, const std::string& prefix,
                                      const Generation& proposal, Duration timeout) {
-  RESILIENT_ASSIGN_OR_RETURN(
-      std::string value,
-      store.compare_set(generation_key(prefix, proposal.number), "", proposal.serialize(), timeout));
+  RESILIENT_ASSIGN_OR_RETURN(std::string value,
+                             store.compare_set(generation_key(prefix, proposal.number), "",
+                                               proposal.serialize(), timeout));
   RESILIENT_ASSIGN_OR_RETURN(Generation g, Generation::parse(value));
-  if (g.number != proposal.number) return corrupt("number mismatch at " + std::to_string(proposal.number));
+  if (g.number != proposal.number)
+    return corrupt("number mismatch at " + std::to_string(proposal.number));
   return g;
 }
 

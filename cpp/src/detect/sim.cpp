@@ -87,7 +87,8 @@ class Sim {
     auto add = [&](int n, int kind) {
       for (int i = 0; i < n && static_cast<int>(used.size()) < o_.ranks / 2; ++i) {
         int32_t r;
-        do r = pick(rng_); while (used.count(r));
+        do r = pick(rng_);
+        while (used.count(r));
         used.insert(r);
         faults_.push_back({t0_ + from_seconds(when(rng_)), r, kind});
       }
@@ -176,9 +177,15 @@ class Sim {
       return;
     }
     switch (ev.kind) {
-      case EvKind::kDeliver: cores_[to]->on_message(ev.msg, now); break;
-      case EvKind::kUnreachable: cores_[to]->on_unreachable(ev.peer, now); break;
-      case EvKind::kStoreReply: cores_[to]->on_generation(ev.gen, now); break;
+      case EvKind::kDeliver:
+        cores_[to]->on_message(ev.msg, now);
+        break;
+      case EvKind::kUnreachable:
+        cores_[to]->on_unreachable(ev.peer, now);
+        break;
+      case EvKind::kStoreReply:
+        cores_[to]->on_generation(ev.gen, now);
+        break;
     }
     drain(to, now);
   }

@@ -63,9 +63,12 @@ std::string derive_key(const std::string& key, uint64_t job, std::string_view ru
 
 const char* reason_name(Reason r) {
   switch (r) {
-    case Reason::kCrash: return "crash";
-    case Reason::kUnresponsive: return "unresponsive";
-    case Reason::kHang: return "hang";
+    case Reason::kCrash:
+      return "crash";
+    case Reason::kUnresponsive:
+      return "unresponsive";
+    case Reason::kHang:
+      return "hang";
   }
   return "?";
 }

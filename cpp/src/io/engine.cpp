@@ -24,8 +24,10 @@ Status IoOptions::validate() const {
     return Status(StatusCode::kInvalidArgument, "invalid I/O setting: " + what);
   };
   if (request_bytes == 0 || request_bytes % kDirectAlignment != 0) {
-    return bad("request_bytes (RESILIENT_IO_REQUEST_BYTES) must be a positive multiple of 4096, "
-               "got " + std::to_string(request_bytes));
+    return bad(
+        "request_bytes (RESILIENT_IO_REQUEST_BYTES) must be a positive multiple of 4096, "
+        "got " +
+        std::to_string(request_bytes));
   }
   if (request_bytes > (1ull << 30)) {
     return bad("request_bytes (RESILIENT_IO_REQUEST_BYTES) must be at most 1 GiB, got " +

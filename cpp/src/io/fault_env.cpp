@@ -16,10 +16,9 @@
 namespace resilient::io {
 namespace {
 
-constexpr FileOp kAllOps[] = {FileOp::kOpen,   FileOp::kWrite, FileOp::kRead,
-                              FileOp::kFsync,  FileOp::kRename, FileOp::kUnlink,
-                              FileOp::kMkdir,  FileOp::kRmdir, FileOp::kTruncate,
-                              FileOp::kClose};
+constexpr FileOp kAllOps[] = {FileOp::kOpen,     FileOp::kWrite,  FileOp::kRead,  FileOp::kFsync,
+                              FileOp::kRename,   FileOp::kUnlink, FileOp::kMkdir, FileOp::kRmdir,
+                              FileOp::kTruncate, FileOp::kClose};
 
 struct Installed {
   std::mutex mu;
@@ -34,8 +33,8 @@ Installed& installed() {
 
 Result<int> parse_errno(const std::string& text) {
   static const std::pair<const char*, int> kNames[] = {
-      {"EIO", EIO}, {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EROFS", EROFS},
-      {"EAGAIN", EAGAIN}, {"EINTR", EINTR}, {"EACCES", EACCES}, {"ENOENT", ENOENT}};
+      {"EIO", EIO},       {"ENOSPC", ENOSPC}, {"EDQUOT", EDQUOT}, {"EROFS", EROFS},
+      {"EAGAIN", EAGAIN}, {"EINTR", EINTR},   {"EACCES", EACCES}, {"ENOENT", ENOENT}};
   for (const auto& [name, value] : kNames)
     if (text == name) return value;
   char* end = nullptr;
@@ -49,8 +48,8 @@ Result<uint32_t> parse_ops(const std::string& text) {
   size_t start = 0;
   while (start <= text.size()) {
     size_t comma = text.find(',', start);
-    std::string name = text.substr(start, comma == std::string::npos ? std::string::npos
-                                                                     : comma - start);
+    std::string name =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     if (!name.empty()) {
       bool found = false;
       for (FileOp op : kAllOps) {
@@ -59,7 +58,8 @@ Result<uint32_t> parse_ops(const std::string& text) {
           found = true;
         }
       }
-      if (!found) return Status(StatusCode::kInvalidArgument, "RESILIENT_FAULT_OPS: unknown op " + name);
+      if (!found)
+        return Status(StatusCode::kInvalidArgument, "RESILIENT_FAULT_OPS: unknown op " + name);
     }
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -92,8 +92,7 @@ Status install_fault_hook(const FaultSpec& spec) {
   auto hits = std::make_shared<std::atomic<int64_t>>(0);
   auto hook = [spec, seen, hits](FileOp op, const std::string& path) -> int {
     if (!(spec.ops & (1u << static_cast<int>(op)))) return 0;
-    if (!spec.path_contains.empty() && path.find(spec.path_contains) == std::string::npos)
-      return 0;
+    if (!spec.path_contains.empty() && path.find(spec.path_contains) == std::string::npos) return 0;
     if (!spec.trigger_file.empty()) {
       struct stat st;
       if (::stat(spec.trigger_file.c_str(), &st) != 0) return 0;

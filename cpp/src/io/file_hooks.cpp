@@ -81,16 +81,26 @@ bool fail_fd(FileOp op, int fd) {
 
 const char* file_op_name(FileOp op) {
   switch (op) {
-    case FileOp::kOpen: return "open";
-    case FileOp::kWrite: return "write";
-    case FileOp::kRead: return "read";
-    case FileOp::kFsync: return "fsync";
-    case FileOp::kRename: return "rename";
-    case FileOp::kUnlink: return "unlink";
-    case FileOp::kMkdir: return "mkdir";
-    case FileOp::kRmdir: return "rmdir";
-    case FileOp::kTruncate: return "truncate";
-    case FileOp::kClose: return "close";
+    case FileOp::kOpen:
+      return "open";
+    case FileOp::kWrite:
+      return "write";
+    case FileOp::kRead:
+      return "read";
+    case FileOp::kFsync:
+      return "fsync";
+    case FileOp::kRename:
+      return "rename";
+    case FileOp::kUnlink:
+      return "unlink";
+    case FileOp::kMkdir:
+      return "mkdir";
+    case FileOp::kRmdir:
+      return "rmdir";
+    case FileOp::kTruncate:
+      return "truncate";
+    case FileOp::kClose:
+      return "close";
   }
   return "unknown";
 }

@@ -25,10 +25,11 @@ struct ThreadEngine::Batch {
 ThreadEngine::ThreadEngine(const IoOptions& options) : options_(options) {
   int n = options_.threads < 1 ? 1 : options_.threads;
   workers_.reserve(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) workers_.emplace_back([this] {
-    set_thread_name("rs-io");
-    worker_loop();
-  });
+  for (int i = 0; i < n; ++i)
+    workers_.emplace_back([this] {
+      set_thread_name("rs-io");
+      worker_loop();
+    });
 }
 
 ThreadEngine::~ThreadEngine() {

@@ -64,13 +64,11 @@ int UringEngine::fixed_index(const std::byte* p, uint64_t n) const {
   return -1;
 }
 
-Status UringEngine::write(const File& file, std::span<const IoRequest> requests,
-                          Duration timeout) {
+Status UringEngine::write(const File& file, std::span<const IoRequest> requests, Duration timeout) {
   return run(Direction::kWrite, file, requests, timeout);
 }
 
-Status UringEngine::read(const File& file, std::span<const IoRequest> requests,
-                         Duration timeout) {
+Status UringEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout) {
   return run(Direction::kRead, file, requests, timeout);
 }
 
@@ -98,7 +96,7 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
     int hooked = file_hook(op, fd);
     if (hooked > 0) {
       return apply_result(dir, file, p, -hooked, error) == Next::kFail ? Prepared::kFailed
-                                                                        : Prepared::kRetry;
+                                                                       : Prepared::kRetry;
     }
     if (hooked < 0) n = std::min<uint64_t>(n, static_cast<uint64_t>(-hooked));
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
@@ -108,11 +106,15 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
     const int fixed = fixed_index(buf, n);
     const unsigned len = static_cast<unsigned>(n);
     if (dir == Direction::kWrite) {
-      if (fixed >= 0) io_uring_prep_write_fixed(sqe, fd, buf, len, at, fixed);
-      else io_uring_prep_write(sqe, fd, buf, len, at);
+      if (fixed >= 0)
+        io_uring_prep_write_fixed(sqe, fd, buf, len, at, fixed);
+      else
+        io_uring_prep_write(sqe, fd, buf, len, at);
     } else {
-      if (fixed >= 0) io_uring_prep_read_fixed(sqe, fd, buf, len, at, fixed);
-      else io_uring_prep_read(sqe, fd, buf, len, at);
+      if (fixed >= 0)
+        io_uring_prep_read_fixed(sqe, fd, buf, len, at, fixed);
+      else
+        io_uring_prep_read(sqe, fd, buf, len, at);
     }
     if (fixed >= 0) ++fixed_submissions_;
     io_uring_sqe_set_data64(sqe, i);

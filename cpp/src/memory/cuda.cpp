@@ -71,10 +71,9 @@ CudaLoad load_or_reason(const std::string& path_override) {
   int count = 0;
   int err = t->get_device_count(&count);
   if (err != kCudaSuccess || count <= 0) {
-    out.reason = err != kCudaSuccess
-                     ? std::string("no usable CUDA device: cudaGetDeviceCount: ") +
-                           t->get_error_string(err)
-                     : std::string("no CUDA device visible");
+    out.reason = err != kCudaSuccess ? std::string("no usable CUDA device: cudaGetDeviceCount: ") +
+                                           t->get_error_string(err)
+                                     : std::string("no CUDA device visible");
     delete t;  // the library stays loaded: unloading cudart after use is not safe
     return out;
   }
@@ -105,9 +104,9 @@ struct Loaded {
 const Loaded& loaded() {
   static const Loaded* l = [] {
     auto* out = new Loaded();
-    detail::CudaLoad load = detail::load_cuda_runtime(
-        env_feature("RESILIENT_CUDA", Feature::kAuto),
-        env_string("RESILIENT_CUDART_PATH").value_or(""));
+    detail::CudaLoad load =
+        detail::load_cuda_runtime(env_feature("RESILIENT_CUDA", Feature::kAuto),
+                                  env_string("RESILIENT_CUDART_PATH").value_or(""));
     if (load.table != nullptr) {
       out->runtime = new CudaRuntime(load.table);
     } else {
@@ -140,10 +139,14 @@ void* as_ptr(uintptr_t h) { return reinterpret_cast<void*>(h); }
 
 int copy_kind(CopyKind kind) {
   switch (kind) {
-    case CopyKind::kHostToDevice: return 1;
-    case CopyKind::kDeviceToHost: return 2;
-    case CopyKind::kDeviceToDevice: return 3;
-    case CopyKind::kDefault: return 4;
+    case CopyKind::kHostToDevice:
+      return 1;
+    case CopyKind::kDeviceToHost:
+      return 2;
+    case CopyKind::kDeviceToDevice:
+      return 3;
+    case CopyKind::kDefault:
+      return 4;
   }
   return 4;
 }
@@ -250,8 +253,8 @@ Status CudaRuntime::event_wait(EventHandle event, Duration timeout) const {
     RESILIENT_ASSIGN_OR_RETURN(bool done, event_query(event));
     if (done) return ok_status();
     if (std::chrono::steady_clock::now() >= deadline) {
-      return Status(StatusCode::kTimeout, "CUDA event not complete within " +
-                                              std::to_string(to_seconds(timeout)) + " s");
+      return Status(StatusCode::kTimeout,
+                    "CUDA event not complete within " + std::to_string(to_seconds(timeout)) + " s");
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));

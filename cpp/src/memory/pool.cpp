@@ -156,9 +156,9 @@ Result<Slab> HostPool::acquire(Duration timeout) {
     }
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && free_.empty() &&
         (all_.size() + pending_ + 1) * slab_bytes_ > budget_bytes_) {
-      return Status(StatusCode::kTimeout,
-                    "no host slab released within " + std::to_string(to_seconds(timeout)) +
-                        " s (budget " + std::to_string(budget_bytes_) + " bytes in use)");
+      return Status(StatusCode::kTimeout, "no host slab released within " +
+                                              std::to_string(to_seconds(timeout)) + " s (budget " +
+                                              std::to_string(budget_bytes_) + " bytes in use)");
     }
   }
 }

@@ -58,9 +58,12 @@ std::string format_ms(double seconds) {
 
 const char* phase_name(Phase phase) {
   switch (phase) {
-    case Phase::kCompute: return "compute";
-    case Phase::kHost: return "host";
-    case Phase::kWait: return "wait";
+    case Phase::kCompute:
+      return "compute";
+    case Phase::kHost:
+      return "host";
+    case Phase::kWait:
+      return "wait";
   }
   return "?";
 }
@@ -155,8 +158,7 @@ void StragglerDetector::reset() {
   ranks_.clear();
   ranks_.resize(world_size_);
   for (RankState& rs : ranks_) {
-    rs.baseline.assign(kNumPhases,
-                       RollingHistory(static_cast<size_t>(options_.history_windows)));
+    rs.baseline.assign(kNumPhases, RollingHistory(static_cast<size_t>(options_.history_windows)));
   }
 }
 
@@ -167,9 +169,9 @@ const CusumState& StragglerDetector::cusum_state(int rank) const {
 
 Result<WindowResult> StragglerDetector::update(const WindowInput& input) {
   if (static_cast<int>(input.ranks.size()) != world_size_) {
-    return Status(StatusCode::kInvalidArgument,
-                  "window has " + std::to_string(input.ranks.size()) + " ranks, detector expects " +
-                      std::to_string(world_size_));
+    return Status(StatusCode::kInvalidArgument, "window has " + std::to_string(input.ranks.size()) +
+                                                    " ranks, detector expects " +
+                                                    std::to_string(world_size_));
   }
   if (input.first_step <= last_step_) {
     return Status(StatusCode::kInvalidArgument,
@@ -190,8 +192,8 @@ Result<WindowResult> StragglerDetector::update(const WindowInput& input) {
     const double value = s.phases[worst].value;
     if (std::isfinite(base) && base > 0 && std::isfinite(value)) {
       // For the wait phase less is slower, so invert to keep ">1 = slower".
-      s.self_ratio = s.worst_phase == Phase::kWait ? (value > 0 ? base / value : kNotMeasured)
-                                                   : value / base;
+      s.self_ratio =
+          s.worst_phase == Phase::kWait ? (value > 0 ? base / value : kNotMeasured) : value / base;
     }
     for (int p = 0; p < kNumPhases; ++p) {
       if (!s.phases[p].slow) rs.baseline[p].push(s.phases[p].value);

@@ -27,15 +27,15 @@ namespace resilient::checkpoint {
 /// Engine settings; from_env() applies RESILIENT_* overrides (docs/SETTINGS.md).
 struct CheckpointOptions {
   std::string root;
-  int keep = 3;                       // committed steps kept; <= 0 keeps all
+  int keep = 3;  // committed steps kept; <= 0 keeps all
   int rank = 0;
   int world_size = 1;
-  uint64_t chunk_bytes = 16ull << 20; // RESILIENT_CHUNK_BYTES: checksum/compression unit
-  int zstd_level = 0;                 // RESILIENT_ZSTD_LEVEL: 0 = no compression
-  int copy_threads = 4;               // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
-  int restore_threads = 4;            // RESILIENT_RESTORE_THREADS
-  int background_nice = 10;          // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
-  std::string background_cpus;       // RESILIENT_BACKGROUND_CPUS: e.g. "8-15"; empty = unpinned
+  uint64_t chunk_bytes = 16ull << 20;  // RESILIENT_CHUNK_BYTES: checksum/compression unit
+  int zstd_level = 0;                  // RESILIENT_ZSTD_LEVEL: 0 = no compression
+  int copy_threads = 4;         // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
+  int restore_threads = 4;      // RESILIENT_RESTORE_THREADS
+  int background_nice = 10;     // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
+  std::string background_cpus;  // RESILIENT_BACKGROUND_CPUS: e.g. "8-15"; empty = unpinned
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
   io::IoOptions io;
   memory::PoolOptions pool;
@@ -65,7 +65,8 @@ struct SaveStats {
 /// One save in flight. Thread-safe.
 class SaveHandle {
  public:
-  SaveHandle(int64_t step, std::shared_ptr<DeviceCopies> copies) : step_(step), copies_(std::move(copies)) {}
+  SaveHandle(int64_t step, std::shared_ptr<DeviceCopies> copies)
+      : step_(step), copies_(std::move(copies)) {}
   int64_t step() const { return step_; }
   /// Waits until the snapshot no longer reads the caller's tensors (device copies complete).
   Status wait_snapshot(Duration timeout) const;

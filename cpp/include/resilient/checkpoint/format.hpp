@@ -50,8 +50,8 @@ struct TensorEntry {
 
 struct ShardEntry {
   int rank = 0;
-  std::string file;      // a plain file name inside the step directory
-  uint64_t bytes = 0;    // the data file's size
+  std::string file;    // a plain file name inside the step directory
+  uint64_t bytes = 0;  // the data file's size
 };
 
 struct Manifest {

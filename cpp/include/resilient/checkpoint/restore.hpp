@@ -36,11 +36,12 @@ struct RestoreOptions {
 /// kNotFound (tensor not in the checkpoint, missing shard file), kInvalidArgument (size mismatch
 /// with the target), kCorrupt (checksum mismatch, truncated file, bad compressed data: names the
 /// file and offset), kIoError, kTimeout. On error the targets hold unspecified bytes.
-Status restore_tensors(const std::string& step_dir, const Manifest& manifest, std::span<const ReadTarget> targets,
-                       const RestoreOptions& options, memory::HostPool& pool);
+Status restore_tensors(const std::string& step_dir, const Manifest& manifest,
+                       std::span<const ReadTarget> targets, const RestoreOptions& options,
+                       memory::HostPool& pool);
 
 /// Reads and verifies every chunk of the step without keeping the data (full integrity check).
-Status verify_step(const std::string& step_dir, const Manifest& manifest, const RestoreOptions& options,
-                   memory::HostPool& pool);
+Status verify_step(const std::string& step_dir, const Manifest& manifest,
+                   const RestoreOptions& options, memory::HostPool& pool);
 
 }  // namespace resilient::checkpoint

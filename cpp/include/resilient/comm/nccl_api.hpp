@@ -29,9 +29,18 @@ enum NcclResultCode : int {
 };
 
 /// ncclDataType_t values used by resilient.
-enum class NcclDataType : int { kInt8 = 0, kUint8 = 1, kInt32 = 2, kUint32 = 3, kInt64 = 4,
-                                kUint64 = 5, kFloat16 = 6, kFloat32 = 7, kFloat64 = 8,
-                                kBfloat16 = 9 };
+enum class NcclDataType : int {
+  kInt8 = 0,
+  kUint8 = 1,
+  kInt32 = 2,
+  kUint32 = 3,
+  kInt64 = 4,
+  kUint64 = 5,
+  kFloat16 = 6,
+  kFloat32 = 7,
+  kFloat64 = 8,
+  kBfloat16 = 9
+};
 /// ncclRedOp_t built-in values.
 enum class NcclRedOp : int { kSum = 0, kProd = 1, kMax = 2, kMin = 3, kAvg = 4 };
 
@@ -96,8 +105,8 @@ struct NcclApi {
   int (*comm_destroy)(NcclComm comm) = nullptr;
   int (*comm_count)(NcclComm comm, int* count) = nullptr;
   int (*comm_user_rank)(NcclComm comm, int* rank) = nullptr;
-  int (*all_reduce)(const void* send, void* recv, size_t count, int datatype, int op,
-                    NcclComm comm, void* stream) = nullptr;
+  int (*all_reduce)(const void* send, void* recv, size_t count, int datatype, int op, NcclComm comm,
+                    void* stream) = nullptr;
   int (*broadcast)(const void* send, void* recv, size_t count, int datatype, int root,
                    NcclComm comm, void* stream) = nullptr;
   const char* (*get_error_string)(int result) = nullptr;

@@ -23,11 +23,11 @@ void set_log_sink(std::function<void(LogLevel, std::string_view)> sink);
 
 }  // namespace resilient
 
-#define RESILIENT_LOG(level, expr)                                        \
-  do {                                                                    \
-    if (::resilient::log_enabled(::resilient::LogLevel::level)) {         \
-      std::ostringstream _os;                                             \
-      _os << expr;                                                        \
-      ::resilient::log_message(::resilient::LogLevel::level, _os.str());  \
-    }                                                                     \
+#define RESILIENT_LOG(level, expr)                                       \
+  do {                                                                   \
+    if (::resilient::log_enabled(::resilient::LogLevel::level)) {        \
+      std::ostringstream _os;                                            \
+      _os << expr;                                                       \
+      ::resilient::log_message(::resilient::LogLevel::level, _os.str()); \
+    }                                                                    \
   } while (0)

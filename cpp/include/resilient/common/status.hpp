@@ -14,16 +14,16 @@ namespace resilient {
 
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument,    // bad input from the caller (shape mismatch, unknown setting value)
-  kNotFound,           // a file, step, tensor or peer that does not exist
+  kInvalidArgument,  // bad input from the caller (shape mismatch, unknown setting value)
+  kNotFound,         // a file, step, tensor or peer that does not exist
   kAlreadyExists,
-  kCorrupt,            // checksum mismatch, truncated or malformed file
-  kVersionMismatch,    // a format version this build cannot read
-  kIoError,            // an OS error; errno() says which
-  kNoSpace,            // ENOSPC / EDQUOT
-  kTimeout,            // a deadline passed
+  kCorrupt,          // checksum mismatch, truncated or malformed file
+  kVersionMismatch,  // a format version this build cannot read
+  kIoError,          // an OS error; errno() says which
+  kNoSpace,          // ENOSPC / EDQUOT
+  kTimeout,          // a deadline passed
   kCancelled,
-  kUnavailable,        // a peer or feature (CUDA, NCCL, io_uring) is absent or gone
+  kUnavailable,  // a peer or feature (CUDA, NCCL, io_uring) is absent or gone
   kFailedPrecondition,
   kResourceExhausted,  // a budget (memory pool, queue) is exhausted
   kInternal,
@@ -50,9 +50,18 @@ class Status {
   const std::string& path() const { return path_; }
   std::optional<uint64_t> offset() const { return offset_; }
 
-  Status& with_errno(int e) { errno_ = e; return *this; }
-  Status& with_path(std::string p) { path_ = std::move(p); return *this; }
-  Status& with_offset(uint64_t o) { offset_ = o; return *this; }
+  Status& with_errno(int e) {
+    errno_ = e;
+    return *this;
+  }
+  Status& with_path(std::string p) {
+    path_ = std::move(p);
+    return *this;
+  }
+  Status& with_offset(uint64_t o) {
+    offset_ = o;
+    return *this;
+  }
   /// Prefixes the message with context ("saving step 7: ...").
   Status& prepend(const std::string& context);
 
@@ -73,8 +82,8 @@ inline Status ok_status() { return Status(); }
 template <typename T>
 class Result {
  public:
-  Result(T value) : v_(std::move(value)) {}                  // NOLINT(runtime/explicit)
-  Result(Status status) : v_(std::move(status)) {            // NOLINT(runtime/explicit)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(runtime/explicit)
+  Result(Status status) : v_(std::move(status)) {  // NOLINT(runtime/explicit)
     if (std::get<Status>(v_).ok()) throw std::logic_error("Result constructed from ok Status");
   }
   bool ok() const { return std::holds_alternative<T>(v_); }
@@ -82,9 +91,18 @@ class Result {
     static const Status kOk;
     return ok() ? kOk : std::get<Status>(v_);
   }
-  T& value() & { check(); return std::get<T>(v_); }
-  const T& value() const& { check(); return std::get<T>(v_); }
-  T&& value() && { check(); return std::get<T>(std::move(v_)); }
+  T& value() & {
+    check();
+    return std::get<T>(v_);
+  }
+  const T& value() const& {
+    check();
+    return std::get<T>(v_);
+  }
+  T&& value() && {
+    check();
+    return std::get<T>(std::move(v_));
+  }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
@@ -99,7 +117,8 @@ class Result {
 };
 
 namespace detail {
-[[noreturn]] void check_failed(const char* file, int line, const char* cond, const std::string& msg);
+[[noreturn]] void check_failed(const char* file, int line, const char* cond,
+                               const std::string& msg);
 }  // namespace detail
 
 }  // namespace resilient
@@ -108,10 +127,10 @@ namespace detail {
 #define RESILIENT_CONCAT_(a, b) RESILIENT_CONCAT_INNER_(a, b)
 
 /// Returns the Status from the enclosing function if `expr` is an error.
-#define RESILIENT_RETURN_IF_ERROR(expr)               \
-  do {                                                \
-    ::resilient::Status _st = (expr);                 \
-    if (!_st.ok()) return _st;                        \
+#define RESILIENT_RETURN_IF_ERROR(expr) \
+  do {                                  \
+    ::resilient::Status _st = (expr);   \
+    if (!_st.ok()) return _st;          \
   } while (0)
 
 #define RESILIENT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
@@ -124,11 +143,11 @@ namespace detail {
   RESILIENT_ASSIGN_OR_RETURN_IMPL_(RESILIENT_CONCAT_(_res_, __LINE__), lhs, expr)
 
 /// Programmer-error check: throws std::logic_error; the message is built only on failure.
-#define RESILIENT_CHECK(cond, msg)                                               \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      std::ostringstream _os;                                                    \
-      _os << msg;                                                                \
-      ::resilient::detail::check_failed(__FILE__, __LINE__, #cond, _os.str());   \
-    }                                                                            \
+#define RESILIENT_CHECK(cond, msg)                                             \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      std::ostringstream _os;                                                  \
+      _os << msg;                                                              \
+      ::resilient::detail::check_failed(__FILE__, __LINE__, #cond, _os.str()); \
+    }                                                                          \
   } while (0)

@@ -36,13 +36,13 @@ struct AgentOptions {
   WatchdogOptions watchdog;
   bool hang_watchdog = true;
   std::string job = "default";
-  std::string run_id;                    ///< one per launch of the job (docs/SECURITY.md)
-  std::string key;                       ///< HMAC key (required, >= 16 bytes)
-  std::vector<std::string> addresses;    ///< "ipv4:port" of every rank, indexed by rank
+  std::string run_id;                  ///< one per launch of the job (docs/SECURITY.md)
+  std::string key;                     ///< HMAC key (required, >= 16 bytes)
+  std::vector<std::string> addresses;  ///< "ipv4:port" of every rank, indexed by rank
   std::string store_prefix = "resilient/detect";
   Duration store_timeout = std::chrono::seconds(5);
   Duration poll_interval = std::chrono::milliseconds(10);
-  size_t max_events = 10000;             ///< oldest dropped past this
+  size_t max_events = 10000;  ///< oldest dropped past this
 };
 
 /// Datagram counters of the network thread.
@@ -98,7 +98,7 @@ class Agent {
   Agent(AgentOptions opt, std::shared_ptr<Store> store, GenerationPtr initial, int fd, int port);
   void net_loop();
   void store_loop();
-  void pump(TimePoint now);  // drains the core; mu_ held
+  void pump(TimePoint now);   // drains the core; mu_ held
   void sync_watch_sockets();  // mu_ held
   void send_one(const Outgoing& o);
   void handle_datagram(const char* data, size_t n, const void* from, unsigned from_len,
@@ -114,8 +114,8 @@ class Agent {
   std::mutex mu_;  // guards core_, watchdog_, watch_fds_, reply_addr_, counters
   DetectorCore core_;
   HangWatchdog watchdog_;
-  std::vector<std::pair<int32_t, int>> watch_fds_;       // peer -> connected socket
-  std::vector<std::string> reply_addr_;                  // last admitted ping source per rank
+  std::vector<std::pair<int32_t, int>> watch_fds_;  // peer -> connected socket
+  std::vector<std::string> reply_addr_;             // last admitted ping source per rank
   WireCounters wire_;
   std::deque<StoreRequest> store_queue_;
   std::condition_variable store_cv_;

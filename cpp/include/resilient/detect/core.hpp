@@ -70,25 +70,25 @@ struct Outgoing {
 struct StoreRequest {
   enum class Kind { kPropose, kRead } kind;
   uint64_t number = 0;
-  Generation proposal;                 ///< kPropose only
-  GenerationPtr base;                  ///< the generation the rank is at
+  Generation proposal;  ///< kPropose only
+  GenerationPtr base;   ///< the generation the rank is at
 };
 
 struct Event {
   enum class Kind { kSuspect, kUnsuspect, kConfirm, kGeneration, kEvicted, kHang };
   Kind kind;
   TimePoint at;
-  int32_t rank = -1;              ///< the peer (or self for kHang/kEvicted)
+  int32_t rank = -1;  ///< the peer (or self for kHang/kEvicted)
   uint64_t generation = 0;
-  std::vector<Verdict> removed;   ///< kGeneration: ranks no longer live
-  std::string detail;             ///< reason or section
+  std::vector<Verdict> removed;  ///< kGeneration: ranks no longer live
+  std::string detail;            ///< reason or section
 };
 const char* event_kind_name(Event::Kind k);
 
 struct PeerStats {
   int32_t rank;
   double phi;
-  double rtt_ms;       ///< EWMA of ping round trips; <0 before the first ack
+  double rtt_ms;  ///< EWMA of ping round trips; <0 before the first ack
   double mean_interval_ms;
   bool suspected;
 };
@@ -97,11 +97,11 @@ struct Counters {
   uint64_t messages_sent = 0, messages_received = 0, pings_sent = 0, acks_received = 0;
   uint64_t suspicions = 0, unsuspicions = 0, confirmations = 0, proposals = 0, generations = 0;
   uint64_t store_errors = 0;
-  uint64_t refusals = 0;            ///< refusal signals (ICMP port unreachable) taken as hints
-  uint64_t dropped_replay = 0;      ///< duplicates and sequence numbers below the window
-  uint64_t dropped_stale = 0;       ///< outside the freshness window (incl. acks to old pings)
-  uint64_t dropped_misdirected = 0; ///< addressed to another rank, from self, or unknown sender
-  uint64_t ignored_claims = 0;      ///< claims about another rank from a non-watcher
+  uint64_t refusals = 0;             ///< refusal signals (ICMP port unreachable) taken as hints
+  uint64_t dropped_replay = 0;       ///< duplicates and sequence numbers below the window
+  uint64_t dropped_stale = 0;        ///< outside the freshness window (incl. acks to old pings)
+  uint64_t dropped_misdirected = 0;  ///< addressed to another rank, from self, or unknown sender
+  uint64_t ignored_claims = 0;       ///< claims about another rank from a non-watcher
 };
 
 class DetectorCore {
@@ -144,12 +144,12 @@ class DetectorCore {
  private:
   struct Peer {
     PhiEstimator est;
-    uint64_t last_echo = 0;   // seq of the newest ping answered
+    uint64_t last_echo = 0;  // seq of the newest ping answered
     double rtt_ms = -1;
     bool suspected = false;
     TimePoint last_suspect_sent{};
-    uint32_t refusals = 0;    // since the last ack
-    TimePoint next_probe{};   // fast probing while refusals > 0
+    uint32_t refusals = 0;   // since the last ack
+    TimePoint next_probe{};  // fast probing while refusals > 0
   };
 
   void adopt(GenerationPtr g, TimePoint now);

@@ -41,8 +41,8 @@ class ReplayGuard {
 
  private:
   struct Sender {
-    uint64_t top = 0;     // highest accepted seq
-    uint64_t seen = 0;    // bit i: top - i was accepted
+    uint64_t top = 0;   // highest accepted seq
+    uint64_t seen = 0;  // bit i: top - i was accepted
     int64_t offset_ns = 0;
     TimePoint offset_at{};
   };

@@ -30,8 +30,8 @@ namespace resilient::detect {
 /// One decided generation. Immutable once built; shared between holders.
 struct Generation {
   uint64_t number = 0;
-  std::vector<int32_t> live;       ///< sorted ascending
-  std::vector<Verdict> removed;    ///< ranks removed going from number-1 to number
+  std::vector<int32_t> live;     ///< sorted ascending
+  std::vector<Verdict> removed;  ///< ranks removed going from number-1 to number
 
   bool contains(int32_t rank) const;
   /// Text form stored in the store: "g=<n>;live=<a-b,c,...>;removed=<rank:reason:section,...>".

@@ -12,7 +12,7 @@
 namespace resilient::detect {
 
 struct PhiOptions {
-  size_t window = 100;                          ///< inter-arrival samples kept
+  size_t window = 100;  ///< inter-arrival samples kept
   Duration min_stddev = std::chrono::milliseconds(100);
   Duration acceptable_pause = std::chrono::milliseconds(1000);
   Duration first_interval = std::chrono::milliseconds(100);  ///< prior before any sample

@@ -13,19 +13,19 @@ namespace resilient::detect {
 struct SimOptions {
   int ranks = 1024;
   double duration_s = 15;
-  double warmup_s = 3;          ///< failures are injected after this
-  double latency_ms = 0.3;      ///< one-way base latency
-  double jitter_ms = 0.5;       ///< mean of the exponential extra delay
-  double loss = 0.001;          ///< per-datagram loss probability
-  int crashes = 3;              ///< processes killed (their port refuses: fast path)
-  int silent_failures = 2;      ///< hosts frozen (no refusal: phi-accrual path)
-  int pauses = 5;               ///< ranks paused for pause_ms then resumed (must survive)
+  double warmup_s = 3;      ///< failures are injected after this
+  double latency_ms = 0.3;  ///< one-way base latency
+  double jitter_ms = 0.5;   ///< mean of the exponential extra delay
+  double loss = 0.001;      ///< per-datagram loss probability
+  int crashes = 3;          ///< processes killed (their port refuses: fast path)
+  int silent_failures = 2;  ///< hosts frozen (no refusal: phi-accrual path)
+  int pauses = 5;           ///< ranks paused for pause_ms then resumed (must survive)
   double pause_ms = 600;
   double store_latency_ms = 2;  ///< compare-and-set / read round trip
   double tick_ms = 10;          ///< agent poll interval
   int phi_window = 32;
   uint64_t seed = 1;
-  CoreOptions core;             ///< rank/world are filled in per rank
+  CoreOptions core;  ///< rank/world are filled in per rank
 };
 
 struct SimReport {
@@ -42,7 +42,7 @@ struct SimReport {
   double messages_per_rank_per_s = 0;
   uint64_t store_ops = 0;
   uint64_t generations = 0;
-  bool agreed = false;            ///< all survivors end on the same generation and live set
+  bool agreed = false;  ///< all survivors end on the same generation and live set
 };
 
 /// Runs one simulation. Cost grows with ranks x duration / tick.

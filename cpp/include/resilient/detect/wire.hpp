@@ -69,12 +69,12 @@ struct Message {
   uint64_t job = 0;
   uint64_t run = 0;
   int32_t from = -1;
-  int32_t to = -1;             ///< destination rank
+  int32_t to = -1;  ///< destination rank
   uint64_t generation = 0;
-  uint64_t seq = 0;            ///< sender's message counter, from 1, per run
-  int64_t time_ns = 0;         ///< sender's monotonic clock when sent
-  uint64_t echo_seq = 0;       ///< kAck: the ping's seq
-  int64_t echo_time_ns = 0;    ///< kAck: the ping's time_ns (the watcher's own clock)
+  uint64_t seq = 0;          ///< sender's message counter, from 1, per run
+  int64_t time_ns = 0;       ///< sender's monotonic clock when sent
+  uint64_t echo_seq = 0;     ///< kAck: the ping's seq
+  int64_t echo_time_ns = 0;  ///< kAck: the ping's time_ns (the watcher's own clock)
   uint64_t step = 0;
   std::vector<Verdict> verdicts;
   bool operator==(const Message&) const = default;

@@ -18,11 +18,11 @@ namespace resilient::io {
 
 /// I/O settings. Defaults come from the environment (see docs/SETTINGS.md).
 struct IoOptions {
-  Feature uring = Feature::kAuto;           // RESILIENT_IO_URING
-  Feature direct = Feature::kAuto;          // RESILIENT_O_DIRECT
-  uint64_t request_bytes = 16ull << 20;     // RESILIENT_IO_REQUEST_BYTES: max bytes per request
-  int queue_depth = 8;                      // RESILIENT_IO_QUEUE_DEPTH: requests in flight
-  int threads = 4;                          // RESILIENT_IO_THREADS: pwrite fallback pool size
+  Feature uring = Feature::kAuto;        // RESILIENT_IO_URING
+  Feature direct = Feature::kAuto;       // RESILIENT_O_DIRECT
+  uint64_t request_bytes = 16ull << 20;  // RESILIENT_IO_REQUEST_BYTES: max bytes per request
+  int queue_depth = 8;                   // RESILIENT_IO_QUEUE_DEPTH: requests in flight
+  int threads = 4;                       // RESILIENT_IO_THREADS: pwrite fallback pool size
 
   static IoOptions from_env();
   Status validate() const;

@@ -14,13 +14,13 @@ namespace resilient::io {
 /// What to inject. A call matches when its op is in `ops`, its path contains `path_contains`
 /// (empty: any path) and, if `trigger_file` is set, that file exists at the time of the call.
 struct FaultSpec {
-  uint32_t ops = 0;            ///< bitmask of 1 << FileOp
-  int error = 0;               ///< errno for matching calls (0: do not fail, only delay)
-  std::string path_contains;   ///< substring filter on the file's path
-  int64_t after = 0;           ///< let this many matching calls through first
-  int64_t count = 0;           ///< fail at most this many calls (0: unlimited)
-  std::string trigger_file;    ///< active only while this file exists (empty: always)
-  double delay_ms = 0;         ///< sleep this long in every matching call (slow storage)
+  uint32_t ops = 0;           ///< bitmask of 1 << FileOp
+  int error = 0;              ///< errno for matching calls (0: do not fail, only delay)
+  std::string path_contains;  ///< substring filter on the file's path
+  int64_t after = 0;          ///< let this many matching calls through first
+  int64_t count = 0;          ///< fail at most this many calls (0: unlimited)
+  std::string trigger_file;   ///< active only while this file exists (empty: always)
+  double delay_ms = 0;        ///< sleep this long in every matching call (slow storage)
 };
 
 /// Parses RESILIENT_FAULT_OPS ("write,fsync"), RESILIENT_FAULT_ERRNO ("EIO", "ENOSPC" or a

@@ -12,7 +12,16 @@
 namespace resilient::io {
 
 enum class FileOp {
-  kOpen, kWrite, kRead, kFsync, kRename, kUnlink, kMkdir, kRmdir, kTruncate, kClose
+  kOpen,
+  kWrite,
+  kRead,
+  kFsync,
+  kRename,
+  kUnlink,
+  kMkdir,
+  kRmdir,
+  kTruncate,
+  kClose
 };
 const char* file_op_name(FileOp op);
 

@@ -40,7 +40,7 @@ class CudaRuntime {
                       StreamHandle stream) const;
   Status stream_create(StreamHandle* stream) const;  // non-blocking stream
   Status stream_destroy(StreamHandle stream) const;
-  Status event_create(EventHandle* event) const;     // timing disabled
+  Status event_create(EventHandle* event) const;  // timing disabled
   Status event_destroy(EventHandle event) const;
   Status event_record(EventHandle event, StreamHandle stream) const;
   Status stream_wait_event(StreamHandle stream, EventHandle event) const;

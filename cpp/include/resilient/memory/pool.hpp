@@ -52,7 +52,7 @@ class Slab {
 
  private:
   friend class HostPool;
-class CudaRuntime;
+  class CudaRuntime;
   Slab(HostPool* pool, std::byte* data, uint64_t size, bool pinned)
       : pool_(pool), data_(data), size_(size), pinned_(pinned) {}
   HostPool* pool_ = nullptr;

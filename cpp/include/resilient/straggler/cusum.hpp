@@ -11,10 +11,10 @@ namespace resilient::straggler {
 /// Parameters of the detector. Invariants (checked by StragglerOptions::validate): drift > 0,
 /// threshold > 0, clip > drift, cap >= threshold.
 struct CusumParams {
-  double drift = 0.5;      ///< Subtracted every window: the evidence a window must exceed to grow S.
+  double drift = 0.5;  ///< Subtracted every window: the evidence a window must exceed to grow S.
   double threshold = 5.0;  ///< S >= threshold: the shift is persistent.
-  double clip = 2.0;       ///< Per-window evidence is clipped to [0, clip]: no single window alarms.
-  double cap = 10.0;       ///< S is capped so recovery after a long episode takes bounded time.
+  double clip = 2.0;  ///< Per-window evidence is clipped to [0, clip]: no single window alarms.
+  double cap = 10.0;  ///< S is capped so recovery after a long episode takes bounded time.
 };
 
 /// State of one detector (one rank). Plain value; copy it to branch.

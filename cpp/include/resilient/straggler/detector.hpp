@@ -15,7 +15,8 @@
 // The wait phase only corroborates (the collective's own duration is noisy across ranks): it is
 // slow only on the z rule, and only when the host phase's ratio is also >= min_ratio.
 // A rank is slow in a window when any phase is; its worst phase is the slow phase with the largest
-// ratio, compute and host taking precedence over wait. A rank is reported while slow, once slow for report_after consecutive windows. Persistence comes from a CUSUM per rank (cusum.hpp) fed with
+// ratio, compute and host taking precedence over wait. A rank is reported while slow, once slow for
+// report_after consecutive windows. Persistence comes from a CUSUM per rank (cusum.hpp) fed with
 // log(ratio) / log(min_ratio) for slow windows and 0 otherwise.
 
 #include <array>
@@ -65,22 +66,23 @@ struct PhaseScore {
 struct RankScore {
   int rank = 0;
   std::array<PhaseScore, kNumPhases> phases;
-  Phase worst_phase = Phase::kCompute;  ///< Slow phase with the largest ratio (wait last), else max z.
-  double ratio = kNotMeasured;          ///< Ratio of the worst phase.
-  double z = 0.0;                       ///< z of the worst phase.
+  Phase worst_phase =
+      Phase::kCompute;          ///< Slow phase with the largest ratio (wait last), else max z.
+  double ratio = kNotMeasured;  ///< Ratio of the worst phase.
+  double z = 0.0;               ///< z of the worst phase.
   bool slow = false;
-  double evidence = 0.0;      ///< CUSUM input of this window.
-  double cusum = 0.0;         ///< CUSUM after this window.
-  bool persistent = false;    ///< In a persistent excursion after this window.
+  double evidence = 0.0;             ///< CUSUM input of this window.
+  double cusum = 0.0;                ///< CUSUM after this window.
+  bool persistent = false;           ///< In a persistent excursion after this window.
   double self_ratio = kNotMeasured;  ///< Worst phase versus this rank's own recent baseline.
-  int64_t slow_streak = 0;    ///< Consecutive slow windows up to this one.
+  int64_t slow_streak = 0;           ///< Consecutive slow windows up to this one.
 };
 
 /// A named straggler with its evidence.
 struct StragglerReport {
   int rank = 0;
   Phase phase = Phase::kCompute;
-  double ratio = kNotMeasured;       ///< How much slower than the median, e.g. 1.23.
+  double ratio = kNotMeasured;  ///< How much slower than the median, e.g. 1.23.
   double z = 0.0;
   double value_s = kNotMeasured;     ///< This rank's seconds per step in that phase.
   double median_s = kNotMeasured;    ///< The cross-rank median of that phase.
@@ -89,8 +91,8 @@ struct StragglerReport {
   int64_t last_step = 0;             ///< Last step of the window that produced the report.
   bool persistent = false;           ///< false: transient so far.
   double cusum = 0.0;
-  int64_t flagged_windows = 0;       ///< Slow windows in the current excursion.
-  int64_t slow_streak = 0;           ///< Consecutive slow windows up to this one.
+  int64_t flagged_windows = 0;  ///< Slow windows in the current excursion.
+  int64_t slow_streak = 0;      ///< Consecutive slow windows up to this one.
 
   /// "rank 2 persistent straggler: compute 1.52x median (z=9.1, 12.0 ms vs 7.9 ms) since step 40"
   std::string to_string() const;
@@ -100,12 +102,12 @@ struct WindowResult {
   int64_t window = 0;  ///< 0-based index of the window.
   int64_t first_step = 0;
   int64_t last_step = 0;
-  std::vector<RankScore> scores;           ///< One per rank, index = rank.
+  std::vector<RankScore> scores;  ///< One per rank, index = rank.
   /// Ranks slow in this window and either slow for report_after consecutive windows or in a
   /// persistent excursion.
   std::vector<StragglerReport> reports;
-  std::vector<int> newly_persistent;       ///< Ranks that turned persistent in this window.
-  std::vector<int> recovered;              ///< Ranks whose persistent excursion ended.
+  std::vector<int> newly_persistent;  ///< Ranks that turned persistent in this window.
+  std::vector<int> recovered;         ///< Ranks whose persistent excursion ended.
 };
 
 /// Cross-rank scores of one window, without history (evidence/cusum/self_ratio left default).

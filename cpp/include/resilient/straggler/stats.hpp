@@ -51,7 +51,10 @@ class RollingHistory {
   size_t capacity() const { return buffer_.size(); }
   /// Median of the held values, NaN when empty.
   double median() const;
-  void clear() { size_ = 0; head_ = 0; }
+  void clear() {
+    size_ = 0;
+    head_ = 0;
+  }
 
  private:
   std::vector<double> buffer_;

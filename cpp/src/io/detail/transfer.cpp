@@ -26,7 +26,8 @@ Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRe
         (!aligned(reinterpret_cast<uintptr_t>(r.buf)) || !aligned(r.len) || !aligned(r.offset))) {
       return Status(StatusCode::kInvalidArgument,
                     "O_DIRECT request not aligned to 4096 bytes (buffer, length and offset must "
-                    "be; len=" + std::to_string(r.len) + ")")
+                    "be; len=" +
+                        std::to_string(r.len) + ")")
           .with_path(file.path())
           .with_offset(r.offset);
     }
@@ -56,10 +57,9 @@ Next apply_result(Direction dir, const File& file, Piece& piece, int64_t res, St
     // A read of 0 bytes is end of file. On a direct file a short read that leaves the position
     // unaligned is also end of file (the remainder could not even be requested).
     if (got == 0 || (got < remaining && file.direct() && !aligned(at + got))) {
-      error = Status(StatusCode::kCorrupt, "truncated: end of file at " +
-                                               std::to_string(at + got) + " while reading " +
-                                               std::to_string(piece.len - piece.done) +
-                                               " bytes at " + std::to_string(at))
+      error = Status(StatusCode::kCorrupt,
+                     "truncated: end of file at " + std::to_string(at + got) + " while reading " +
+                         std::to_string(piece.len - piece.done) + " bytes at " + std::to_string(at))
                   .with_path(file.path())
                   .with_offset(at + got);
       return Next::kFail;
