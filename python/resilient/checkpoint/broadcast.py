@@ -44,10 +44,13 @@ def broadcast_state(state: Any, src: int, group: Any = None,
     plan = None
     problem = ""
     if me != src:
-        def check(name: str, live: torch.Tensor | None, path: str) -> str | None:
+        def check(name: str, live: torch.Tensor | None, path: str,
+                  like: torch.Tensor | None = None) -> str | None:
             if name not in shapes:
                 return "the source sent no such tensor"
             dtype, shape = shapes[name]
+            if live is None and like is not None and type(like) is torch.Tensor:
+                live = torch.empty(shape, dtype=codec.dtype_from_name(dtype), device=like.device)
             if live is not None and (codec.dtype_name(live.dtype) != dtype
                                      or tuple(live.shape) != shape):
                 return (f"the source has {dtype}{list(shape)}, this rank "
