@@ -130,7 +130,29 @@ def _phase_partial(rank: int, world: int, root: str, kind: str) -> dict:
     return {"error": None}
 
 
-PHASES = {"save": _phase_save, "load": _phase_load, "partial": _phase_partial}
+# One process group per world size runs a sequence of (phase, kind, root) steps: spawning is
+# the slow part on a small CI host.
+SEQUENCES = {
+    4: [("save", "fsdp", "fsdp"), ("load", "fsdp", "fsdp"), ("save", "hsdp", "hsdp"),
+        ("load", "fsdp", "hsdp"), ("save", "fsdp_tp", "fsdp_tp"), ("load", "fsdp", "fsdp_tp")],
+    2: [("load", "fsdp-fresh", "fsdp"), ("save", "tp", "tp"), ("save", "replicated", "flat"),
+        ("load", "fsdp", "flat")],
+    1: [("load", "plain", "fsdp"), ("load", "plain", "tp")],
+}
+
+
+def _phase_sequence(rank: int, world: int, root: str, kind: str) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for phase, k, sub in SEQUENCES[world]:
+        out[f"{phase}/{k}/{sub}"] = PHASES[phase](rank, world, os.path.join(root, sub), k)
+        dist.barrier()
+    return out
+
+
+PHASES = {"save": _phase_save, "load": _phase_load, "partial": _phase_partial,
+          "sequence": _phase_sequence}
 
 
 def _worker(rank: int, phase: str, world: int, port: int, root: str, results: str,
@@ -147,9 +169,7 @@ def _worker(rank: int, phase: str, world: int, port: int, root: str, results: st
     os._exit(0)
 
 
-def _run(phase: str, world: int, kind: str, root, results, timeout=240) -> list[dict]:
-    if world == 1 and phase == "load" and kind == "plain":
-        os.environ.pop("RANK", None)
+def _run(phase: str, world: int, kind: str, root, results, timeout=300) -> list[dict]:
     rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root),
                               str(results), kind], timeout, f"{phase} {kind} x{world}")
     assert rc == 0, output[-4000:]
@@ -164,48 +184,39 @@ def _same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_fsdp_and_hsdp_state_saves_and_reshards_on_load(tmp_path):
+def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    fsdp, hsdp, flat = tmp_path / "fsdp", tmp_path / "hsdp", tmp_path / "flat"
-    saved = _run("save", 4, "fsdp", fsdp, results)[0]
+    four = _run("sequence", 4, "-", tmp_path, results)
+    saved = four[0]["save/fsdp/fsdp"]
     # the same mesh: bit-exact, and every rank agrees
-    loaded = _run("load", 4, "fsdp", fsdp, results)
-    for r in loaded:
-        assert r["step"] == 2
-        _same(r["model"], saved["model"])
-        _same(r["optim"], saved["optim"])
-        _same(r["after"], loaded[0]["after"])
-    # each rank wrote only its own chunks: 4 shard files, no rank wrote the whole model
-    sizes = sorted(p.stat().st_size for p in (fsdp / "step-000000000002").glob("rank-*.data"))
-    assert len(sizes) == 4
+    for r in four:
+        got = r["load/fsdp/fsdp"]
+        assert got["step"] == 2
+        _same(got["model"], saved["model"])
+        _same(got["optim"], saved["optim"])
+        _same(got["after"], four[0]["load/fsdp/fsdp"]["after"])
+    # each rank wrote only its own chunks: 4 shard files
+    assert len(list((tmp_path / "fsdp" / "step-000000000002").glob("rank-*.data"))) == 4
+    # HSDP 2x2 -> FSDP 4 (replicated chunks written once); FSDP+TP 2x2 (strided) -> FSDP 4
+    for src in ("hsdp", "fsdp_tp"):
+        for r in four:
+            _same(r[f"load/fsdp/{src}"]["model"], four[0][f"save/{src}/{src}"]["model"])
+            _same(r[f"load/fsdp/{src}"]["optim"], four[0][f"save/{src}/{src}"]["optim"])
     # FSDP 4 -> 2 into a fresh optimizer (its state is created sharded, like its parameters,
-    # so the next step does not mix Tensor and DTensor), and 4 -> one process (full tensors)
-    for r in _run("load", 2, "fsdp-fresh", fsdp, results):
-        _same(r["model"], saved["model"])
-        _same(r["optim"], saved["optim"])
-    one = _run("load", 1, "plain", fsdp, results)[0]
-    _same(one["model"], saved["model"])
-    _same(one["optim"], saved["optim"])
-    # HSDP 2x2 -> FSDP 4: replicated chunks written once, loaded onto another mesh
-    hsaved = _run("save", 4, "hsdp", hsdp, results)[0]
-    for r in _run("load", 4, "fsdp", hsdp, results):
-        _same(r["model"], hsaved["model"])
-        _same(r["optim"], hsaved["optim"])
-    # FSDP+TP 2x2 (strided sharding) -> FSDP 4, and TP 2 -> one process
-    tsaved = _run("save", 4, "fsdp_tp", tmp_path / "fsdp_tp", results)[0]
-    for r in _run("load", 4, "fsdp", tmp_path / "fsdp_tp", results):
-        _same(r["model"], tsaved["model"])
-        _same(r["optim"], tsaved["optim"])
-    psaved = _run("save", 2, "tp", tmp_path / "tp", results)[0]
-    one = _run("load", 1, "plain", tmp_path / "tp", results)[0]
-    _same(one["model"], psaved["model"])
-    _same(one["optim"], psaved["optim"])
-    # DDP-style replicated state -> FSDP 2
-    fsaved = _run("save", 2, "replicated", flat, results)[0]
-    for r in _run("load", 2, "fsdp", flat, results):
-        _same(r["model"], fsaved["model"])
-        _same(r["optim"], fsaved["optim"])
+    # so the next step does not mix Tensor and DTensor); DDP-style replicated -> FSDP 2
+    two = _run("sequence", 2, "-", tmp_path, results)
+    for r in two:
+        _same(r["load/fsdp-fresh/fsdp"]["model"], saved["model"])
+        _same(r["load/fsdp-fresh/fsdp"]["optim"], saved["optim"])
+        _same(r["load/fsdp/flat"]["model"], two[0]["save/replicated/flat"]["model"])
+        _same(r["load/fsdp/flat"]["optim"], two[0]["save/replicated/flat"]["optim"])
+    # FSDP 4 and TP 2 -> one process holding plain full tensors
+    one = _run("sequence", 1, "-", tmp_path, results)[0]
+    _same(one["load/plain/fsdp"]["model"], saved["model"])
+    _same(one["load/plain/fsdp"]["optim"], saved["optim"])
+    _same(one["load/plain/tp"]["model"], two[0]["save/tp/tp"]["model"])
+    _same(one["load/plain/tp"]["optim"], two[0]["save/tp/tp"]["optim"])
 
 
 @pytest.mark.timeout(300)
