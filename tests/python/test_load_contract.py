@@ -158,6 +158,46 @@ DTENSOR = textwrap.dedent("""
 """)
 
 
+DTENSOR_BAD = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    import resilient
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    with resilient.Checkpointer(sys.argv[1], create=True) as ck:
+        ck.save(1, {"model": nn.Linear(4, 4)}).wait()
+        wider = nn.Linear(4, 5)
+        fully_shard(wider)
+        before = {k: v.full_tensor().clone() for k, v in wider.state_dict().items()}
+        try:
+            ck.load({"model": wider})
+            print("LOADED")
+        except resilient.IncompatibleCheckpointError as e:
+            print("RAISED", e)
+        after = {k: v.full_tensor() for k, v in wider.state_dict().items()}
+        print("UNCHANGED", all(torch.equal(before[k], after[k]) for k in before))
+        try:
+            ck.save(2, {"model": wider}, rank_state={"x": wider.weight})
+            print("SAVED")
+        except TypeError as e:
+            print("SAVE-RAISED", e, ck.steps())
+    dist.destroy_process_group()
+""")
+
+
+def test_a_dtensor_target_of_another_global_shape_raises_and_nothing_changes(tmp_path,
+                                                                             free_port):
+    out = subprocess.run([sys.executable, "-c", DTENSOR_BAD, str(tmp_path / "c"),
+                          str(free_port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "RAISED" in out.stdout and "'model/weight'" in out.stdout, out.stdout
+    assert "[4, 4]" in out.stdout and "[5, 4]" in out.stdout, out.stdout
+    assert "UNCHANGED True" in out.stdout, out.stdout
+    assert "SAVE-RAISED" in out.stdout and "rank_state" in out.stdout, out.stdout
+    assert "[1]" in out.stdout  # step 2 was not saved
+
+
 def test_fsdp2_dtensor_targets_are_restored_not_skipped(tmp_path, free_port):
     """A null data_ptr() once meant "verify only": FSDP2 targets kept their random init. Now a
     DTensor target gets its local chunk (tests/python/test_dtensor_checkpoint.py reshards)."""

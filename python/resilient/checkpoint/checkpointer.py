@@ -224,6 +224,9 @@ def _check_savable(name: str, t: torch.Tensor) -> None:
     """Raises TypeError for a tensor tensor_descriptor() would refuse (checked before a save's
     collectives, so that one rank's refusal cannot leave the others inside them). DTensors
     arrive here as their local chunks."""
+    if type(t) is not torch.Tensor and is_dtensor(t):  # only rank_state still holds them
+        raise TypeError(f"tensor {name!r} cannot be saved: a DTensor in rank_state (per-rank "
+                        "state holds local tensors; sharded state belongs in the state)")
     if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
         why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
