@@ -1,5 +1,5 @@
 """The `resilient` console script. Each subcommand lives in its own module of this package
-(bench, sim, chaos, settings) and exposes `add_parser(subparsers)`, which registers the
+(bench, sim, chaos, settings, ckpt) and exposes `add_parser(subparsers)`, which registers the
 subcommand and sets `func(args) -> int`."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "sim": "resilient.cli.sim",
     "chaos": "resilient.cli.chaos",
     "settings": "resilient.cli.settings",
+    "ckpt": "resilient.cli.ckpt",
 }
 
 

@@ -1,0 +1,428 @@
+"""Converting checkpoints between resilient and other formats: safetensors (Hugging Face layout,
+sharded with an index above a size), torch.save files and torch.distributed.checkpoint (DCP)
+directories, both ways.
+
+Two kinds of export. A *whole-state* export (no key) writes every tensor of the step by its
+logical name ("model/fc1.weight", per-rank tensors "R<rank>/<name>") plus a small JSON record
+(format "resilient-export/1": the step and the state's documents, docs/FORMAT.md) so that
+import_checkpoint() rebuilds the same state, bit for bit, non-tensor values and Stateful
+structure included. A *key* export (key="model") writes only that entry's state dict with its
+own key names ("transformer.h.0.attn.c_attn.weight"): what `model.load_state_dict()` or, with
+a Hugging Face config, `from_pretrained()` reads.
+
+Import writes a one-rank checkpoint (any world size loads it: docs/STATE.md). Nothing is
+unpickled beyond torch.load(weights_only=True) and DCP's own reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from resilient.checkpoint import codec
+from resilient.checkpoint import root as roots
+from resilient.checkpoint.catalog import Progress, StepReader, no_progress
+from resilient.errors import CheckpointNotFoundError
+
+EXPORT_FORMAT = "resilient-export/1"
+META_KEY = "_resilient"  # the record's key in torch / DCP exports, and in safetensors metadata
+FORMATS = ("safetensors", "torch", "dcp")
+DEFAULT_SHARD = "5GB"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in "5GB" (decimal, as Hugging Face counts), "512MiB", "1000"."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 1GiB, 1048576)")
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    power = {"K": 1, "M": 2, "G": 3, "T": 4}.get(unit[0], 0)
+    base = 1024 if "I" in unit else 1000
+    size = int(number * base**power)
+    if size <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return size
+
+
+# -- export --------------------------------------------------------------------------------
+def export_checkpoint(root: str, out: str, fmt: str, step: int | None = None,
+                      key: str | None = None, max_shard_size: str | int = DEFAULT_SHARD,
+                      hf_config: str | None = None, progress: Progress = no_progress) -> dict:
+    """Writes `step` (default: the newest of the lineage) of `root` to `out` in `fmt`
+    ("safetensors": a directory; "torch": a file; "dcp": a directory). `key` exports one entry
+    of the state (its state dict, with its own key names); `hf_config`: a config.json, or a
+    directory whose config, generation config and tokenizer files are copied beside the
+    weights. Returns a summary (files, tensors, bytes, skipped non-tensor values)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    if hf_config is not None and fmt != "safetensors":
+        raise ValueError("--hf-config goes with --format safetensors")
+    with StepReader(root, step) as r:
+        if key is not None:
+            names, skipped = _key_tensors(r, key)
+        else:
+            names, skipped = {n: n for n in r.logical}, []
+        record = None if key is not None else _record(r)
+        summary: dict[str, Any] = {"root": os.path.abspath(root), "step": r.step, "format": fmt,
+                                   "key": key, "out": os.path.abspath(out),
+                                   "tensors": len(names), "skipped": skipped}
+        if fmt == "safetensors":
+            summary.update(_export_safetensors(r, names, out, record, parse_size(max_shard_size),
+                                               progress))
+            if hf_config is not None:
+                summary["hf_files"] = _copy_hf_files(hf_config, out)
+            return summary
+        tensors = dict(r.iter_tensors(list(names.values()), progress))
+        if key is not None:
+            state: Any = OrderedDict((k, tensors[n]) for k, n in names.items())
+            if fmt == "torch":
+                state = _key_state(r, key, tensors)
+        else:
+            state = _plain(r.state_doc, tensors)
+            if not isinstance(state, dict) or META_KEY in state:
+                state = {"state": state, "wrapped": True}
+            rank = {str(i): _plain(d, {n[len(f"R{i}/"):]: t for n, t in tensors.items()
+                                       if n.startswith(f"R{i}/")})
+                    for i, d in enumerate(r.rank_docs()) if d is not None}
+            state = {**state, META_KEY: {"record": json.dumps(record), "rank_state": rank}}
+        if fmt == "torch":
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            torch.save(state, out)
+            summary["files"] = [os.path.abspath(out)]
+        else:
+            _dcp_save(state, out)
+            summary["files"] = sorted(os.listdir(out))
+        summary["bytes"] = sum(t.nbytes for t in tensors.values())
+        return summary
+
+
+def _record(r: StepReader) -> dict[str, Any]:
+    return {"format": EXPORT_FORMAT, "step": r.step, "state": r.state_doc,
+            "rank_state": r.rank_docs()}
+
+
+def _key_doc(r: StepReader, key: str) -> Any:
+    doc = r.state_doc
+    items = codec.dict_items(doc) if isinstance(doc, dict) else None
+    keys = [str(k) for k, _ in items or ()]
+    for k, v in items or ():
+        if str(k) == key:
+            return v
+    raise ValueError(f"step {r.step} of {r.root} has no state entry {key!r} (it has "
+                     f"{', '.join(keys) or 'none'})")
+
+
+def _key_tensors(r: StepReader, key: str) -> tuple[dict[str, str], list[str]]:
+    """{state-dict key: logical tensor name} of entry `key`, and the non-tensor values skipped
+    (nested dicts are flattened with dots, as module state dicts are)."""
+    names: dict[str, str] = {}
+    skipped: list[str] = []
+
+    def walk(doc: Any, prefix: str) -> None:
+        doc = codec.unwrap(doc)
+        if isinstance(doc, dict):
+            tag = codec.tag_of(doc)
+            if tag in (codec.TENSOR, codec.NDARRAY):
+                names[prefix] = doc[tag]
+                return
+            items = codec.dict_items(doc)
+            if items is not None:
+                for k, v in items:
+                    walk(v, f"{prefix}.{k}" if prefix else str(k))
+                return
+        skipped.append(prefix or key)
+
+    walk(_key_doc(r, key), "")
+    if not names:
+        raise ValueError(f"state entry {key!r} of step {r.step} holds no tensors")
+    return names, skipped
+
+
+def _key_state(r: StepReader, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Entry `key` as plain Python (its state dict, with non-tensor values) for torch.save."""
+    return _plain(_key_doc(r, key), tensors)
+
+
+def _plain(doc: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state a document describes as torch-only Python (numpy arrays as tensors, numpy
+    scalars as Python numbers), which torch.load(weights_only=True) reads back; the export
+    record keeps the exact types."""
+
+    def torch_only(d: Any) -> Any:
+        if isinstance(d, list):
+            return [torch_only(v) for v in d]
+        if not isinstance(d, dict):
+            return d
+        tag = codec.tag_of(d)
+        if tag == codec.NDARRAY:
+            return {codec.TENSOR: d[tag]}
+        if tag == codec.NPSCALAR:
+            return torch_only(d["value"])
+        return {k: torch_only(v) for k, v in d.items()}
+
+    return codec.decode(torch_only(doc), lambda kind, name: tensors[name])
+
+
+def _shards(r: StepReader, names: dict[str, str], limit: int) -> list[list[str]]:
+    """Keys grouped into files of at most `limit` bytes (a larger tensor alone), in order."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k, n in names.items():
+        nb = r.logical[n].nbytes
+        if groups[-1] and size + nb > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += nb
+    return groups
+
+
+def _export_safetensors(r: StepReader, names: dict[str, str], out: str, record: Any,
+                        limit: int, progress: Progress) -> dict:
+    from safetensors.torch import save_file
+
+    _prepare_dir(out)
+    groups = _shards(r, names, limit)
+    metadata = {"format": "pt"}
+    if record is not None:
+        metadata[META_KEY] = json.dumps(record)
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total, done = {}, 0, 0
+    for i, (file, group) in enumerate(zip(files, groups)):
+        read = r.read([names[k] for k in group])
+        tensors = {k: read[names[k]].contiguous() for k in group}
+        save_file(tensors, os.path.join(out, file), metadata=metadata if i == 0 else
+                  {"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = file
+            total += t.nbytes
+        done += len(group)
+        progress(done, len(names), "tensors")
+        del read, tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        if record is not None:
+            index["metadata"][META_KEY] = json.dumps(record)
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+        files.append("model.safetensors.index.json")
+    return {"files": files, "bytes": total}
+
+
+def _prepare_dir(out: str) -> None:
+    if os.path.isfile(out):
+        raise FileExistsError(f"{out} is a file; the export writes a directory there")
+    os.makedirs(out, exist_ok=True)
+    stale = [n for n in os.listdir(out) if n.endswith(".safetensors") or n == ".metadata"
+             or n.endswith(".distcp") or n == "model.safetensors.index.json"]
+    if stale:
+        raise FileExistsError(f"{out} already holds {', '.join(sorted(stale)[:3])}; export "
+                              "into an empty or new directory")
+
+
+def _copy_hf_files(source: str, out: str) -> list[str]:
+    """Copies a Hugging Face config (a config.json, or the known files of a model
+    directory) into `out`, so that `from_pretrained(out)` finds them."""
+    if os.path.isfile(source):
+        with open(source) as f:
+            json.load(f)  # a config must at least be JSON
+        shutil.copyfile(source, os.path.join(out, "config.json"))
+        return ["config.json"]
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"Hugging Face config {source} does not exist")
+    copied = [n for n in HF_FILES if os.path.isfile(os.path.join(source, n))]
+    if "config.json" not in copied:
+        raise FileNotFoundError(f"{source} holds no config.json")
+    for n in copied:
+        shutil.copyfile(os.path.join(source, n), os.path.join(out, n))
+    return copied
+
+
+def _dcp_save(state: dict, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _prepare_dir(out)
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+
+
+# -- import --------------------------------------------------------------------------------
+class SavedState:
+    """A Stateful stand-in for an imported state dict: saved as `{"$stateful": ...}` exactly
+    as the module or optimizer it came from was, so load() into that object works."""
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def detect_format(src: str) -> str:
+    """"safetensors", "torch" or "dcp" for a source path; ValueError saying what it is not."""
+    if os.path.isdir(src):
+        names = os.listdir(src)
+        if ".metadata" in names:
+            return "dcp"
+        if any(n.endswith(".safetensors") for n in names):
+            return "safetensors"
+        if roots.is_root(src):
+            raise ValueError(f"{src} is already a resilient checkpoint root")
+        raise ValueError(f"{src} holds neither a DCP checkpoint (.metadata) nor .safetensors "
+                         "files")
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"{src} does not exist")
+    if src.endswith(".safetensors"):
+        return "safetensors"
+    with open(src, "rb") as f:
+        head = f.read(8)
+    if head[:2] == b"PK" or head[:1] == b"\x80":  # a zip (torch >= 1.6) or a legacy pickle
+        return "torch"
+    raise ValueError(f"{src} is neither a torch.save file nor a .safetensors file")
+
+
+def import_checkpoint(src: str, root: str, step: int | None = None, key: str | None = None,
+                      fmt: str | None = None, progress: Progress = no_progress) -> dict:
+    """Writes the checkpoint at `src` (a torch.save file, a safetensors file or directory, a DCP
+    directory) as a committed step of resilient root `root` (created if needed). A resilient
+    export is rebuilt exactly (its step unless `step` is given); anything else becomes the
+    state as loaded, under `key` when given (key="model": load({"model": model}) restores it),
+    at `step` (default 0)."""
+    from resilient.checkpoint.checkpointer import Checkpointer
+
+    fmt = fmt or detect_format(src)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    progress(0, 2, "reading")
+    record, tensors, loaded = _load_source(src, fmt)
+    progress(1, 2, "reading")
+    rank_state = None
+    dropped = 0
+    if record is not None:
+        if record.get("format") != EXPORT_FORMAT:
+            raise ValueError(f"{src}: export record of format {record.get('format')!r}, this "
+                             f"version reads {EXPORT_FORMAT!r}")
+        state = _rebuild(record["state"], tensors, "")
+        rank_docs = record.get("rank_state") or []
+        if rank_docs and rank_docs[0] is not None:
+            rank_state = _rebuild(rank_docs[0], tensors, "R0/")
+        dropped = sum(1 for d in rank_docs[1:] if d is not None)
+        step = record["step"] if step is None else step
+    else:
+        state = loaded if key is None else {key: loaded}
+        if not isinstance(state, dict):
+            raise ValueError(f"{src} holds a {type(state).__name__}; pass --key to store it "
+                             "under a name")
+        step = 0 if step is None else step
+    if os.path.exists(root) and not roots.is_root(root) and os.listdir(root):
+        raise CheckpointNotFoundError(roots.why_not_root(root).split(" (pass")[0] +
+                                      "; refusing to import into it", root)
+    with Checkpointer(root, keep=0, create=True, distributed=False) as ck:
+        if step in ck.steps():
+            raise FileExistsError(f"{root} already has step {step}; pass another --step")
+        ck.save(step, state, rank_state).wait()
+    progress(2, 2, "written")
+    return {"src": os.path.abspath(src), "format": fmt, "root": os.path.abspath(root),
+            "step": step, "exact": record is not None, "tensors": len(tensors),
+            "dropped_rank_states": dropped}
+
+
+def _load_source(src: str, fmt: str) -> tuple[dict | None, dict[str, torch.Tensor], Any]:
+    """(export record or None, tensors by logical name, the loaded object)."""
+    if fmt == "safetensors":
+        return _load_safetensors(src)
+    if fmt == "torch":
+        try:
+            loaded = torch.load(src, map_location="cpu", weights_only=True)
+        except Exception as e:  # an unpickling refusal or a damaged file: say which
+            raise ValueError(f"{src}: cannot be read as a torch.save file with "
+                             f"weights_only=True ({type(e).__name__}: {e})") from None
+    else:
+        loaded = _dcp_load(src)
+    record = None
+    if isinstance(loaded, dict) and isinstance(loaded.get(META_KEY), dict):
+        meta = loaded.pop(META_KEY)
+        record = json.loads(meta["record"])
+        state = loaded["state"] if loaded.get("wrapped") is True else loaded
+        tensors = dict(codec.encode(state).tensors)
+        for r, rank in (meta.get("rank_state") or {}).items():
+            tensors.update({f"R{r}/{n}": t for n, t in codec.encode(rank).tensors.items()})
+        return record, tensors, loaded
+    return None, dict(codec.encode(loaded).tensors), loaded
+
+
+def _load_safetensors(src: str) -> tuple[dict | None, dict[str, torch.Tensor], Any]:
+    from safetensors import safe_open
+
+    if os.path.isdir(src):
+        files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+        index = os.path.join(src, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(src, n) for n in files]
+    else:
+        paths = [src]
+    tensors: dict[str, torch.Tensor] = OrderedDict()
+    record = None
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            meta = f.metadata() or {}
+            if META_KEY in meta:
+                record = json.loads(meta[META_KEY])
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    return record, tensors, tensors
+
+
+def _dcp_load(src: str) -> dict:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process")
+        return _load_state_dict_from_keys(checkpoint_id=src)
+
+
+def _rebuild(doc: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+    """The state a document describes, with Stateful entries as SavedState (so saving it
+    writes the same document) and tensors from `tensors` ("<prefix><name>")."""
+    inner: list[Any] = []
+
+    def mark(d: Any) -> Any:
+        if isinstance(d, list):
+            return [mark(v) for v in d]
+        if isinstance(d, dict):
+            if codec.tag_of(d) == codec.STATEFUL:
+                inner.append(d[codec.STATEFUL])
+                return {codec.TENSOR: ("stateful", len(inner) - 1)}
+            return {k: mark(v) for k, v in d.items()}
+        return d
+
+    def tensor_for(kind: str, name: Any) -> Any:
+        if isinstance(name, tuple):
+            return SavedState(_rebuild(inner[name[1]], tensors, prefix))
+        t = tensors.get(prefix + name)
+        if t is None:
+            raise ValueError(f"the export record references tensor {prefix + name!r}, which "
+                             "the files do not hold")
+        return t
+
+    return codec.decode(mark(doc), tensor_for)
