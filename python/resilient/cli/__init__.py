@@ -1,6 +1,9 @@
-"""The `resilient` console script. Each subcommand lives in its own module of this package
-(bench, sim, chaos, settings, ckpt) and exposes `add_parser(subparsers)`, which registers the
-subcommand and sets `func(args) -> int`."""
+"""resilient: keep PyTorch training jobs running through failures (checkpoints, detection,
+recovery).
+
+The console script. Each subcommand lives in its own module of this package (bench, sim,
+chaos, settings, ckpt) and exposes `add_parser(subparsers)`, which registers the subcommand
+and sets `func(args) -> int`."""
 
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ _SUBCOMMANDS = {
     "ckpt": "resilient.cli.ckpt",
 }
 
+DESCRIPTION = ("Keep PyTorch training jobs running through failures: checkpoints, failure "
+               "detection, recovery.")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="resilient", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="resilient", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for _name, module_name in _SUBCOMMANDS.items():
         try:
