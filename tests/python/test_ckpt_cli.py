@@ -182,6 +182,27 @@ def test_user_errors_exit_2_naming_the_path(tmp_path, kind, root, capsys):
         assert err.startswith(f"resilient ckpt {argv[0]}: error: ") and not out
 
 
+def test_root_without_steps(tmp_path, capsys):
+    root = str(tmp_path / "empty")
+    Checkpointer(root, create=True, distributed=False).close()
+    rc, doc = run_json(capsys, "ckpt", "ls", root)
+    assert rc == 0 and doc["steps"] == [] and doc["head"] is None
+    rc, out, err = run_cli(capsys, "ckpt", "show", root)
+    assert rc == 2 and "holds no committed step" in err and root in err
+
+
+def test_export_refuses_to_overwrite(root, tmp_path, capsys):
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"keep me")
+    rc, _, err = run_cli(capsys, "ckpt", "export", root, str(out), "--format", "torch")
+    assert rc == 2 and "already exists" in err and out.read_bytes() == b"keep me"
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"x")
+    rc, _, err = run_cli(capsys, "ckpt", "export", root, str(tmp_path / "d"), "--format",
+                         "safetensors")
+    assert rc == 2 and "already holds model.safetensors" in err
+
+
 def test_console_script_error_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "resilient", "ckpt", "ls", str(tmp_path / "no")],
                        capture_output=True, text=True)
@@ -201,3 +222,48 @@ def test_progress_reports_without_tqdm(monkeypatch):
     report(1, 2, "steps")
     report(2, 2, "steps")
     assert stream.getvalue() == "\rsteps: 1/2\rsteps: 2/2\n"
+
+
+def _two_rank_worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+
+    from resilient.checkpoint import ShardSpec
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    specs = {"w": ShardSpec.split((8, 8), 0, rank, 2)}
+    with Checkpointer(root, keep=0, create=True, specs=specs) as ck:
+        ck.save(4, {"w": full[rank * 4:(rank + 1) * 4].clone(), "rep": torch.ones(3000, 100)},
+                {"r": torch.tensor([rank])}).wait()
+    dist.destroy_process_group()
+
+
+def _main_two_ranks(root: str, port: int) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_worker, args=(port, root), nprocs=2, start_method="spawn")
+
+
+def test_two_rank_root_lists_sharding_and_exports_global_tensors(tmp_path, free_port, capsys):
+    from procs import run_bounded
+
+    root = str(tmp_path / "r")
+    rc, output = run_bounded([sys.executable, __file__, root, str(free_port)], 120, "2 ranks")
+    assert rc == 0, output
+    rc, doc = run_json(capsys, "ckpt", "ls", root, "--verify")
+    (s,) = doc["steps"]
+    assert (s["world_size"], s["tensors"], s["sharded"], s["verified"]) == (2, 4, 2, True)
+    rc, doc = run_json(capsys, "ckpt", "show", root, "--tensors")
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["w"]["shape"] == [8, 8] and tensors["w"]["ranks"] == [0, 1]
+    assert set(tensors) == {"w", "rep", "R0/r", "R1/r"}
+    out = str(tmp_path / "w.pt")
+    assert main(["ckpt", "export", root, out, "--format", "torch"]) == 0
+    state = torch.load(out, weights_only=True)
+    assert torch.equal(state["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+    assert state["_resilient"]["rank_state"]["1"]["r"].item() == 1
+
+
+if __name__ == "__main__":
+    _main_two_ranks(sys.argv[1], int(sys.argv[2]))

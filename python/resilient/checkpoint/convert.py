@@ -98,6 +98,8 @@ def export_checkpoint(root: str, out: str, fmt: str, step: int | None = None,
                     for i, d in enumerate(r.rank_docs()) if d is not None}
             state = {**state, META_KEY: {"record": json.dumps(record), "rank_state": rank}}
         if fmt == "torch":
+            if os.path.exists(out):
+                raise FileExistsError(f"{out} already exists; export to a new file")
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             torch.save(state, out)
             summary["files"] = [os.path.abspath(out)]
