@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient.checkpoint import Checkpointer, catalog, convert
+from resilient.checkpoint import Checkpointer, catalog, convert, diff
 from resilient.cli import main
 
 pytest.importorskip("safetensors")
@@ -43,7 +43,7 @@ def assert_same_step(root_a: str, root_b: str, step_a: int | None = None) -> Non
         ta, tb = dict(a.iter_tensors()), dict(b.iter_tensors())
         assert ta.keys() == tb.keys()
         for name in ta:
-            assert catalog.same_bits(ta[name], tb[name]), name
+            assert diff.same_bits(ta[name], tb[name]), name
 
 
 def _save(root: str, step: int, state, rank_state=None) -> str:

@@ -1,11 +1,11 @@
 """Looking at a checkpoint root without loading it into a model: its steps and lineage
-(list_root), one step's contents (describe_step), a full re-check of every checksum
-(verify_step) and a tensor-by-tensor comparison of two steps (diff_steps).
+(list_root) and one step's contents (describe_step). verify.py re-checks every checksum,
+diff.py compares two steps, convert.py exports and imports; all of them read through
+StepReader, which assembles each logical tensor to its global shape, a batch at a time.
 
 Everything here reads through the native engine (manifest parsing with its seal check, chunk
 checksums, O_NOFOLLOW below the root) and never takes the writer lock, so it is safe to run
-while a job is saving to the root. StepReader is the reading primitive the converters
-(convert.py) share: it assembles each logical tensor to its global shape, a batch at a time.
+while a job is saving to the root.
 """
 
 from __future__ import annotations
@@ -61,14 +61,29 @@ class Logical:
         return math.prod(self.shape) * size
 
 
+def open_engine(root: str) -> Any:
+    """The native engine, opened for reading `root` (it writes nothing until asked to save)."""
+    opts = _C.CheckpointOptions(root)
+    opts.keep = 0
+    return _C.Checkpointer(opts)
+
+
 class StepReader:
     """One committed step of a root, opened for reading (this process alone)."""
 
-    def __init__(self, root: str, step: int | None = None):
+    def __init__(self, root: str, step: int | None = None, engine: Any = None):
+        """`engine`: a native reader from open_engine() to share (several steps of one root);
+        by default the reader opens its own and close() closes it."""
         self.root = check_root(root)
-        opts = _C.CheckpointOptions(self.root)
-        opts.keep = 0
-        self._engine = _C.Checkpointer(opts)
+        self._owned = engine is None
+        self._engine = open_engine(self.root) if engine is None else engine
+        try:
+            self._open(step)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, step: int | None) -> None:
         steps = list(_C.committed_steps(self.root))
         if not steps:
             raise CheckpointNotFoundError(f"{self.root} holds no committed step", self.root)
@@ -78,7 +93,7 @@ class StepReader:
             step = good[0] if good else steps[-1]
         elif step not in steps:
             raise CheckpointNotFoundError(
-                f"{self.root} has no committed step {step} (it has {_ranges(steps)})", self.root)
+                f"{self.root} has no committed step {step} (it has {step_list(steps)})", self.root)
         self.step = int(step)
         self.manifest = self._engine.manifest(self.step)
         self.entries = {e["name"]: e for e in self.manifest.tensors()}
@@ -125,7 +140,8 @@ class StepReader:
                 batch, size = [], 0
 
     def close(self) -> None:
-        self._engine.close(None)
+        if self._owned:
+            self._engine.close(None)
 
     def __enter__(self) -> StepReader:
         return self
@@ -142,15 +158,16 @@ def _values(manifest: Any, step_path: str) -> dict:
                                                                for r in ranks):
             raise ValueError("no per-rank records")
         for r in ranks:
-            codec.decode(r.get("state"), _placeholder)
-            codec.decode(r.get("rank_state"), _placeholder)
+            codec.decode(r.get("state"), placeholder)
+            codec.decode(r.get("rank_state"), placeholder)
         return values
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"malformed checkpoint values: {e}",
                                      path=os.path.join(step_path, "manifest.json")) from None
 
 
-def _placeholder(kind: str, name: str) -> Any:
+def placeholder(kind: str, name: str) -> Any:
+    """A codec.decode tensor source that checks names and reads nothing."""
     if not isinstance(name, str):
         raise ValueError("a tensor name is not a string")
     return torch.empty(0)
@@ -175,7 +192,7 @@ def _logical(entries: dict[str, dict]) -> dict[str, Logical]:
     return out
 
 
-def _ranges(steps: list[int]) -> str:
+def step_list(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 12 else (
         f"{len(steps)} steps, {steps[0]}..{steps[-1]}")
 
@@ -225,6 +242,7 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
     out = RootInfo(os.path.abspath(path), chain[0] if chain else None, latest)
     out.in_progress = sorted(n for n in os.listdir(path) if n.startswith(".tmp-step-"))
     current = set(chain)
+    engine = open_engine(path) if steps else None
     for i, s in enumerate(steps):
         li = info[s]
         if li is roots.DAMAGED:
@@ -233,7 +251,7 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
             kind = "current" if s in current else "abandoned"
             si = StepInfo(s, li.seq if li else None, li.parent_step if li else None, kind)
         try:
-            with StepReader(path, s) as r:
+            with StepReader(path, s, engine) as r:
                 si.world_size = r.manifest.world_size
                 si.tensors = len(r.logical)
                 si.sharded = sum(1 for lg in r.logical.values() if len(lg.pieces) > 1)
@@ -248,6 +266,8 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
             si.error = _describe_error(e)
         out.steps.append(si)
         progress(i + 1, len(steps), "steps")
+    if engine is not None:
+        engine.close(None)
     return out
 
 
@@ -316,278 +336,6 @@ def _kind(doc: Any) -> Any:
         if tag in (codec.TENSOR, codec.NDARRAY):
             return f"tensor {doc[tag]}"
         if tag not in (None, codec.DICT, codec.ODICT):
-            return codec.decode(doc, _placeholder) if refs == 0 else f"{tag[1:]} ({refs} tensors)"
+            return codec.decode(doc, placeholder) if refs == 0 else f"{tag[1:]} ({refs} tensors)"
         return f"dict ({refs} tensors)"
     return f"list ({refs} tensors)"
-
-
-# -- verify --------------------------------------------------------------------------------
-@dataclass
-class Problem:
-    """Something `verify` found wrong: the step, the file, the byte offset where known."""
-
-    step: int
-    file: str
-    offset: int | None
-    message: str
-
-
-def verify_root(path: str, step: int | None = None, progress: Progress = no_progress
-                ) -> tuple[list[int], list[Problem]]:
-    """Re-checks `step` (default: every committed step): its lineage record's checksum, the
-    manifest's seal and structure (values included), every chunk's checksum. Returns the steps
-    checked and the problems found."""
-    check_root(path)
-    steps = list(_C.committed_steps(path))
-    if step is not None:
-        if step not in steps:
-            raise CheckpointNotFoundError(
-                f"{path} has no committed step {step} (it has {_ranges(steps)})", path)
-        steps = [step]
-    problems: list[Problem] = []
-    for i, s in enumerate(steps):
-        problems += verify_step(path, s)
-        progress(i + 1, len(steps), "steps verified")
-    return steps, problems
-
-
-def verify_step(path: str, step: int) -> list[Problem]:
-    sdir = roots.step_dir(path, step)
-    problems = []
-    try:
-        if roots.read_lineage(path, step) is roots.DAMAGED:
-            problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None,
-                                    "lineage record fails its checksum or does not parse"))
-    except OSError as e:
-        problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None, str(e)))
-    try:
-        with StepReader(path, step) as r:
-            r.verify()
-    except CorruptCheckpointError as e:
-        file = e.path or os.path.join(sdir, "manifest.json")
-        offset = e.offset
-        msg = str(e)
-        if offset is None and os.path.basename(file) == "manifest.json":
-            located = locate_manifest_damage(sdir)
-            if located is not None:
-                offset, where = located
-                msg += f"; first difference from the rank manifests at {where}"
-        problems.append(Problem(step, file, offset, msg))
-    except OSError as e:
-        problems.append(Problem(step, getattr(e, "filename", None) or sdir, None, str(e)))
-    return problems
-
-
-def locate_manifest_damage(step_path: str) -> tuple[int, str] | None:
-    """For a manifest.json whose seal fails: the byte offset and JSON path of the first value
-    that differs from the (separately sealed) rank-<r>.json manifests it was merged from, or
-    None when that cannot be told."""
-    try:
-        with open(os.path.join(step_path, "manifest.json"), "rb") as f:
-            text = f.read().decode()
-        doc, where = _positions(text)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("values"), dict):
-        return None
-    ranks = doc["values"].get("ranks") or []
-    tensors = doc.get("tensors") or []
-    for r in range(len(ranks)):
-        try:
-            with open(os.path.join(step_path, f"rank-{r}.json")) as f:
-                rank_text = f.read()
-            _C.parse_manifest(rank_text, f"rank-{r}.json")  # its own seal must hold
-            rank_doc = json.loads(rank_text)
-        except (OSError, ValueError, CorruptCheckpointError):
-            continue
-        found = _first_difference(ranks[r], rank_doc.get("values"), ("values", "ranks", r))
-        if found is None:
-            mine = [(i, t) for i, t in enumerate(tensors)
-                    if isinstance(t, dict) and t.get("name") in
-                    {x.get("name") for x in rank_doc.get("tensors", [])}]
-            theirs = {x.get("name"): x for x in rank_doc.get("tensors", [])}
-            for i, t in mine:
-                other = dict(theirs[t["name"]])
-                other["shard"] = t.get("shard")  # renumbered by the merge
-                found = _first_difference(t, other, ("tensors", i))
-                if found is not None:
-                    break
-        if found is not None and found in where:
-            return where[found], _path_str(found)
-    return None
-
-
-def _first_difference(a: Any, b: Any, path: tuple) -> tuple | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if k not in a or k not in b:
-                return path if k not in a else (*path, k)
-            d = _first_difference(a[k], b[k], (*path, k))
-            if d is not None:
-                return d
-        return None
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = _first_difference(x, y, (*path, i))
-            if d is not None:
-                return d
-        return None
-    return None if a == b and type(a) is type(b) else path
-
-
-def _path_str(path: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-
-
-def _positions(text: str) -> tuple[Any, dict[tuple, int]]:
-    """Parses JSON `text`, recording the byte offset at which each value starts by its path."""
-    where: dict[tuple, int] = {}
-    decoder = json.JSONDecoder()
-
-    def skip(i: int) -> int:
-        while i < len(text) and text[i] in " \t\r\n":
-            i += 1
-        return i
-
-    def value(i: int, path: tuple) -> tuple[Any, int]:
-        i = skip(i)
-        where[path] = len(text[:i].encode())
-        if text[i] == "{":
-            out, i = {}, skip(i + 1)
-            if text[i] == "}":
-                return out, i + 1
-            while True:
-                key, i = decoder.raw_decode(text, skip(i))
-                i = skip(i)
-                if text[i] != ":":
-                    raise ValueError("expected ':'")
-                out[key], i = value(i + 1, (*path, key))
-                i = skip(i)
-                if text[i] == "}":
-                    return out, i + 1
-                if text[i] != ",":
-                    raise ValueError("expected ','")
-                i += 1
-        if text[i] == "[":
-            items, i = [], skip(i + 1)
-            if text[i] == "]":
-                return items, i + 1
-            while True:
-                v, i = value(i, (*path, len(items)))
-                items.append(v)
-                i = skip(i)
-                if text[i] == "]":
-                    return items, i + 1
-                if text[i] != ",":
-                    raise ValueError("expected ','")
-                i += 1
-        return decoder.raw_decode(text, i)
-
-    doc, _ = value(0, ())
-    return doc, where
-
-
-# -- diff ----------------------------------------------------------------------------------
-@dataclass
-class TensorDiff:
-    name: str
-    status: str  # "equal", "differs", "only_a", "only_b", "mismatch" (dtype or shape)
-    detail: str = ""
-    max_abs_diff: float | None = None
-    differing: int | None = None  # elements that differ
-    numel: int | None = None
-
-
-def diff_steps(root_a: str, root_b: str, step_a: int | None = None, step_b: int | None = None,
-               progress: Progress = no_progress) -> dict[str, Any]:
-    """Compares two steps tensor by tensor (bitwise: NaNs in the same places are equal) and
-    their non-tensor values. Returns {"a", "b", "tensors": [TensorDiff...], "values": [...]}."""
-    with StepReader(root_a, step_a) as ra, StepReader(root_b, step_b) as rb:
-        la, lb = ra.logical, rb.logical
-        out: list[TensorDiff] = []
-        common = []
-        for n in la:
-            if n not in lb:
-                out.append(TensorDiff(n, "only_a"))
-            elif (la[n].dtype, la[n].shape) != (lb[n].dtype, lb[n].shape):
-                out.append(TensorDiff(n, "mismatch", f"{la[n].dtype}{list(la[n].shape)} vs "
-                                                     f"{lb[n].dtype}{list(lb[n].shape)}"))
-            else:
-                common.append(n)
-        out += [TensorDiff(n, "only_b") for n in lb if n not in la]
-        it_b = rb.iter_tensors(common, batch_bytes=BATCH_BYTES // 2)
-        for name, ta in ra.iter_tensors(common, progress, batch_bytes=BATCH_BYTES // 2):
-            name_b, tb = next(it_b)
-            assert name_b == name
-            out.append(compare(name, ta, tb))
-        values = _value_diffs(ra.state_doc, rb.state_doc)
-        return {"a": {"root": os.path.abspath(root_a), "step": ra.step},
-                "b": {"root": os.path.abspath(root_b), "step": rb.step},
-                "tensors": out, "values": values}
-
-
-def compare(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
-    """Bitwise equality, then how far apart: elements that differ, largest absolute difference
-    (in float64; for complex, of the modulus)."""
-    if a.numel() == 0 or torch.equal(_bits(a), _bits(b)):
-        return TensorDiff(name, "equal", numel=a.numel())
-    ab, bb = _bits(a).reshape(a.numel(), -1), _bits(b).reshape(b.numel(), -1)
-    differing = int((ab != bb).any(dim=1).sum())
-    try:
-        da, db = a.to(torch.complex128 if a.is_complex() else torch.float64), b.to(
-            torch.complex128 if b.is_complex() else torch.float64)
-        d = (da - db).abs()
-        d = torch.where(torch.isnan(d), torch.tensor(math.inf, dtype=d.dtype), d)
-        max_abs = float(d.max())
-    except (RuntimeError, TypeError):  # dtypes torch cannot convert (some float8 kinds)
-        max_abs = None
-    return TensorDiff(name, "differs", max_abs_diff=max_abs, differing=differing,
-                      numel=a.numel())
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (NaNs with the same payload are equal)."""
-    return a.dtype == b.dtype and a.shape == b.shape and (
-        a.numel() == 0 or torch.equal(_bits(a), _bits(b)))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-
-
-def _value_diffs(a: Any, b: Any, path: str = "") -> list[dict[str, Any]]:
-    """Non-tensor values that differ between two state documents, by path."""
-    out: list[dict[str, Any]] = []
-    ia = codec.dict_items(codec.unwrap(a)) if isinstance(codec.unwrap(a), dict) else None
-    ib = codec.dict_items(codec.unwrap(b)) if isinstance(codec.unwrap(b), dict) else None
-    if ia is not None and ib is not None:
-        da, db = dict(ia), dict(ib)
-        for k in list(da) + [k for k in db if k not in da]:
-            p = f"{path}/{k}" if path else str(k)
-            if k not in db or k not in da:
-                out.append({"path": p, "a": _plain(da.get(k)), "b": _plain(db.get(k))})
-            else:
-                out += _value_diffs(da[k], db[k], p)
-        return out
-    ua, ub = codec.unwrap(a), codec.unwrap(b)
-    if isinstance(ua, list) and isinstance(ub, list) and len(ua) == len(ub):
-        for i, (x, y) in enumerate(zip(ua, ub)):
-            out += _value_diffs(x, y, f"{path}/{i}")
-        return out
-    if codec.tensor_refs(ua) and codec.tensor_refs(ub):
-        return out  # tensors are compared as tensors
-    if ua != ub:
-        out.append({"path": path or "<state>", "a": _plain(ua), "b": _plain(ub)})
-    return out
-
-
-def _plain(doc: Any) -> Any:
-    if doc is None or isinstance(doc, (bool, int, float, str)):
-        return doc
-    refs = codec.tensor_refs(doc)
-    if refs:
-        return f"<{len(refs)} tensors>"
-    return codec.decode(doc, _placeholder) if not isinstance(doc, list) else doc

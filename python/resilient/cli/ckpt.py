@@ -2,7 +2,7 @@
 
 Exit status: 0 success; 1 the check found something (verify: corruption; diff: the steps
 differ); 2 a usage error (a missing or foreign root, an unknown step, a bad option). The work
-is done by resilient.checkpoint.catalog and resilient.checkpoint.convert; this module parses
+is done by resilient.checkpoint's catalog, verify, diff and convert modules; this one parses
 arguments and prints.
 """
 
@@ -241,9 +241,9 @@ def _outline(doc: Any, indent: str) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from resilient.checkpoint import catalog
+    from resilient.checkpoint import verify
 
-    steps, problems = catalog.verify_root(args.root, args.step, progress=_progress(args))
+    steps, problems = verify.verify_root(args.root, args.step, progress=_progress(args))
     if args.json:
         _print_json({"root": args.root, "steps": steps, "ok": not problems,
                      "problems": problems})
@@ -258,9 +258,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from resilient.checkpoint import catalog
+    from resilient.checkpoint import diff
 
-    d = catalog.diff_steps(args.root_a, args.root_b, args.step_a, args.step_b,
+    d = diff.diff_steps(args.root_a, args.root_b, args.step_a, args.step_b,
                            progress=_progress(args))
     changed = [t for t in d["tensors"] if t.status != "equal"]
     if args.json:
