@@ -224,6 +224,19 @@ def test_progress_reports_without_tqdm(monkeypatch):
     assert stream.getvalue() == "\rsteps: 1/2\rsteps: 2/2\n"
 
 
+def test_progress_bar_with_tqdm():
+    import io
+
+    pytest.importorskip("tqdm")
+    from resilient.cli import ckpt
+
+    stream = io.StringIO()
+    report = ckpt.make_progress(stream)
+    for i in range(1, 4):
+        report(i, 3, "tensors")
+    assert "tensors:" in stream.getvalue() and "3/3" in stream.getvalue()
+
+
 def _two_rank_worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 

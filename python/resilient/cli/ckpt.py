@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -121,7 +122,10 @@ def make_progress(stream: Any) -> Callable[[int, int, str], None]:
         if tqdm is not None:
             bar = bars.get(what)
             if bar is None:
-                bar = bars[what] = tqdm(total=total, desc=what, file=stream, leave=False)
+                # a terminal that reports no size (0 x 0: a bare pty) would hide the bar
+                cols, rows = shutil.get_terminal_size((80, 24))
+                bar = bars[what] = tqdm(total=total, desc=what, file=stream, leave=False,
+                                        ncols=cols or 80, nrows=rows or 24)
             bar.update(done - bar.n)
             if done >= total:
                 bar.close()
