@@ -234,7 +234,8 @@ def test_progress_bar_with_tqdm():
     report = ckpt.make_progress(stream)
     for i in range(1, 4):
         report(i, 3, "tensors")
-    assert "tensors:" in stream.getvalue() and "3/3" in stream.getvalue()
+    assert "tensors:   0%" in stream.getvalue() and "0/3" in stream.getvalue()
+    assert stream.getvalue().endswith("\r")  # erased when done (leave=False)
 
 
 def _two_rank_worker(rank: int, port: int, root: str) -> None:
