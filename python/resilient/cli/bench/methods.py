@@ -85,7 +85,9 @@ def _blocking_row(name: str, nbytes: int, durable: float, restore: float, how: s
     )
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def _timed(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> tuple[float, Any]:
+    if before is not None:
+        before()
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -96,9 +98,11 @@ def _sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
+def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int,
+               before: Callable[[], Any] | None = None) -> Row:
     """One single-threaded memcpy of the same bytes into a pre-touched buffer: the stall floor
-    the CPU goal is measured against."""
+    the CPU goal is measured against. `before` runs ahead of each timed copy (a barrier, so
+    that every rank of a multi-process bench copies at once, as they save at once)."""
     if next(iter(state.values())).device.type != "cpu":
         return Row("memcpy", ok=False, error="host memcpy row needs CPU tensors")
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -115,13 +119,15 @@ def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
     copy()  # warm
     rows = [
         Row("memcpy", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
-        for s, _ in (_timed(copy) for _ in range(repeat))
+        for s, _ in (_timed(copy, before) for _ in range(repeat))
     ]
     return median_row(rows)
 
 
-def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
-    """Pinned device-to-host copy of the same bytes: the floor for any blocking GPU snapshot."""
+def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int,
+            before: Callable[[], Any] | None = None) -> Row:
+    """Pinned device-to-host copy of the same bytes: the floor for any blocking GPU snapshot
+    (`before`: as for memcpy_row)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def copy() -> None:
@@ -135,7 +141,7 @@ def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int) -> Row:
     copy()
     rows = [
         Row("d2h_limit", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
-        for s, _ in (_timed(copy) for _ in range(repeat))
+        for s, _ in (_timed(copy, before) for _ in range(repeat))
     ]
     return median_row(rows)
 
@@ -254,7 +260,9 @@ def dcp_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
     return median_row(rows)
 
 
-def _stager(device: str, notes: dict[str, Any]) -> Any:
+def dcp_stager(device: str, notes: dict[str, Any]) -> Any:
+    """torch's DefaultStager for dcp.async_save (pinned buffers on CUDA; host memory cannot be
+    pinned without CUDA), or None where this torch has none; says which in notes["stager"]."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
@@ -280,10 +288,10 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
 
     name = "dcp_async" if reuse_stager else "dcp_async_fresh"
     notes: dict[str, Any] = {}
-    shared = _stager(device, notes) if reuse_stager else None
+    shared = dcp_stager(device, notes) if reuse_stager else None
 
     def save(i: int) -> tuple[Row, Path]:
-        stager = shared if reuse_stager else _stager(device, notes)
+        stager = shared if reuse_stager else dcp_stager(device, notes)
         d = root / f"dcp-async-{i}"
         try:
             t0 = time.perf_counter()

@@ -24,13 +24,40 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 WORLD_METHODS = ["sharded", "sharded_redist", "every_rank", "dcp"]
 
 
-def _dir_bytes(path: Path) -> int:
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (what a save put on storage)."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker: Callable[..., None], nprocs: int, args: tuple) -> None:
+    """Runs worker(rank, *args) in `nprocs` fresh processes and waits for all of them; raises
+    if one fails (torch.multiprocessing's ProcessRaisedException names the rank)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn")
+
+
+def barrier_timed(fn: Callable[[], Any]) -> float:
+    """Seconds from a barrier (every rank starts together) until every rank finished `fn`."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -54,13 +81,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     rows: dict[str, Any] = {}
     methods = [m for m in args.world_methods.split(",") if m]
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
-
     def cold(path: Path) -> None:
         if rank == 0:
             drop_cache(path)
@@ -77,24 +97,24 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             if method.startswith("sharded"):
                 mode = "redistribute" if method == "sharded_redist" else "direct"
                 ck = Checkpointer(d, keep=1, restore=mode)
-                saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
+                saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
-                loads.append(timed(lambda ck=ck: ck.load(state)))
+                loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
                 ck.close()
             elif method == "every_rank":
                 ck = Checkpointer(d / f"rank{rank}", keep=1, distributed=False)
-                saves.append(timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
+                saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
-                loads.append(timed(lambda ck=ck: ck.load(state)))
+                loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
                 ck.close()
             else:
                 import torch.distributed.checkpoint as dcp
 
-                saves.append(timed(lambda d=d: dcp.save(state, checkpoint_id=str(d))))
+                saves.append(barrier_timed(lambda d=d: dcp.save(state, checkpoint_id=str(d))))
                 cold(d)
-                loads.append(timed(lambda d=d: dcp.load(state, checkpoint_id=str(d))))
+                loads.append(barrier_timed(lambda d=d: dcp.load(state, checkpoint_id=str(d))))
             if rank == 0:
-                written = _dir_bytes(d)
+                written = dir_bytes(d)
         save_s, load_s = statistics.median(saves), statistics.median(loads)
         rows[method] = {
             "method": method,
@@ -115,23 +135,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
 def run_world_bench(args: argparse.Namespace) -> int:
     """Runs the multi-process comparison and prints a table (or JSON with --json)."""
-    import torch.multiprocessing as mp
-
     world = int(args.world_size)
     if not hasattr(args, "world_methods"):
         args.world_methods = ",".join(WORLD_METHODS)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     out = root / "world-results.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     load_before = os.getloadavg()
     started = time.time()
     try:
-        mp.start_processes(
-            _worker, args=(world, port, args, str(out)), nprocs=world, start_method="spawn"
-        )
+        spawn(_worker, world, (world, port, args, str(out)))
         rows = json.loads(out.read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
