@@ -57,3 +57,18 @@ def test_gpt2_export_loads_with_from_pretrained(tmp_path, capsys, shard):
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_save_pretrained_directory_imports_and_loads_strictly(tmp_path, capsys):
+    model = _gpt2()
+    model.save_pretrained(str(tmp_path / "hf"))  # lm_head.weight is left out (tied)
+    root = str(tmp_path / "root")
+    assert main(["ckpt", "import", str(tmp_path / "hf"), root, "--key", "model", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tied"] == ["lm_head.weight"]
+    torch.manual_seed(1)
+    fresh = transformers.GPT2LMHeadModel(model.config)
+    with Checkpointer(root, distributed=False) as ck:
+        assert ck.load({"model": fresh}) == 0  # strict
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, fresh.state_dict()[k]), k

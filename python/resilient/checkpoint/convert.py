@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import warnings
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from resilient.checkpoint import codec
+from resilient.checkpoint import codec, hf
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.catalog import Progress, StepReader, no_progress
 from resilient.errors import CheckpointNotFoundError
@@ -35,8 +34,6 @@ EXPORT_FORMAT = "resilient-export/1"
 META_KEY = "_resilient"  # the record's key in torch / DCP exports, and in safetensors metadata
 FORMATS = ("safetensors", "torch", "dcp")
 DEFAULT_SHARD = "5GB"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -82,7 +79,7 @@ def export_checkpoint(root: str, out: str, fmt: str, step: int | None = None,
             summary.update(_export_safetensors(r, names, out, record, parse_size(max_shard_size),
                                                progress))
             if hf_config is not None:
-                summary["hf_files"] = _copy_hf_files(hf_config, out)
+                summary["hf_files"] = hf.copy_files(hf_config, out)
             return summary
         tensors = dict(r.iter_tensors(list(names.values()), progress))
         if key is not None:
@@ -236,24 +233,6 @@ def _prepare_dir(out: str) -> None:
                               "into an empty or new directory")
 
 
-def _copy_hf_files(source: str, out: str) -> list[str]:
-    """Copies a Hugging Face config (a config.json, or the known files of a model
-    directory) into `out`, so that `from_pretrained(out)` finds them."""
-    if os.path.isfile(source):
-        with open(source) as f:
-            json.load(f)  # a config must at least be JSON
-        shutil.copyfile(source, os.path.join(out, "config.json"))
-        return ["config.json"]
-    if not os.path.isdir(source):
-        raise FileNotFoundError(f"Hugging Face config {source} does not exist")
-    copied = [n for n in HF_FILES if os.path.isfile(os.path.join(source, n))]
-    if "config.json" not in copied:
-        raise FileNotFoundError(f"{source} holds no config.json")
-    for n in copied:
-        shutil.copyfile(os.path.join(source, n), os.path.join(out, n))
-    return copied
-
-
 def _dcp_save(state: dict, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -307,7 +286,8 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     directory) as a committed step of resilient root `root` (created if needed). A resilient
     export is rebuilt exactly (its step unless `step` is given); anything else becomes the
     state as loaded, under `key` when given (key="model": load({"model": model}) restores it),
-    at `step` (default 0)."""
+    at `step` (default 0); a Hugging Face model directory gets back the tied weights its files
+    leave out (hf.py)."""
     from resilient.checkpoint.checkpointer import Checkpointer
 
     fmt = fmt or detect_format(src)
@@ -318,6 +298,7 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     progress(1, 2, "reading")
     rank_state = None
     dropped = 0
+    tied: list[str] = []
     if record is not None:
         if record.get("format") != EXPORT_FORMAT:
             raise ValueError(f"{src}: export record of format {record.get('format')!r}, this "
@@ -329,6 +310,8 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
         dropped = sum(1 for d in rank_docs[1:] if d is not None)
         step = record["step"] if step is None else step
     else:
+        if fmt == "safetensors" and os.path.isdir(src):
+            tied = hf.add_tied_weights(src, loaded)
         state = loaded if key is None else {key: loaded}
         if not isinstance(state, dict):
             raise ValueError(f"{src} holds a {type(state).__name__}; pass --key to store it "
@@ -344,7 +327,7 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     progress(2, 2, "written")
     return {"src": os.path.abspath(src), "format": fmt, "root": os.path.abspath(root),
             "step": step, "exact": record is not None, "tensors": len(tensors),
-            "dropped_rank_states": dropped}
+            "tied": tied, "dropped_rank_states": dropped}
 
 
 def _load_source(src: str, fmt: str) -> tuple[dict | None, dict[str, torch.Tensor], Any]:

@@ -317,6 +317,8 @@ def _import(args: argparse.Namespace) -> int:
     how = "rebuilt exactly from a resilient export" if s["exact"] else "as loaded"
     print(f"imported {s['src']} ({s['format']}, {s['tensors']} tensors, {how}) as step "
           f"{s['step']} of {s['root']}")
+    if s["tied"]:
+        print(f"added tied weights that the files leave out: {', '.join(s['tied'])}")
     if s["dropped_rank_states"]:
         print(f"note: per-rank state of {s['dropped_rank_states']} rank(s) beyond rank 0 "
               "was not imported (an import writes a one-rank checkpoint)")
