@@ -74,17 +74,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run)
     kinds = p.add_subparsers(dest="kind")
+    from resilient.cli.bench.straggler import build_parser
+
     s = kinds.add_parser(
-        "straggler", help="straggler detection timeline (see docs/straggler.md)", add_help=False
+        "straggler",
+        help="straggler detection timeline (see docs/straggler.md)",
+        description=build_parser.__doc__,
     )
-    s.add_argument("rest", nargs=argparse.REMAINDER)
+    build_parser(s)
     s.set_defaults(func=run_straggler)
 
 
 def run_straggler(args: argparse.Namespace) -> int:
-    from resilient.cli.bench.straggler import run_straggler_bench
+    from resilient.cli.bench.straggler import run_from_args
 
-    return int(run_straggler_bench(args.rest) or 0)
+    return int(run_from_args(args) or 0)
 
 
 def progress(msg: str, quiet: bool) -> None:

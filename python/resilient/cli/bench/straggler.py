@@ -3,18 +3,23 @@
 run_straggler_bench(argv) runs a clean phase and then slows one rank (examples/straggler_demo.py
 calls it too), prints one line per window with every rank's worst-phase ratio (a '*' marks a slow
 window, 'P' a persistent straggler), the detection summary, and with --plot writes a PNG of the
-ratios over steps.
+ratios over steps; with --json it prints one JSON object (the scenario, the detection summary and
+the timeline) instead of the text.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from dataclasses import asdict
 
 from resilient.straggler.sim import Scenario, ScenarioResult, run_world
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """4 CPU ranks (gloo), one slowed from a given step: the per-rank straggler score timeline
+    and when the slow rank was named."""
     p = parser or argparse.ArgumentParser(prog="resilient bench straggler",
                                           description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4, help="CPU processes")
@@ -27,6 +32,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--plot", metavar="PNG", nargs="?", const="straggler_timeline.png",
                    help="write the timeline plot (default name straggler_timeline.png)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (scenario, summary, timeline) instead of text")
     return p
 
 
@@ -100,9 +107,25 @@ def run_from_args(args: argparse.Namespace) -> int:
     sc = Scenario("demo", args.steps, args.slow_rank, args.slowdown, args.slow_from,
                   base_s=args.step_ms / 1e3, interval=args.interval)
     res = run_world([sc], world=args.world, timeout_s=args.timeout)[0][0]
+    if args.plot:
+        plot(res, args.world, args.plot, args.slow_from)
+    if getattr(args, "json", False):
+        print(json.dumps(to_json(res, sc, args.world, args.plot), indent=1, allow_nan=False))
+        return 0
     print("\n".join(format_timeline(res, args.world)))
     print("\n".join(summary(res)))
     if args.plot:
-        plot(res, args.world, args.plot, args.slow_from)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def to_json(res: ScenarioResult, sc: Scenario, world: int, plot_path: str | None) -> dict:
+    """The run as one JSON-ready object (NaN ratios of empty windows become null)."""
+    def clean(v: object) -> object:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    out = asdict(res)
+    out["timeline"] = [{k: clean(v) for k, v in p.items()} for p in res.timeline]
+    out["detection_latency"] = res.detection_latency
+    out["named_ratio"] = clean(res.named_ratio)
+    return {"scenario": asdict(sc), "world": world, "plot": plot_path, "result": out}
