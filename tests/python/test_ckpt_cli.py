@@ -271,6 +271,7 @@ def test_two_rank_root_lists_sharding_and_exports_global_tensors(tmp_path, free_
     rc, doc = run_json(capsys, "ckpt", "show", root, "--tensors")
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert tensors["w"]["shape"] == [8, 8] and tensors["w"]["ranks"] == [0, 1]
+    assert tensors["w"]["grid"] == [2, 1] and tensors["R0/r"]["grid"] == [1]
     assert set(tensors) == {"w", "rep", "R0/r", "R1/r"}
     out = str(tmp_path / "w.pt")
     assert main(["ckpt", "export", root, out, "--format", "torch"]) == 0

@@ -60,6 +60,12 @@ class Logical:
         size = codec.dtype_from_name(self.dtype).itemsize
         return math.prod(self.shape) * size
 
+    @property
+    def grid(self) -> list[int]:
+        """How the pieces cut the tensor: distinct piece offsets along each dimension ([2, 1]:
+        split in two along dim 0; all ones: stored whole)."""
+        return [len({p.offset[d] for p in self.pieces}) for d in range(len(self.shape))]
+
 
 def open_engine(root: str) -> Any:
     """The native engine, opened for reading `root` (it writes nothing until asked to save)."""
@@ -308,7 +314,8 @@ def describe_step(path: str, step: int | None = None, tensors: bool = False) -> 
         if tensors:
             out["tensors"] = [
                 {"name": lg.name, "dtype": lg.dtype, "shape": list(lg.shape),
-                 "nbytes": lg.nbytes, "pieces": len(lg.pieces), "ranks": lg.ranks}
+                 "nbytes": lg.nbytes, "pieces": len(lg.pieces), "grid": lg.grid,
+                 "ranks": lg.ranks}
                 for lg in r.logical.values()
             ]
         return out

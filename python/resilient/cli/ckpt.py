@@ -226,10 +226,11 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  rank_state of rank {r}")
             _outline(doc, "    ")
     if args.tensors:
-        rows = [["NAME", "DTYPE", "SHAPE", "BYTES", "PIECES", "RANKS"]]
+        rows = [["NAME", "DTYPE", "SHAPE", "BYTES", "PIECES", "GRID", "RANKS"]]
         for t in info["tensors"]:
+            grid = "x".join(map(str, t["grid"])) if t["pieces"] > 1 else "-"
             rows.append([t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()",
-                         size(t["nbytes"]), str(t["pieces"]),
+                         size(t["nbytes"]), str(t["pieces"]), grid,
                          ",".join(map(str, t["ranks"]))])
         print()
         _table(rows, {3, 4})
