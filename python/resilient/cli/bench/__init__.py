@@ -1,4 +1,6 @@
-"""`resilient bench`: the checkpoint/restore benchmark (and `resilient bench straggler`)."""
+"""`resilient bench`: the checkpoint/restore benchmark (`--world-size N`: N DDP-style processes;
+`--fsdp`: FSDP2-sharded state with AdamW, saved, restored and resharded; and `resilient bench
+straggler`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from resilient import _C
+
+# gpt-1b in float32 with AdamW is 15.7 GB, and dcp.async_save's stager copies it once more:
+# more than a 24 GiB host holds. gpt-350m (4.3 GB) fits with every method's copies.
+FSDP_CPU_MODEL = "gpt-350m"
 
 ALL_METHODS = [
     "raw",
@@ -33,14 +39,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tensors", type=int, default=64, help="number of synthetic tensors")
     p.add_argument(
-        "--model", default=None, help="use a named model's parameter shapes (gpt-125m, gpt-1b...)"
+        "--model",
+        default=None,
+        help="use a named model's parameter shapes (gpt-125m, gpt-1b...; --fsdp default: "
+        f"{FSDP_CPU_MODEL} on cpu, gpt-1b on cuda)",
     )
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--dtype", default=None, help="bfloat16 (default), --fsdp: float32 (FSDP2's sharded "
+        "parameters and AdamW state)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--methods",
-        default=",".join(ALL_METHODS),
-        help="comma-separated subset of " + ",".join(ALL_METHODS),
+        default=None,
+        help="comma-separated subset of " + ",".join(ALL_METHODS) + " (--fsdp: of "
+        "resilient,resilient_overlap,dcp,dcp_async)",
     )
     p.add_argument(
         "--dir",
@@ -69,8 +82,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--world-size",
         type=int,
-        default=1,
-        help="N > 1: N CPU processes; sharded save vs every rank writing everything vs DCP",
+        default=None,
+        help="N > 1: N CPU processes; sharded save vs every rank writing everything vs DCP "
+        "(default 1; --fsdp: ranks of the FSDP2 mesh, default 4 on cpu; with --device cuda one per "
+        "GPU, default every GPU)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2-sharded model + AdamW state over --world-size ranks: resilient blocking and "
+        "overlap vs dcp.save and dcp.async_save; stall, durable, write, restore, and restore "
+        "onto half the ranks (every restore verified)",
     )
     p.set_defaults(func=run)
     kinds = p.add_subparsers(dest="kind")
@@ -97,6 +119,16 @@ def progress(msg: str, quiet: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fsdp:
+        from resilient.cli.bench.fsdp import FSDP_METHODS, run_fsdp_bench
+
+        args.dtype = args.dtype or "float32"
+        args.model = args.model or (FSDP_CPU_MODEL if args.device == "cpu" else "gpt-1b")
+        args.methods = args.methods or ",".join(FSDP_METHODS)
+        return run_fsdp_bench(args)
+    args.world_size = args.world_size or 1
+    args.dtype = args.dtype or "bfloat16"
+    args.methods = args.methods or ",".join(ALL_METHODS)
     if args.world_size > 1:
         from resilient.cli.bench.world import run_world_bench
 

@@ -6,6 +6,7 @@ import torch
 
 # name -> (layers, hidden, ffn, vocab)
 MODELS = {
+    "gpt-tiny": (2, 64, 256, 500),  # tests and smoke runs (vocab 500: uneven FSDP shards)
     "gpt-125m": (12, 768, 3072, 50304),
     "gpt-350m": (24, 1024, 4096, 50304),
     "gpt-1b": (24, 2048, 8192, 50304),
