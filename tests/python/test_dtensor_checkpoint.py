@@ -1,7 +1,7 @@
 """Sharded (DTensor) state on CPU with gloo: FSDP2, HSDP, TP and FSDP+TP modules and their
 optimizers saved without a ShardSpec, each rank writing its local chunks, and loaded onto another
 mesh (FSDP 4 -> 4, 4 -> 2, 4 -> 1 process, HSDP 2x2 -> FSDP 4, FSDP+TP 2x2 -> FSDP 4, TP 2 -> 1
-process, DDP-style replicated -> FSDP). Every phase runs
+process, DDP <-> FSDP). Every phase runs
 as torch.multiprocessing workers in a subprocess of its own, bounded in time; full tensors are
 compared bit for bit."""
 
@@ -87,13 +87,16 @@ def _phase_save(rank: int, world: int, root: str, kind: str) -> dict:
     import resilient
 
     model = _model(0)
-    if kind != "replicated":  # replicated: every rank holds the whole module (DDP-style)
+    if kind == "ddp":  # every rank holds the whole module; saved under its unwrapped names
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
         _shard(model, _mesh(kind, world), kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 2)
     with resilient.Checkpointer(root, create=True) as ck:
         ck.save(2, {"model": model, "optim": opt}).wait()
-    return {"model": _full(model.state_dict()), "optim": _optim_full(opt)}
+    bare = model.module if kind == "ddp" else model
+    return {"model": _full(bare.state_dict()), "optim": _optim_full(opt)}
 
 
 def _phase_load(rank: int, world: int, root: str, kind: str) -> dict:
@@ -101,15 +104,17 @@ def _phase_load(rank: int, world: int, root: str, kind: str) -> dict:
 
     fresh = kind.endswith("-fresh")  # an optimizer without state yet, as at a job's start
     kind = kind.removesuffix("-fresh")
-    model = _model(123)  # other values: the load must overwrite every one
-    if kind != "plain":
+    model = bare = _model(123)  # other values: the load must overwrite every one
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(bare)
+    elif kind != "plain":
         _shard(model, _mesh(kind, world), kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if kind != "plain" and not fresh:
         _train(model, opt, 1)  # optimizer state exists (DTensor moments) and must be replaced
     with resilient.Checkpointer(root) as ck:
         step = ck.load({"model": model, "optim": opt})
-    out = {"step": step, "model": _full(model.state_dict()), "optim": _optim_full(opt)}
+    out = {"step": step, "model": _full(bare.state_dict()), "optim": _optim_full(opt)}
     _train(model, opt, 1)  # training goes on from the loaded state
     out["after"] = _full(model.state_dict())
     return out
@@ -135,8 +140,8 @@ def _phase_partial(rank: int, world: int, root: str, kind: str) -> dict:
 SEQUENCES = {
     4: [("save", "fsdp", "fsdp"), ("load", "fsdp", "fsdp"), ("save", "hsdp", "hsdp"),
         ("load", "fsdp", "hsdp"), ("save", "fsdp_tp", "fsdp_tp"), ("load", "fsdp", "fsdp_tp")],
-    2: [("load", "fsdp-fresh", "fsdp"), ("save", "tp", "tp"), ("save", "replicated", "flat"),
-        ("load", "fsdp", "flat")],
+    2: [("load", "fsdp-fresh", "fsdp"), ("save", "tp", "tp"), ("save", "ddp", "ddp"),
+        ("load", "fsdp", "ddp"), ("load", "ddp", "fsdp")],
     1: [("load", "plain", "fsdp"), ("load", "plain", "tp")],
 }
 
@@ -204,13 +209,16 @@ def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(tmp_path):
             _same(r[f"load/fsdp/{src}"]["model"], four[0][f"save/{src}/{src}"]["model"])
             _same(r[f"load/fsdp/{src}"]["optim"], four[0][f"save/{src}/{src}"]["optim"])
     # FSDP 4 -> 2 into a fresh optimizer (its state is created sharded, like its parameters,
-    # so the next step does not mix Tensor and DTensor); DDP-style replicated -> FSDP 2
+    # so the next step does not mix Tensor and DTensor); DDP 2 -> FSDP 2 and FSDP 4 -> DDP 2
+    # (DDP's 'module.' prefix is not part of the saved names; optimizer state goes by name)
     two = _run("sequence", 2, "-", tmp_path, results)
     for r in two:
         _same(r["load/fsdp-fresh/fsdp"]["model"], saved["model"])
         _same(r["load/fsdp-fresh/fsdp"]["optim"], saved["optim"])
-        _same(r["load/fsdp/flat"]["model"], two[0]["save/replicated/flat"]["model"])
-        _same(r["load/fsdp/flat"]["optim"], two[0]["save/replicated/flat"]["optim"])
+        _same(r["load/fsdp/ddp"]["model"], two[0]["save/ddp/ddp"]["model"])
+        _same(r["load/fsdp/ddp"]["optim"], two[0]["save/ddp/ddp"]["optim"])
+        _same(r["load/ddp/fsdp"]["model"], saved["model"])
+        _same(r["load/ddp/fsdp"]["optim"], saved["optim"])
     # FSDP 4 and TP 2 -> one process holding plain full tensors
     one = _run("sequence", 1, "-", tmp_path, results)[0]
     _same(one["load/plain/fsdp"]["model"], saved["model"])
@@ -226,6 +234,31 @@ def test_a_partial_dtensor_is_refused_naming_it(tmp_path):
     for r in _run("partial", 2, "fsdp", tmp_path / "p", results):
         assert r["error"] and "'t'" in r["error"] and "Partial" in r["error"], r
         assert r["steps"] == []
+
+
+def test_a_dtensor_on_a_mesh_of_another_device_type_is_refused(tmp_path):
+    """A DTensor on a mesh whose device type the engine cannot read or write (here 'meta'):
+    save and load raise naming the tensor and the mesh; nothing is written or changed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import resilient
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        good = torch.arange(8.0)
+        with resilient.Checkpointer(tmp_path / "c") as ck:
+            ck.save(1, {"w": good}).wait()
+            odd = DTensor.from_local(torch.zeros(8), DeviceMesh("meta", [0]), [Shard(0)],
+                                     run_check=False)
+            with pytest.raises(TypeError, match="'w'.*'meta' device mesh"):
+                ck.save(2, {"w": odd})
+            with pytest.raises(resilient.IncompatibleCheckpointError, match="'meta' device mesh"):
+                ck.load({"w": odd})
+            assert ck.steps() == [1]
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

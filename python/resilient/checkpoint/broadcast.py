@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.checkpoint import codec, contract
+from resilient.checkpoint import codec, contract, views
 from resilient.errors import IncompatibleCheckpointError
 
 
@@ -26,7 +26,7 @@ def broadcast_state(state: Any, src: int, group: Any = None,
     `device`: where the collective's tensors must live (a CUDA device for NCCL; default CPU)."""
     device = device or torch.device("cpu")
     me = dist.get_rank(group)
-    enc = codec.encode(state) if me == src else None
+    enc = views.encode(state) if me == src else None
     if enc is not None:
         meta = {"doc": enc.doc, "tensors": [[n, codec.dtype_name(t.dtype), list(t.shape)]
                                             for n, t in enc.tensors.items()]}

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from resilient import _C, settings
-from resilient.checkpoint import codec, contract
+from resilient.checkpoint import codec, contract, views
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.dtensor import is_dtensor, local_chunk
 from resilient.checkpoint.plan import (
@@ -386,10 +386,10 @@ class Checkpointer:
         self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
-        enc = codec.encode(state)
+        enc = views.encode(state)
         chunks = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
-        renc = codec.encode(rank_state) if rank_state is not None else None
+        renc = views.encode(rank_state) if rank_state is not None else None
         for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
             _check_savable(name, t)
         self._ranks.enter("save", step)

@@ -65,9 +65,11 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and isinstance(getattr(type(obj), "_fields", None), tuple)
 
 
-def encode(state: Any) -> Encoded:
-    """Encodes `state`; tensor names are the '/'-joined key paths (unique, deterministic)."""
+def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
+    """Encodes `state`; tensor names are the '/'-joined key paths (unique, deterministic).
+    `state_of(obj)`: what a Stateful object saves (default: its ``state_dict()``)."""
     out = Encoded(doc=None)
+    state_of = state_of or (lambda obj: obj.state_dict())
 
     def name_for(path: tuple[str, ...]) -> str:
         base = "/".join(path) or "tensor"
@@ -124,7 +126,7 @@ def encode(state: Any) -> Encoded:
                 return {k: enc(v, (*path, key_str(k))) for k, v in obj.items()}
             return {DICT: pairs(obj, path)}
         if is_stateful(obj):
-            return {STATEFUL: enc(obj.state_dict(), path)}
+            return {STATEFUL: enc(state_of(obj), path)}
         raise TypeError(
             f"{'/'.join(path) or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
             "use tensors, numpy arrays, plain values, containers or objects with state_dict()"

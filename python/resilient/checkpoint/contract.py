@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from resilient.checkpoint import codec
+from resilient.checkpoint import codec, views
 from resilient.checkpoint.dtensor import is_dtensor, storage_ptr, why_not_local
 from resilient.errors import IncompatibleCheckpointError
 
@@ -68,9 +68,20 @@ class Issues:
         if self.unexpected and not self.missing:
             hint = (" (pass strict=False to load what matches; a fresh optimizer's state_dict() "
                     "has no state yet: pass the optimizer object itself)")
+        elif self.missing and _same_but_wrappers(self.missing, self.unexpected):
+            hint = (" (the keys differ only by wrapper prefixes such as DDP's 'module.' or "
+                    "torch.compile's '_orig_mod.': load into the module object, which resilient "
+                    "matches by its unwrapped parameter names)")
         return IncompatibleCheckpointError(
             f"{what} does not fit the target state; nothing was modified. " + "; ".join(parts)
             + hint, self.missing, self.unexpected, self.mismatched)
+
+
+def _same_but_wrappers(missing: list[str], unexpected: list[str]) -> bool:
+    def bare(keys: list[str]) -> set[tuple[str, str]]:
+        return {(k.rpartition("/")[0], views.canonical_name(k.rpartition("/")[2])) for k in keys}
+
+    return bool(unexpected) and bare(missing) == bare(unexpected)
 
 
 def unwritable(t: Any) -> str | None:
@@ -135,6 +146,39 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
 
         return lambda: codec.decode(d, tensor_for)
 
+    names = views.Names(target)
+
+    def optimizer_view(t: torch.optim.Optimizer, live: dict, d: Any,
+                       path: str) -> views.OptimizerView | bool | None:
+        """The optimizer seen by parameter name when the checkpoint keys it so (False: keyed
+        by position, as Optimizer.state_dict(); None: cannot match, issue recorded)."""
+        state_path = join(path, "state")
+        saved_groups = views.saved_param_keys(d)
+        if saved_groups is None or not any(isinstance(k, str) for g in saved_groups for k in g):
+            protos.update(_parameter_slots(t, state_path))
+            return False
+        where = f"'{path}'" if path else "<root>"
+        fqns = names.fqns(t)
+        if fqns is None:
+            issues.mismatched.append(
+                f"{where}: the checkpoint keys this optimizer's state by parameter name, and the "
+                "target state holds no module that owns all of its parameters; load the model "
+                "and its optimizer together, e.g. {'model': model, 'optim': optim}")
+            return None
+        ov = views.OptimizerView(live, fqns, saved_groups)
+        if ov.problem is not None:
+            issues.mismatched.append(f"'{join(path, 'param_groups')}': {ov.problem}")
+            return None
+        saved_state = dict(codec.dict_items(d) or ()).get("state")
+        items = codec.dict_items(saved_state) if isinstance(saved_state, dict) else None
+        unknown = ov.unknown(k for k, _ in items or ())
+        if unknown:
+            issues.unexpected.extend(join(state_path, k) for k in unknown)
+            return None
+        params = [p for group in t.param_groups for p in group["params"]]
+        protos.update({join(state_path, f): p for f, p in zip(fqns, params)})
+        return ov
+
     def walk(d: Any, t: Any, path: str, depth: int) -> Callable[[], Any] | None:
         if depth > codec.MAX_DEPTH:
             raise ValueError(f"malformed checkpoint values: nested deeper than {codec.MAX_DEPTH}")
@@ -157,8 +201,16 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
             return lambda: t
         if codec.is_stateful(t):
             live = t.state_dict()
-            if isinstance(t, torch.optim.Optimizer):
-                protos.update(_parameter_slots(t, join(path, "state")))
+            back: Callable[[Any], Any] = lambda restored: restored  # noqa: E731
+            if isinstance(t, torch.nn.Module):
+                mv = views.ModuleView(t, live)
+                live, back, d = mv.live, mv.back, _module_doc(d, mv.live)
+            elif isinstance(t, torch.optim.Optimizer):
+                ov = optimizer_view(t, live, d, path)
+                if ov is None:
+                    return None
+                if ov is not False:
+                    live, back = ov.live, ov.back
             inner = walk(d, live, path, depth + 1)
             if inner is None:
                 return None
@@ -166,7 +218,7 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
             def restore_object() -> Any:
                 restored = inner()
                 if not (isinstance(t, torch.nn.Module) and _all_in_place(t, restored, live)):
-                    t.load_state_dict(restored)
+                    t.load_state_dict(back(restored))
                 return t
 
             return restore_object
@@ -237,6 +289,18 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
         return plan
     plan._finish = walk(doc, target, root_path, 0)
     return plan
+
+
+def _module_doc(d: Any, live: Any) -> Any:
+    """The saved module state `d`, its keys made canonical when only that makes them match the
+    target's (a checkpoint written from a DDP or compiled module by an older version)."""
+    items = codec.dict_items(d) if isinstance(d, dict) else None
+    if items is None or not isinstance(live, dict) or {k for k, _ in items} == set(live):
+        return d
+    alt = views.canonical_doc(d)
+    if alt is not d and {k for k, _ in codec.dict_items(alt) or ()} == set(live):
+        return alt
+    return d
 
 
 def _all_in_place(module: torch.nn.Module, restored: Any, live: Any) -> bool:

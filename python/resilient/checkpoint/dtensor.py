@@ -29,6 +29,10 @@ def is_dtensor(t: Any) -> bool:
 
 def why_not_local(t: Any) -> str | None:
     """Why the DTensor `t` has no single local chunk resilient can read or write, or None."""
+    mesh_type = t.device_mesh.device_type
+    if mesh_type not in ("cpu", "cuda"):
+        return (f"a DTensor on a {mesh_type!r} device mesh; resilient reads and writes DTensors "
+                "on cpu and cuda meshes")
     partial = [str(p) for p in t.placements if p.is_partial()]
     if partial:
         return (f"a DTensor with a Partial placement ({', '.join(partial)}): its value is a "
