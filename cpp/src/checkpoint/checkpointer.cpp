@@ -244,7 +244,8 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
     RESILIENT_RETURN_IF_ERROR(commit_step(options_.root, m));
   } else {
     const std::string name = "rank-" + std::to_string(options_.rank) + ".json";
-    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic_at(dir, name, to_json(m)));
+    // The commit fsyncs this directory after it wrote the merged manifest (commit.cpp).
+    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic_at(dir, name, to_json(m), io::Sync::kFile));
   }
   stats.durable_s = to_seconds(SteadyClock::instance().now() - job.started);
   return ok_status();

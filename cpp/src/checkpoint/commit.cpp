@@ -8,7 +8,9 @@
 // manifest.json written into the same directory and fsynced, then the directory itself is
 // fsynced, then it is renamed to root/step-N (rename is atomic within a file system), and root is
 // fsynced so the rename is durable. Finally `latest` is replaced atomically (write a temporary
-// file, fsync, rename over `latest`, fsync root).
+// file, rename over `latest`), without fsyncs: it is a hint, which a crash may leave stale.
+// The ranks' own manifests (rank-<r>.json, merged by commit_shards) are fsynced as files; the
+// directory fsync after the merged manifest makes their names durable too.
 //
 // What a crash leaves behind, at each point:
 //  - before the rename: a .tmp- directory, which readers never look at; the previous committed
@@ -119,8 +121,8 @@ Status commit_step(const std::string& root, const Manifest& manifest) {
   // `latest` is a hint for tools and humans; never let a newer `latest` point backwards.
   auto current = read_latest(root);
   if (!current || *current <= manifest.step) {
-    RESILIENT_RETURN_IF_ERROR(
-        io::write_file_atomic(root + "/" + kLatestName, step_dir_name(manifest.step) + "\n"));
+    RESILIENT_RETURN_IF_ERROR(io::write_file_atomic(
+        root + "/" + kLatestName, step_dir_name(manifest.step) + "\n", io::Sync::kNone));
   }
   return ok_status();
 }

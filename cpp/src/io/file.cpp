@@ -355,12 +355,13 @@ Status rename_path(const std::string& from, const std::string& to) {
 
 Status remove_tree(const std::string& path) { return remove_tree_at(path); }
 
-Status write_file_atomic(const std::string& path, const std::string& bytes) {
+Status write_file_atomic(const std::string& path, const std::string& bytes, Sync sync) {
   RESILIENT_ASSIGN_OR_RETURN(Dir dir, Dir::open(parent_dir(path)));
-  return write_file_atomic_at(dir, base_name(path), bytes);
+  return write_file_atomic_at(dir, base_name(path), bytes, sync);
 }
 
-Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::string& bytes) {
+Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::string& bytes,
+                            Sync sync) {
   static std::atomic<uint64_t> counter{0};
   if (!plain_name(name)) return bad_name(name);
   const std::string path = dir.child(name);
@@ -381,7 +382,9 @@ Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::
       done += static_cast<uint64_t>(n);
     }
   }
-  if (st.ok() && sys::fsync(fd) != 0) st = Status::from_errno(errno, "fsync", tmp);
+  if (st.ok() && sync != Sync::kNone && sys::fsync(fd) != 0) {
+    st = Status::from_errno(errno, "fsync", tmp);
+  }
   if (sys::close(fd) != 0 && st.ok()) st = Status::from_errno(errno, "close", tmp);
   if (st.ok() && sys::renameat(dir.fd(), tmp_name.c_str(), name.c_str(), tmp) != 0) {
     st = Status::from_errno(errno, "rename to " + path, tmp);
@@ -390,7 +393,7 @@ Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::
     sys::unlinkat(dir.fd(), tmp_name.c_str(), tmp);
     return st;
   }
-  return dir.sync();
+  return sync == Sync::kFileAndDir ? dir.sync() : ok_status();
 }
 
 Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {

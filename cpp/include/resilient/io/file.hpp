@@ -104,12 +104,20 @@ Status sync_dir(const std::string& path);
 Status rename_path(const std::string& from, const std::string& to);
 /// Removes a file or a directory tree. Ok if it does not exist.
 Status remove_tree(const std::string& path);
-/// Writes `bytes` to `path` durably and atomically: temp file in the same directory, fsync,
-/// rename over `path`, fsync the directory. A crash leaves the old or the new content.
-Status write_file_atomic(const std::string& path, const std::string& bytes);
+/// What write_file_atomic() makes durable before it returns.
+enum class Sync {
+  kFileAndDir,  // the content and the rename (fsync of the file, then of the directory)
+  kFile,        // the content; the caller fsyncs the directory later (one fsync for many files)
+  kNone,        // nothing: a hint, which a crash may leave stale, empty or missing
+};
+/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename over
+/// `path`, fsync the directory (as `sync` says). A crash leaves the old or the new content.
+Status write_file_atomic(const std::string& path, const std::string& bytes,
+                         Sync sync = Sync::kFileAndDir);
 /// As write_file_atomic() for the file `name` of `dir` (the temporary file, the rename and the
 /// fsync all relative to `dir`).
-Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::string& bytes);
+Status write_file_atomic_at(const Dir& dir, const std::string& name, const std::string& bytes,
+                            Sync sync = Sync::kFileAndDir);
 /// Reads a whole (small) file; `max_bytes` guards against absurd sizes (kCorrupt if larger).
 Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes);
 /// As read_small_file() for the file `name` of `dir`.
