@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ab fsdp profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ab fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -120,6 +120,11 @@ PY
             --model gpt-1b --pause 2) >"$OUT/profile-load-$v.log" 2>&1
           grep -E "state|keep=|load\)|_C.read|contract|import" "$OUT/profile-load-$v.log" | head -20
         done ;;
+    fsdp-bench) # resilient bench --fsdp on every GPU (one rank per GPU, NCCL)
+        log "bench --fsdp"
+        python -m resilient bench --fsdp --device cuda --dir /tmp/fbench --repeat 2 --json \
+          >"$OUT/bench-fsdp.json" 2>"$OUT/bench-fsdp.err"; echo "rc=$?"; tail -n 5 "$OUT/bench-fsdp.err"
+        python -c "import json, sys; from resilient.cli.bench.fsdp import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/bench-fsdp.json" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"

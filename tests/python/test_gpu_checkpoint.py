@@ -179,3 +179,54 @@ def test_fsdp2_on_the_gpu_overlap_save_and_fresh_load(tmp_path, free_port):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "FSDP-GPU True cuda:0" in out.stdout, out.stdout
+
+
+FSDP_CROSS_DEVICE = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import resilient
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1,
+                        device_id=torch.device("cuda", 0))
+def build(device, seed):
+    torch.manual_seed(seed)
+    mesh = init_device_mesh(device, (1,))
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(device)
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(4, 16, device=device)).square().mean().backward(); o.step(); o.zero_grad()
+    return m, o
+def full(m, o):
+    out = {k: v.full_tensor().cpu() for k, v in m.state_dict().items()}
+    for i, s in enumerate(o.state.values()):
+        out.update({f"{i}.{k}": v.full_tensor().cpu() if hasattr(v, "full_tensor") else v.cpu()
+                    for k, v in s.items()})
+    return out
+with resilient.Checkpointer(sys.argv[1], create=True) as ck:
+    for src, dst, step in (("cuda", "cpu", 1), ("cpu", "cuda", 2)):
+        m, o = build(src, 0)
+        ck.save(step, {"model": m, "optim": o}).wait()
+        m2, o2 = build(dst, 5)
+        assert ck.load({"model": m2, "optim": o2}) == step
+        a, b = full(m, o), full(m2, o2)
+        print("CROSS", src, dst, a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+              next(iter(m2.parameters())).device.type)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_state_moves_between_a_cuda_and_a_cpu_mesh(tmp_path, free_port):
+    """A checkpoint of an FSDP2 model on a CUDA mesh loads onto a CPU mesh and back."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FSDP_CROSS_DEVICE, str(tmp_path / "c"),
+                          str(free_port)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CROSS cuda cpu True cpu" in out.stdout and "CROSS cpu cuda True cuda" in out.stdout, \
+        out.stdout
