@@ -224,3 +224,27 @@ def test_a_submodule_named_module_is_not_a_wrapper(tmp_path):
         o2 = torch.optim.AdamW(outer2.parameters())
         assert ck.load({"model": outer2, "optim": o2}) == 1
     assert equal(by_name(outer, o), by_name(outer2, o2))
+
+
+@pytest.mark.parametrize("target_trained", [False, True])
+def test_by_name_state_loads_into_a_state_dict_taken_by_hand(tmp_path, target_trained):
+    """The DCP idiom with plain state dicts: load into o.state_dict(), then o.load_state_dict();
+    the by-name optimizer state is renumbered group by group, as load_state_dict pairs it."""
+    m = Net()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    train(m, o)
+    m2 = Net()
+    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    if target_trained:
+        train(m2, o2, 1)  # its state dict holds state under positional ids
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": m, "optim": o}).wait()
+        sd = {"model": m2.state_dict(), "optim": o2.state_dict()}
+        assert ck.load(sd) == 1
+        o2.load_state_dict(sd["optim"])
+        bad = torch.optim.AdamW([{"params": list(m2.parameters())[:2]},
+                                 {"params": list(m2.parameters())[2:]}])
+        with pytest.raises(IncompatibleCheckpointError, match="param_groups hold"):
+            ck.load({"model": m2.state_dict(), "optim": bad.state_dict()})
+    assert equal(by_name(m, o), by_name(m2, o2))
+    assert o2.param_groups[0]["lr"] == 1e-3

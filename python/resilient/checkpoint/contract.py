@@ -223,6 +223,11 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
 
             return restore_object
         if isinstance(t, dict):
+            if views.is_positional_optimizer_dict(t):  # o.state_dict() taken by hand
+                d, why = views.positional_doc(d, t)
+                if why is not None:
+                    issues.mismatched.append(f"'{join(path, 'param_groups')}': {why}")
+                    return None
             items = codec.dict_items(d) if isinstance(d, dict) else None
             if items is None:
                 issues.mismatched.append(f"{where}: the checkpoint has {_kind(d)}, the target "

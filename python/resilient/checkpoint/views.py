@@ -222,6 +222,41 @@ class ModuleView:
         return type(restored)((self._back.get(k, k), v) for k, v in restored.items())
 
 
+def is_positional_optimizer_dict(t: Any) -> bool:
+    """True for an ``Optimizer.state_dict()`` taken by hand (parameters numbered by position)."""
+    groups = t.get("param_groups") if isinstance(t, dict) and "state" in t else None
+    return isinstance(groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list)
+        and all(isinstance(i, int) for i in g["params"]) for g in groups)
+
+
+def positional_doc(doc: Any, t: dict) -> tuple[Any, str | None]:
+    """A saved by-name optimizer document renumbered for the positional state dict `t`, pairing
+    parameters group by group in order, as ``Optimizer.load_state_dict`` itself pairs them;
+    (doc unchanged, None) when `doc` is not by name; (None, why) when the groups differ."""
+    saved = saved_param_keys(doc)
+    if saved is None or not any(isinstance(k, str) for g in saved for k in g):
+        return doc, None
+    ids = [g["params"] for g in t["param_groups"]]
+    if [len(g) for g in saved] != [len(g) for g in ids]:
+        return None, (f"the checkpoint's param_groups hold {[len(g) for g in saved]} parameters, "
+                      f"the target's {[len(g) for g in ids]}")
+    to_id = {f: i for names, numbers in zip(saved, ids) for f, i in zip(names, numbers)}
+
+    def with_params(group: Any, numbers: list[int]) -> Any:
+        items = codec.dict_items(group) or []
+        return {codec.DICT: [[k, numbers if k == "params" else v] for k, v in items]}
+
+    out = []
+    for k, v in codec.dict_items(doc) or []:
+        if k == "state" and isinstance(v, dict):
+            v = {codec.DICT: [[to_id.get(sk, sk), sv] for sk, sv in codec.dict_items(v) or []]}
+        elif k == "param_groups":
+            v = [with_params(g, numbers) for g, numbers in zip(v, ids)]
+        out.append([k, v])
+    return {codec.DICT: out}, None
+
+
 def canonical_doc(doc: Any) -> Any:
     """A saved module state dict with wrapper parts removed from its keys (a checkpoint written
     from a DDP or compiled module before names were canonical); unchanged when keys collide."""
