@@ -248,3 +248,54 @@ def test_by_name_state_loads_into_a_state_dict_taken_by_hand(tmp_path, target_tr
             ck.load({"model": m2.state_dict(), "optim": bad.state_dict()})
     assert equal(by_name(m, o), by_name(m2, o2))
     assert o2.param_groups[0]["lr"] == 1e-3
+
+
+def test_torchtitan_style_wrappers_with_flattened_optimizer_state(tmp_path):
+    """torchtitan's checkpointing idiom: Stateful wrappers around get_model_state_dict and
+    get_optimizer_state_dict(flatten_optimizer_state_dict=True), the optimizer's state
+    initialised before the load."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    class ModelWrapper:
+        def __init__(self, m):
+            self.m = m
+
+        def state_dict(self):
+            return get_model_state_dict(self.m)
+
+        def load_state_dict(self, sd):
+            set_model_state_dict(self.m, sd)
+
+    class Optimizers:
+        def __init__(self, m, o):
+            self.m, self.o = m, o
+
+        def state_dict(self):
+            return get_optimizer_state_dict(self.m, self.o, options=flat)
+
+        def load_state_dict(self, sd):
+            set_optimizer_state_dict(self.m, self.o, sd, options=flat)
+
+    m = Net()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    train(m, o)
+    m2 = Net()
+    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    for p in m2.parameters():
+        p.grad = torch.zeros_like(p)
+    o2.step()  # as torchtitan's OptimizersContainer initialises its state
+    o2.zero_grad()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": ModelWrapper(m), "optimizer": Optimizers(m, o)}).wait()
+        assert ck.load({"model": ModelWrapper(m2), "optimizer": Optimizers(m2, o2)}) == 1
+    assert equal(by_name(m, o), by_name(m2, o2))
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
+                                                 m2.state_dict().values()))
