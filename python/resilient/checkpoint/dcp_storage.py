@@ -1,0 +1,457 @@
+"""torch.distributed.checkpoint (DCP) storage through resilient's engine (docs/dcp.md).
+
+``dcp.save(state, storage_writer=ResilientStorageWriter(path))`` and
+``dcp.load(state, storage_reader=ResilientStorageReader(path))``: DCP's planners decide what
+each rank writes and reads (deduplication, resharding); resilient stores it.
+
+Where. ``path`` (or the ``checkpoint_id`` given to dcp.save/dcp.load) is a checkpoint root
+(docs/FORMAT.md): each dcp.save commits one more step (the newest committed step + 1; 0 in a new
+root). A path whose last component is ``step-<digits>`` names that step of its parent root:
+``dcp.save(..., checkpoint_id="/ckpt/step-100")`` commits ``/ckpt/step-000000000100`` (the
+directory name always has 12 digits; "step-100" and "step-000000000100" are the same step), so
+the ``<folder>/step-<N>`` naming of torchtitan and Lightning keeps working. A load of a root reads
+the newest step of its current lineage; of a step path, that step.
+
+Writing. Rank 0 (DCP's coordinator) picks the step and a save id in prepare_global_plan, takes
+the root's writer lock and removes a dead save's leftover of that step; the step and id reach
+every rank in its plan's storage_data. In write_data each rank hands its items to its native
+engine: a tensor item (a whole tensor or a chunk of a DTensor/ShardedTensor) is stored as the
+piece ``S/<fqn>#@<chunk offsets>`` of its global tensor, a bytes item (a non-tensor value, which
+DCP's planner serialized) as the uint8 piece ``S/<fqn>#@0``, opaque: resilient never unpickles
+it. The engine writes the rank's data file and shard manifest into ``root/.tmp-step-N/`` with
+io_uring, a checksum per chunk, and fsync; write_data returns once they are durable. finish()
+(rank 0, after every rank's write_data returned) writes DCP's Metadata as JSON
+(dcp_metadata.py, ``dcp-metadata.json``, checksummed), the lineage record, then commits the
+step with the crash-consistent protocol of commit.cpp (merged sealed manifest, fsync, rename):
+a process killed at any point before the rename leaves only a ``.tmp-`` directory, and every
+previously committed step loads as before.
+
+The step is also a resilient checkpoint: rank 0's values document maps each FQN to its tensor
+(bytes items as uint8 tensors), so ``resilient ckpt ls/show/verify/diff/export``,
+``Checkpointer.read_global`` and ``Checkpointer(root).load({})`` read it.
+
+Reading. read_metadata parses the step's sealed manifest and the metadata record (checksum,
+closed set of types: a hostile record is CorruptCheckpointError); storage_data is each chunk's
+entry name, a function of its FQN and offsets. read_data reads the saved chunks each ReadItem
+needs through the engine (every chunk's checksum verified; a flipped byte is
+CorruptCheckpointError naming the data file and offset), straight into the planner's target
+when it is a whole contiguous chunk, else through a host buffer.
+
+Staging for dcp.async_save is dcp_stager.ResilientStager; a writer tells it when a save no
+longer reads its buffers (acquire_staging/release_staging).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from resilient import _C, settings
+from resilient.checkpoint import dcp_metadata
+from resilient.checkpoint import root as roots
+from resilient.checkpoint.checkpointer import RANK_FORMAT, tensor_descriptor
+from resilient.checkpoint.dtensor import is_dtensor
+from resilient.checkpoint.plan import Saved, ShardSpec
+from resilient.checkpoint.reader import Reader
+from resilient.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+_STEP = re.compile(r"^step-(\d{1,19})$")
+
+
+def locate(path: str | os.PathLike) -> tuple[str, int | None]:
+    """(root, step) of a checkpoint_id: ``<root>/step-<digits>`` is that step of <root>;
+    anything else is a root (step None: the next step for a save, the newest for a load)."""
+    path = os.path.normpath(os.fspath(path))
+    m = _STEP.match(os.path.basename(path))
+    if m is not None and int(m.group(1)) < 2**63:
+        return os.path.dirname(path) or ".", int(m.group(1))
+    return path, None
+
+
+def _engine(root: str, rank: int = 0, world_size: int = 1, options: dict | None = None) -> Any:
+    opts = _C.CheckpointOptions(root)
+    opts.keep = 0  # retention is the writer's (roots.apply_retention), or the framework's
+    opts.rank, opts.world_size = rank, world_size
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        if not hasattr(opts, key):
+            raise TypeError(f"unknown checkpoint option {key!r}")
+        setattr(opts, key, value)
+    return _C.Checkpointer(opts)
+
+
+@dataclass(frozen=True)
+class _SaveInfo:
+    """What rank 0 decided for one save; travels to every rank in its plan's storage_data."""
+
+    root: str
+    step: int
+    save_id: str
+    world_size: int
+
+
+def _state_doc(fqns: list[str]) -> Any:
+    """Rank 0's values document: FQN -> its tensor (docs/FORMAT.md notation)."""
+    pairs = [[f, {"$tensor": f}] for f in fqns]
+    if any(f.startswith("$") for f in fqns):
+        return {"$dict": pairs}
+    return dict(pairs)
+
+
+class ResilientStorageWriter(StorageWriter):
+    """A DCP StorageWriter that commits each save as one step of a resilient root.
+
+    Args:
+        path: the root, or ``<root>/step-<N>`` for step N (dcp.save's checkpoint_id replaces it).
+        keep: after a commit, keep the newest `keep` steps of the root's lineage (<= 0: all,
+            the default: frameworks built on DCP usually delete old checkpoints themselves).
+        timeout: seconds a rank's write may take (default RESILIENT_DIST_TIMEOUT_S).
+        options: engine options (zstd_level, chunk_bytes, pool_bytes, io_uring, o_direct ...:
+            docs/SETTINGS.md).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, keep: int = 0, timeout: float | None = None,
+                 **options: Any):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.keep = int(keep)
+        self.timeout = float(settings.get("RESILIENT_DIST_TIMEOUT_S") if timeout is None
+                             else timeout)
+        self.options = options
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = uuid.uuid4().hex
+        self.last_step: int | None = None  # the step the last finished save committed
+        self._info: _SaveInfo | None = None
+        self._fqns: list[str] = []
+        self._engines: dict[tuple, Any] = {}
+        self._lock: roots.WriterLock | None = None
+        self._idle = threading.Event()  # set while no save reads a stager's buffers
+        self._idle.set()
+
+    # -- the StorageWriter protocol -------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        root, _ = locate(checkpoint_id)
+        return roots.is_root(root) or not os.path.exists(root)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError("ResilientStorageWriter commits one step for all ranks and needs "
+                             "dcp.save's collectives (use_collectives=True)")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        self._info = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Rank 0: the step, the save id, the root made and locked, a dead save's leftover of
+        the step removed (before any rank writes: they write after this plan reaches them)."""
+        root, step = locate(self.path)
+        roots.ensure_root(root)
+        if self._lock is None or self._lock.root != os.path.realpath(root):
+            self._release()
+            self._lock = roots.WriterLock(root)
+        self._lock.acquire()
+        if step is None:
+            steps = list(_C.committed_steps(root))
+            step = steps[-1] + 1 if steps else 0
+        tmp = roots.tmp_dir(root, step)
+        if os.path.islink(tmp):
+            os.unlink(tmp)
+        elif os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        info = _SaveInfo(root, step, f"dcp-{self.save_id}", len(plans))
+        self._fqns = sorted({item.index.fqn for p in plans for item in p.items})
+        return [replace(p, storage_data=info) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Stores this rank's items through its native engine; returns once they are durable."""
+        info = plan.storage_data
+        if not isinstance(info, _SaveInfo):
+            raise ValueError("the save plan was not prepared by a ResilientStorageWriter")
+        self._info = info
+        keep: list[torch.Tensor] = []
+        descs: list[dict[str, Any]] = []
+        results: list[WriteResult] = []
+        try:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+                        torch.empty(0, dtype=torch.uint8)
+                    gshape, offset = [t.numel()], [0]
+                else:
+                    t = data.detach()
+                    if is_dtensor(t):
+                        t = t.to_local()
+                    chunk = item.tensor_data.chunk
+                    gshape, offset = list(item.tensor_data.size), list(chunk.offsets)
+                    if tuple(t.shape) != tuple(chunk.sizes):
+                        raise ValueError(f"DCP item {item.index.fqn!r}: the planner resolved a "
+                                         f"{list(t.shape)} tensor for a {list(chunk.sizes)} chunk")
+                name = dcp_metadata.entry_name(item.index)
+                d = tensor_descriptor(name, t, keep)
+                d["global_shape"], d["global_offset"] = gshape, offset
+                descs.append(d)
+                results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes,
+                                           storage_data=name))
+            values = {"format": RANK_FORMAT, "save_id": info.save_id, "rank": self.rank,
+                      "world_size": info.world_size, "rank_state": None,
+                      "state": _state_doc(self._fqns) if self.rank == 0 else None}
+            engine = self._engine(info.root, self.rank, info.world_size)
+            native = engine.save(info.step, descs, json.dumps(values), False, "blocking")
+            del keep  # blocking: the engine copied every tensor before save() returned
+            self._idle.set()  # a stager's buffers may be refilled
+            native.wait(self.timeout)
+        finally:
+            self._idle.set()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0, after every rank's data is durable: the metadata record, the lineage record,
+        the commit (crash-consistent), retention. Nothing is committed if any of it fails."""
+        info = self._info
+        if info is None:
+            raise ValueError("finish() without a save in progress")
+        tmp = roots.tmp_dir(info.root, info.step)
+        try:
+            text = dcp_metadata.encode(metadata)
+            roots.write_atomic(os.path.join(tmp, dcp_metadata.FILE), text, sync_dir=False,
+                               in_step=True)
+            steps = list(_C.committed_steps(info.root))
+            chain, lineage = roots.history(info.root, steps)
+            head = None
+            if chain:
+                li = lineage[chain[0]]
+                head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
+            roots.write_lineage(tmp, info.step, roots.max_seq(lineage) + 1, head)
+            _C.commit_shards(info.root, info.step, info.world_size, info.save_id)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.last_step = info.step
+        try:
+            if self.keep > 0:
+                roots.apply_retention(info.root, list(_C.committed_steps(info.root)), self.keep)
+            for path in roots.stale_saves(info.root, time.time() + 1e9):  # dead saves' leftovers
+                shutil.rmtree(path, ignore_errors=True)
+            roots.purge_trash(info.root)
+        finally:
+            self._release()
+
+    # -- staging (ResilientStager) -------------------------------------------------------
+    def acquire_staging(self, timeout: float) -> bool:
+        """Waits until no save of this writer reads staged buffers, then marks them taken
+        (the next write_data releases them once its engine copied them). False on timeout."""
+        if not self._idle.wait(timeout):
+            return False
+        self._idle.clear()
+        return True
+
+    def release_staging(self) -> None:
+        self._idle.set()
+
+    # -- resources ------------------------------------------------------------------------
+    def _engine(self, root: str, rank: int, world_size: int) -> Any:
+        key = (root, rank, world_size)
+        engine = self._engines.get(key)
+        if engine is None:
+            for old in self._engines.values():
+                old.close(self.timeout)
+            self._engines = {key: (engine := _engine(root, rank, world_size, self.options))}
+        return engine
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Releases the engine (its host memory) and the root's writer lock."""
+        for engine in self._engines.values():
+            engine.close(self.timeout)
+        self._engines = {}
+        self._release()
+
+    def __enter__(self) -> ResilientStorageWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ResilientStorageReader(StorageReader):
+    """A DCP StorageReader of a step written by ResilientStorageWriter.
+
+    Args:
+        path: the root (its newest step of the current lineage), or ``<root>/step-<N>``
+            (dcp.load's checkpoint_id replaces it).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.step: int | None = None  # the step read, once read_metadata ran
+        self._engine: Any = None
+        self._manifest: Any = None
+        self._entries: dict[str, dict] = {}
+        self._metadata: Metadata | None = None
+        self._root: str | None = None
+        self._error: Exception | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self._metadata, self._manifest, self._error = None, None, None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        root, _ = locate(checkpoint_id)
+        return roots.is_root(root)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's Metadata of the step. A failure (no such step, a corrupt or hostile record)
+        is returned as an empty Metadata and raised by set_up_storage_reader() and
+        read_data(): torch's loader swallows read_metadata's exceptions and would report only
+        "metadata is None"; this way dcp.load's CheckpointException carries the real error."""
+        if self._metadata is not None:
+            return self._metadata
+        try:
+            return self._read_metadata()
+        except Exception as e:
+            self._error = e
+            return Metadata(state_dict_metadata={})
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _read_metadata(self) -> Metadata:
+        self._error = None
+        root, step = locate(self.path)
+        if not roots.is_root(root):
+            raise CheckpointNotFoundError(roots.why_not_root(root), root)
+        steps = list(_C.committed_steps(root))
+        if step is None:
+            chain, _ = roots.history(root, steps)
+            if not chain:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {root}", root)
+            step = chain[0]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for step {step} in {root} (it has {steps})", root)
+        if self._engine is None or self._root != root:
+            self._engine, self._root = _engine(root), root
+        self._manifest = self._engine.manifest(step)
+        self._entries = {e["name"]: e for e in self._manifest.tensors()}
+        path = os.path.join(roots.step_dir(root, step), dcp_metadata.FILE)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"step {step} of {root} was not written through DCP (it has no "
+                f"{dcp_metadata.FILE}); load it with resilient.Checkpointer", path) from None
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(dcp_metadata._MAX_BYTES + 1)
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            raise CorruptCheckpointError(f"{path}: not UTF-8", path=path) from None
+        self._metadata = dcp_metadata.decode(text, path)
+        self.step = step
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self._check()
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Reads the saved chunks the plan's items need (checksums verified) into the
+        planner's targets; bytes items go to planner.load_bytes as they were saved."""
+        self._check()
+        if self._manifest is None:
+            self._read_metadata()
+        reader = Reader(self._engine, self._manifest, self._entries)
+        pending = []
+        for item in plan.items:
+            name = dcp_metadata.entry_name(item.storage_index)
+            e = self._entries.get(name)
+            if e is None:
+                raise CorruptCheckpointError(
+                    f"step {self.step}: DCP item {item.storage_index.fqn!r} (entry {name!r}) has "
+                    "no data in the manifest")
+            shape = tuple(e["shape"])
+            saved = [Saved(name, e["dtype"], shape, shape, tuple(0 for _ in shape))]
+            if item.type == LoadItemType.BYTE_IO:
+                pending.append((item, reader.want(name, None, e["dtype"], shape, None, saved),
+                                None))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            lengths = tuple(int(x) for x in item.lengths)
+            if tuple(target.shape) != lengths:
+                raise ValueError(f"DCP item {item.dest_index.fqn!r}: the planner resolved a "
+                                 f"{list(target.shape)} target for {list(lengths)} elements")
+            spec = ShardSpec(shape, tuple(int(x) for x in item.storage_offsets), lengths)
+            same = (e["dtype"] == str(target.dtype).removeprefix("torch.")
+                    and target.device.type in ("cpu", "cuda"))
+            w = reader.want(name, target if same else None, e["dtype"], lengths, spec, saved)
+            pending.append((item, w, target))
+        reader.run()
+        for item, w, target in pending:
+            if target is None:
+                planner.load_bytes(item, io.BytesIO(w.out.numpy().tobytes()))
+                continue
+            if w.out is not target:
+                with torch.no_grad():
+                    target.copy_(w.out)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close(None)
+            self._engine = None

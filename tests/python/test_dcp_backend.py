@@ -1,0 +1,450 @@
+"""resilient.dcp: torch.distributed.checkpoint's save/load/async_save through resilient's engine.
+
+A module and its optimizer (get_state_dict/set_state_dict, as torchtitan does) round-trip bit
+for bit; FSDP2 state saved by 2 gloo ranks loads onto 2 ranks and onto 1 process (DCP's planner
+reshards); async_save through ResilientStager reuses its buffers; kill -9 of the writer during a
+save leaves the previous step loadable; a flipped data byte is CorruptCheckpointError naming
+the file and offset; a hostile metadata record is refused; nothing resilient writes is pickle.
+Multi-rank phases run as torch.multiprocessing workers in a bounded subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from procs import run_bounded
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _model(seed: int):
+    from torch import nn
+
+    torch.manual_seed(seed)
+    # 5 output rows: FSDP over 2 ranks cuts them unevenly (3, 2)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+
+
+def _trained(seed: int, steps: int = 2):
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _state(model, opt, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"step": step, "note": "x"}}
+
+
+def _load_into_fresh(path: str, seed: int = 99):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from resilient.dcp import ResilientStorageReader
+
+    model, opt = _trained(seed, steps=1)  # an optimizer with state, other values
+    state = _state(model, opt, 0)
+    reader = ResilientStorageReader(path)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt, state, reader
+
+
+def _same_model_and_optim(a, ao, b, bo) -> None:
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+    sa, sb = ao.state_dict(), bo.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
+def _save(path, state) -> None:
+    from resilient.dcp import ResilientStorageWriter
+
+    with ResilientStorageWriter(path) as w:
+        dcp.save(state, storage_writer=w)
+
+
+def test_module_and_optimizer_round_trip_bit_exact_one_step_per_save(tmp_path):
+    from resilient.checkpoint import read_global
+    from resilient.checkpoint.verify import verify_root
+
+    root = str(tmp_path / "ckpt")
+    first, first_opt = _trained(1)
+    _save(root, _state(first, first_opt, 10))
+    second, second_opt = _trained(2, steps=3)
+    _save(root, _state(second, second_opt, 20))
+    assert sorted(os.listdir(root)) == [".writer.lock", "latest", "resilient-root.json",
+                                        "step-000000000000", "step-000000000001"]
+    # a root loads its newest step; <root>/step-<N> (any width) that step
+    model, opt, state, reader = _load_into_fresh(root)
+    assert reader.step == 1 and state["extra"] == {"step": 20, "note": "x"}
+    _same_model_and_optim(model, opt, second, second_opt)
+    model, opt, state, reader = _load_into_fresh(os.path.join(root, "step-0"))
+    assert reader.step == 0 and state["extra"]["step"] == 10
+    _same_model_and_optim(model, opt, first, first_opt)
+    # the step is a resilient checkpoint too: verify re-reads every chunk; read_global
+    # assembles the tensors by FQN
+    steps, problems = verify_root(root)
+    assert steps == [0, 1] and problems == []
+    tensors = read_global(root, 1)
+    assert torch.equal(tensors["model.2.weight"], second.state_dict()["2.weight"])
+    # checkpoint_id=<root>/step-<N> saves that step (the torchtitan naming)
+    _save(os.path.join(root, "step-100"), _state(first, first_opt, 100))
+    assert os.path.isdir(os.path.join(root, "step-000000000100"))
+    _, _, state, reader = _load_into_fresh(root)
+    assert reader.step == 100 and state["extra"]["step"] == 100
+
+
+_PICKLE_MARKS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"data.pkl", b"PK\x03\x04")
+
+
+def test_nothing_resilient_writes_is_pickle(tmp_path):
+    """Resilient's own records are JSON; in the data files, the only pickle-looking bytes are
+    inside the extents of DCP's bytes items (its torch.save'd non-tensor values, stored
+    opaque), and a tensor-only state has none at all."""
+    model, opt = _trained(3)
+    tensors_only = str(tmp_path / "t")
+    _save(tensors_only, {"model": model.state_dict()})
+    mixed = str(tmp_path / "m")
+    _save(mixed, _state(model, opt, 5))
+    for root in (tensors_only, mixed):
+        step = os.path.join(root, "step-000000000000")
+        for name in ("manifest.json", "rank-0.json"):
+            json.load(open(os.path.join(step, name)))
+        body = open(os.path.join(step, "dcp-metadata.json")).read().split("\n")[0]
+        assert json.loads(body)["format"] == "resilient-dcp-metadata"
+        assert not [f for f in os.listdir(step) if f.endswith((".metadata", ".pt", ".pkl"))]
+        doc = json.load(open(os.path.join(step, "manifest.json")))
+        entries = doc["tensors"]
+        byte_fqns = {k for k, v in json.loads(body)["state"].items() if v["type"] == "bytes"}
+        opaque = [(c["off"], c["off"] + c["len"]) for e in entries
+                  if e["name"][2:].split("#@")[0] in byte_fqns for c in e["chunks"]]
+        data = open(os.path.join(step, "rank-00000.data"), "rb").read()
+        for mark in _PICKLE_MARKS:
+            at = data.find(mark)
+            while at >= 0:
+                assert any(a <= at < b for a, b in opaque), (root, mark, at)
+                at = data.find(mark, at + 1)
+        for name in os.listdir(step):
+            if not name.endswith(".data"):
+                raw = open(os.path.join(step, name), "rb").read()
+                assert not any(m in raw for m in _PICKLE_MARKS), name
+    assert not byte_fqns or opaque  # the mixed state had bytes items, the other none
+    data = open(os.path.join(tensors_only, "step-000000000000", "rank-00000.data"), "rb").read()
+    assert not any(m in data for m in _PICKLE_MARKS)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _dcp_error(exc: BaseException) -> BaseException:
+    """The exception inside DCP's CheckpointException (rank 0's)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        wrapped = next(iter(failures.values()))  # (exception, its traceback)
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return exc
+
+
+def test_a_flipped_data_byte_is_corrupt_checkpoint_error_naming_file_and_offset(tmp_path):
+    import resilient
+
+    root = str(tmp_path / "c")
+    model, opt = _trained(4)
+    _save(root, _state(model, opt, 1))
+    step = os.path.join(root, "step-000000000000")
+    doc = json.load(open(os.path.join(step, "manifest.json")))
+    entry = next(e for e in doc["tensors"] if e["name"].startswith("S/model.0.weight#@"))
+    chunk = entry["chunks"][0]
+    _flip(os.path.join(step, "rank-00000.data"), chunk["off"] + 7)
+    with pytest.raises(BaseException) as info:
+        _load_into_fresh(root)
+    err = _dcp_error(info.value)
+    assert isinstance(err, resilient.CorruptCheckpointError), repr(err)
+    assert err.path.endswith("rank-00000.data") and err.offset == chunk["off"], (err.path,
+                                                                                err.offset)
+
+
+def _rewrite_metadata(step: str, edit) -> None:
+    from resilient import _C
+
+    path = os.path.join(step, "dcp-metadata.json")
+    doc = json.loads(open(path).read().split("\n")[0])
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":"))
+    with open(path, "w") as f:
+        f.write(f"{body}\n{_C.xxh3_hex(body.encode())}\n")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["state"]["model.0.bias"].update(type="pickle"), "unknown storage type"),
+    (lambda d: d["state"]["model.0.bias"].update(dtype="os.system"), "unknown dtype"),
+    (lambda d: d.update(planner_data={"x": [{"__reduce__": "eval"}]}), "planner_data"),
+    (lambda d: d["state"]["model.0.bias"]["chunks"][0].update(sizes=[99]), "outside"),
+    (None, "checksum mismatch"),
+])
+def test_a_hostile_or_damaged_metadata_record_is_refused(tmp_path, edit, message):
+    import resilient
+    from resilient.dcp import ResilientStorageReader
+
+    root = str(tmp_path / "h")
+    model, opt = _trained(5)
+    _save(root, {"model": model.state_dict()})
+    step = os.path.join(root, "step-000000000000")
+    if edit is None:
+        path = os.path.join(step, "dcp-metadata.json")
+        _flip(path, 20)
+    else:
+        _rewrite_metadata(step, edit)
+    with pytest.raises(BaseException) as info:
+        dcp.load({"model": _model(0).state_dict()},
+                 storage_reader=ResilientStorageReader(root))
+    err = _dcp_error(info.value)
+    assert isinstance(err, resilient.CorruptCheckpointError), repr(err)
+    assert message in str(err) and "dcp-metadata.json" in str(err)
+
+
+def test_a_custom_planner_data_that_is_not_json_is_refused_when_saving(tmp_path):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from resilient.dcp import ResilientStorageWriter
+
+    class Odd(DefaultSavePlanner):
+        def create_global_plan(self, plans):
+            plans, md = super().create_global_plan(plans)
+            md.planner_data = object()
+            return plans, md
+
+    root = str(tmp_path / "p")
+    with pytest.raises(BaseException, match="planner_data") as info:
+        dcp.save({"w": torch.ones(3)}, storage_writer=ResilientStorageWriter(root),
+                 planner=Odd())
+    assert "DefaultSavePlanner" in str(_dcp_error(info.value))
+    assert [n for n in os.listdir(root) if n.startswith(("step-", ".tmp-"))] == []
+
+
+def test_a_resilient_native_step_says_which_reader(tmp_path):
+    import resilient
+    from resilient.dcp import ResilientStorageReader
+
+    root = str(tmp_path / "n")
+    with resilient.Checkpointer(root, distributed=False) as ck:
+        ck.save(3, {"w": torch.ones(2)}).wait()
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(2)},
+                 storage_reader=ResilientStorageReader(root))
+    assert "Checkpointer" in str(_dcp_error(info.value))
+
+
+def test_async_save_through_the_stager_is_correct_and_reuses_its_buffers(tmp_path):
+    from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
+
+    root = str(tmp_path / "a")
+    model, opt = _trained(6)
+    writer = ResilientStorageWriter(root)
+    stager = ResilientStager(writer)
+    saved = []
+    ptrs = []
+    for step in range(3):
+        state = _state(model, opt, step)
+        future = dcp.async_save(state, storage_writer=writer, async_stager=stager)
+        ptrs.append(sorted(b.data_ptr() for b in stager._buffers.values()))
+        saved.append({k: v.clone() for k, v in model.state_dict().items()})
+        with torch.no_grad():  # training goes on while the save is written
+            for p in model.parameters():
+                p.add_(1.0)
+        future.result()
+    writer.close()
+    assert ptrs[0] == ptrs[1] == ptrs[2] and stager.allocations == len(ptrs[0]) > 0
+    for step in range(3):
+        got = _model(0).state_dict()
+        dcp.load({"model": got}, storage_reader=ResilientStorageReader(f"{root}/step-{step}"))
+        for k in got:
+            assert torch.equal(got[k], saved[step][k]), (step, k)
+
+
+# -- kill -9 during a save ----------------------------------------------------------------
+
+def _kill_child(root: str, point: str) -> None:
+    """Saves step 0, then stops at `point` of the save of step 1 and waits to be killed."""
+    import resilient.checkpoint.dcp_storage as ds
+
+    model, opt = _trained(7)
+    _save(root, _state(model, opt, 0))
+    real = ds._C
+
+    class Stop:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def commit_shards(self, *args):  # everything is written: only the rename is left
+            print("STOPPED", flush=True)
+            time.sleep(120)
+
+    class Writer(ds.ResilientStorageWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)  # this rank's shard is durable
+            if point == "write":
+                print("STOPPED", flush=True)
+                time.sleep(120)
+            return future
+
+    if point == "commit":
+        ds._C = Stop()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    dcp.save(_state(model, opt, 1), storage_writer=Writer(root))
+
+
+@pytest.mark.parametrize("point", ["write", "commit"])
+def test_kill_9_during_a_save_leaves_the_previous_step_loadable(tmp_path, point):
+    from resilient import _C
+
+    root = str(tmp_path / "k")
+    proc = subprocess.Popen([sys.executable, __file__, "kill", root, point],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "STOPPED" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "STOPPED" in line, proc.stdout.read()[-3000:]
+        assert os.path.isdir(os.path.join(root, ".tmp-step-000000000001"))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert list(_C.committed_steps(root)) == [0]
+    reference, reference_opt = _trained(7)
+    model, opt, state, reader = _load_into_fresh(root)
+    assert reader.step == 0 and state["extra"]["step"] == 0
+    _same_model_and_optim(model, opt, reference, reference_opt)
+    # the next save (a new writer, the dead one's lock gone with it) commits and cleans up
+    _save(root, _state(reference, reference_opt, 1))
+    assert list(_C.committed_steps(root)) == [0, 1]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+
+
+# -- FSDP2 on 2 gloo ranks ------------------------------------------------------------------
+
+def _full(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in _full(v).items()})
+        elif isinstance(v, torch.Tensor):
+            t = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = t.detach().double().flatten().tolist()
+        else:
+            out[k] = json.loads(json.dumps(v))  # as the workers report it (tuples as lists)
+    return out
+
+
+def _fsdp(seed: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from resilient.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    model, opt = _fsdp(8, world)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        model(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = _state(model, opt, 2)
+    saved = _full(state)
+    with ResilientStorageWriter(root) as w:
+        dcp.save(state, storage_writer=w)
+    # onto 2 ranks: a fresh FSDP2 model and optimizer (other values, state after one step)
+    model2, opt2 = _fsdp(9, world)
+    model2(torch.randn(4, 6, generator=g)).square().mean().backward()
+    opt2.step()
+    state2 = _state(model2, opt2, 0)
+    dcp.load(state2, storage_reader=ResilientStorageReader(root))
+    set_state_dict(model2, opt2, model_state_dict=state2["model"],
+                   optim_state_dict=state2["optim"])
+    loaded = _full(_state(model2, opt2, state2["extra"]["step"]))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"saved": saved, "loaded": loaded,
+                   "files": sorted(os.listdir(os.path.join(root, "step-000000000000")))}, f)
+    dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_and_one_process(tmp_path):
+    root, out = tmp_path / "f", tmp_path / "out"
+    out.mkdir()
+    rc, output = run_bounded([sys.executable, __file__, "fsdp", "2", str(root), str(out)], 240,
+                             "fsdp x2")
+    assert rc == 0, output[-4000:]
+    ranks = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    saved = ranks[0]["saved"]
+    assert ranks[1]["saved"] == saved
+    for r in ranks:
+        assert r["loaded"] == saved
+    assert {"rank-00000.data", "rank-00001.data", "dcp-metadata.json"} <= set(ranks[0]["files"])
+    # onto one process without a process group: plain full tensors, resharded by DCP's planner
+    model, opt, state, _ = _load_into_fresh(str(root))
+    assert _full(_state(model, opt, state["extra"]["step"])) == saved
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        _kill_child(sys.argv[2], sys.argv[3])
+    else:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        world = int(sys.argv[2])
+        mp.start_processes(_fsdp_worker, args=(world, port, sys.argv[3], sys.argv[4]),
+                           nprocs=world, start_method="spawn")
