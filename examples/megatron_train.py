@@ -107,9 +107,8 @@ def train(args: argparse.Namespace) -> None:
     model = ParallelMLP(tp, tp_rank, tp_group)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    # the optimizer's state of a sliced parameter inherits its spec (saved by parameter name)
     specs = {f"model/{n}": s for n, s in model.specs.items()}
-    index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-    specs.update({f"optim/state/{index[n]}/*": s for n, s in model.specs.items()})
     ckpt = CheckpointManager(
         args.ckpt,
         {"model": model, "optim": opt, "sched": sched},

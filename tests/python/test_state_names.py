@@ -299,3 +299,21 @@ def test_torchtitan_style_wrappers_with_flattened_optimizer_state(tmp_path):
     assert equal(by_name(m, o), by_name(m2, o2))
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
                                                  m2.state_dict().values()))
+
+
+def test_optimizer_state_inherits_its_parameters_spec_and_positional_specs_raise(tmp_path):
+    from resilient.checkpoint import ShardSpec
+
+    m = Net()
+    o = torch.optim.AdamW(m.parameters())
+    train(m, o)
+    whole = ShardSpec.split((2, 4), 0, 0, 1)  # head.weight, one part of one
+    with resilient.Checkpointer(tmp_path / "a", specs={"model/head.weight": whole}) as ck:
+        assert ck.spec_for("optim/state/head.weight/exp_avg", (2, 4), None) is whole
+        assert ck.spec_for("optim/state/head.weight/step", (), None) is None  # other shape
+        assert ck.spec_for("optim/state/blocks.0.weight/exp_avg", (4, 4), None) is None
+        ck.save(1, {"model": m, "optim": o}).wait()
+    with resilient.Checkpointer(tmp_path / "b", specs={"optim/state/6/*": whole}) as ck:
+        with pytest.raises(ValueError, match="keyed by parameter name"):
+            ck.save(1, {"model": m, "optim": o})
+        ck.save(1, {"optim": o}).wait()  # saved alone: positional, the spec applies

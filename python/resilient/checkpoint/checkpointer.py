@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -389,6 +390,7 @@ class Checkpointer:
         enc = views.encode(state)
         chunks = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
+        _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
         for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
             _check_savable(name, t)
@@ -493,17 +495,25 @@ class Checkpointer:
         spec = self.specs.get(name)
         if spec is not None:
             return spec
+        def fits(s: ShardSpec) -> bool:
+            return (tuple(s.shape) == shape if shape is not None
+                    else tuple(s.global_shape) == saved_gshape)
+
         best = None
         for pattern, s in self.specs.items():
-            if pattern.endswith("*") and fnmatchcase(name, pattern):
-                fits = (
-                    tuple(s.shape) == shape
-                    if shape is not None
-                    else tuple(s.global_shape) == saved_gshape
-                )
-                if fits and (best is None or len(pattern) > len(best[0])):
+            if pattern.endswith("*") and fnmatchcase(name, pattern) and fits(s):
+                if best is None or len(pattern) > len(best[0]):
                     best = (pattern, s)
-        return best[1] if best else None
+        if best is not None:
+            return best[1]
+        # Optimizer state saved by parameter name ('optim/state/<fqn>/exp_avg') shaped like its
+        # parameter inherits the parameter's spec ('model/<fqn>'), when exactly one has it.
+        m = _OPTIM_STATE.match(name)
+        if m is None or m["param"].isdigit():
+            return None
+        found = [s for key, s in self.specs.items() if not key.endswith("*") and fits(s)
+                 and (key == m["param"] or key.endswith("/" + m["param"]))]
+        return found[0] if len(found) == 1 else None
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits until the last overlapped save no longer reads the saved tensors."""
@@ -1134,6 +1144,19 @@ def _raise_agreed(outcomes: list, mine: Any, prepared: Any, strict: bool, step: 
             theirs.unexpected, theirs.mismatched)
 
 
+def _check_positional_specs(specs: Any, tensors: dict[str, Any]) -> None:
+    """A spec naming optimizer state by position ('optim/state/2/*') that matches nothing: the
+    optimizer is saved by parameter name, and the spec would silently not apply."""
+    for key in specs:
+        m = re.search(r"/state/\d+(/|$)", key)
+        if m and not any(key == n or (key.endswith("*") and fnmatchcase(n, key))
+                         for n in tensors):
+            raise ValueError(
+                f"spec {key!r} matches no saved tensor: an optimizer saved with its model is keyed "
+                "by parameter name ('optim/state/<parameter name>/exp_avg'), and its state "
+                "inherits the parameter's spec; drop the optimizer specs or name the parameter")
+
+
 def _fingerprints(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     """A fingerprint of each tensor's bytes (wrapping sums of its 8-byte words and of its
     tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors."""
@@ -1167,6 +1190,9 @@ def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -
             "state passed as `state` must be identical on every data-parallel rank (it is "
             "written once); per-rank values (RNG state, running statistics) belong in "
             "rank_state")
+
+
+_OPTIM_STATE = re.compile(r"^.+/state/(?P<param>[^/]+)/[^/]+$")
 
 
 def _wait_event(event: threading.Event, timeout: float | None) -> bool:
