@@ -194,17 +194,20 @@ def tensor_descriptor(
     return desc
 
 
-def _local_chunks(tensors: dict[str, Any]) -> dict[str, ShardSpec]:
+def _local_chunks(tensors: dict[str, Any]) -> tuple[dict[str, ShardSpec], set[str]]:
     """Replaces each DTensor in `tensors` by its local chunk (in place); returns the chunks'
-    places. TypeError naming a DTensor that has no single local chunk (Partial...)."""
-    places = {}
+    places, and the names of those no other rank holds (no Replicate placement: FSDP), which
+    need no replica check. TypeError naming a DTensor that has no single local chunk."""
+    places, alone = {}, set()
     for name, t in tensors.items():
         if type(t) is not torch.Tensor and is_dtensor(t):
             try:
                 tensors[name], places[name] = local_chunk(t)
             except ValueError as e:
                 raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
-    return places
+            if not any(p.is_replicate() for p in t.placements):
+                alone.add(name)
+    return places, alone
 
 
 def _stored_pieces(pieces: list, held: list[Held]) -> list[tuple]:
@@ -388,7 +391,7 @@ class Checkpointer:
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state)
-        chunks = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
+        chunks, alone = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
         _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
@@ -400,7 +403,8 @@ class Checkpointer:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
-            prints = (_fingerprints(enc.tensors) if self.check_replicas and self.world_size > 1
+            prints = (_fingerprints(enc.tensors, alone)
+                      if self.check_replicas and self.world_size > 1
                       else None)
         except Exception as e:
             problem, prints = e, None
@@ -1157,11 +1161,15 @@ def _check_positional_specs(specs: Any, tensors: dict[str, Any]) -> None:
                 "inherits the parameter's spec; drop the optimizer specs or name the parameter")
 
 
-def _fingerprints(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+def _fingerprints(tensors: dict[str, torch.Tensor],
+                  skip: set[str]) -> list[tuple[int, int] | None]:
     """A fingerprint of each tensor's bytes (wrapping sums of its 8-byte words and of its
-    tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors."""
+    tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors.
+    None for the tensors in `skip` (held by this rank alone)."""
     sums = []
-    for t in tensors.values():
+    for name, t in tensors.items():
+        if name in skip:
+            continue
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         n8 = b.numel() // 8 * 8
         try:
@@ -1170,10 +1178,9 @@ def _fingerprints(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
             words = b[:n8].clone().view(torch.int64)
         tail = b[n8:].to(torch.int64)
         sums.append(torch.stack([words.sum(), tail.sum() + 256 * b.numel()]))
-    if not sums:
-        return []
     host = [s.cpu() if s.device.type != "cpu" else s for s in sums]
-    return [(int(a), int(c)) for a, c in torch.stack(host).tolist()]
+    values = iter(torch.stack(host).tolist() if host else [])
+    return [None if name in skip else tuple(int(x) for x in next(values)) for name in tensors]
 
 
 def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -> None:
@@ -1181,6 +1188,8 @@ def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -
     diffs = []
     for rank, (held, prints) in enumerate(zip(held_by_rank, prints_by_rank)):
         for h, fp in zip(held, prints or ()):
+            if fp is None:
+                continue
             first = seen.setdefault(h.key, (rank, tuple(fp)))
             if first[1] != tuple(fp):
                 diffs.append(f"{h.name!r} (rank {first[0]} vs rank {rank})")
