@@ -117,3 +117,17 @@ def test_verify_catches_changed_misplaced_and_zeroed_values():
 
 if __name__ == "__main__" and sys.argv[1:] == ["verifier"]:
     print(json.dumps(_verifier_checks()))
+
+
+def test_a_failed_method_becomes_its_rows_error_and_the_others_stay():
+    from resilient.cli.bench.fsdp import goals, summarize
+
+    ok = {"saves": [[0.1, 0.1, 0.5, None]], "restores": [{"s": 0.4, "bad": [], "cache": "x"}],
+          "notes": {}}
+    ranks = [{"bytes": 10**9, "reference": {"method": "memcpy", "s": 0.1},
+              "methods": {"resilient": ok, "dcp_async": {**ok, "error": "rank 0: boom"}}}]
+    reference, rows = summarize(ranks, None, ["resilient", "dcp_async"])
+    assert rows[0]["restore_verified"] is True and rows[0]["durable_s"] == 0.5
+    assert rows[1]["error"] == "rank 0: boom" and rows[1]["durable_s"] is None
+    assert all(g["value"] is None or g["goal"].startswith("resilient stall")
+               for g in goals(reference, rows, "cpu") if "dcp_async" in g["goal"])

@@ -6,7 +6,10 @@ with --device cuda), and restored on the same mesh and onto N/2 ranks, in one ru
 - ``resilient_overlap``: the same in mode "overlap" (the stall ends at wait_snapshot());
 - ``dcp``: torch.distributed.checkpoint.save of get_state_dict(module, optimizer);
 - ``dcp_async``: dcp.async_save with torch's DefaultStager (pinned on CUDA), one per save (see
-  _Dcp.save for why not one for all).
+  _Dcp.save for why not one for all);
+- ``dcp_resilient``, ``dcp_resilient_async`` (only when named in --methods): the same DCP calls
+  through resilient.dcp's ResilientStorageWriter/Reader (one writer for all saves, keep=1) and,
+  for async_save, its ResilientStager (one, reused).
 
 Each method saves once to warm up, then --repeat times, each save followed by a same-mesh restore.
 A second job of N/2 processes then builds its own FSDP2 module and optimizer on a half-size mesh
@@ -41,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 FSDP_METHODS = ["resilient", "resilient_overlap", "dcp", "dcp_async"]
-STAGED = {"resilient", "resilient_overlap", "dcp_async"}  # stall ends before the write does
+DCP_BACKEND_METHODS = ["dcp_resilient", "dcp_resilient_async"]  # resilient.dcp, on request
+STAGED = {"resilient", "resilient_overlap", "dcp_async", "dcp_resilient_async"}
 
 
 def _now() -> float:
@@ -79,13 +83,21 @@ class _Resilient:
 
 
 class _Dcp:
-    def __init__(self, root: Path, use_async: bool, device: str, group: Any):
+    def __init__(self, root: Path, use_async: bool, device: str, group: Any,
+                 backend: bool = False):
         from resilient.cli.bench.methods import dcp_stager
 
         self.root, self.device, self.group = root, device, group
         self.notes: dict[str, Any] = {}
         self.use_async = use_async
         self._stager = dcp_stager
+        self._writer: Any = None
+        if backend:  # resilient.dcp: <root>/step-<N> is step N of the root
+            from resilient.dcp import ResilientStager, ResilientStorageWriter
+
+            self._writer = ResilientStorageWriter(root, keep=1)
+            stager = ResilientStager(self._writer)
+            self._stager = lambda device, notes: stager
 
     def _state(self, model: Any, opt: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -99,8 +111,9 @@ class _Dcp:
         path = str(self.root / f"step-{step}")
         t0 = _now()
         sd = self._state(model, opt)
+        kw = {} if self._writer is None else {"storage_writer": self._writer}
         if not self.use_async:
-            dcp.save(sd, checkpoint_id=path, process_group=self.group)
+            dcp.save(sd, checkpoint_id=path, process_group=self.group, **kw)
             s = _now() - t0
             return s, s, s, None
         # A DefaultStager per save: torch 2.11's stage() closes its StateDictStager (clearing
@@ -109,7 +122,7 @@ class _Dcp:
         stager = self._stager(self.device, self.notes)
         try:
             resp = dcp.async_save(sd, checkpoint_id=path, process_group=self.group,
-                                  async_stager=stager)
+                                  async_stager=stager, **kw)
             ret = _now() - t0
             if hasattr(resp, "staging_completion"):
                 resp.staging_completion.result()
@@ -120,7 +133,7 @@ class _Dcp:
                 resp.result()
             return ret, stall, _now() - t0, None
         finally:
-            if stager is not None and hasattr(stager, "close"):
+            if stager is not None and hasattr(stager, "close") and self._writer is None:
                 stager.close()
 
     def restore(self, step: int, model: Any, opt: Any) -> float:
@@ -130,7 +143,13 @@ class _Dcp:
 
         t0 = _now()
         sd = self._state(model, opt)
-        dcp.load(sd, checkpoint_id=str(self.root / f"step-{step}"), process_group=self.group)
+        kw = {}
+        if self._writer is not None:
+            from resilient.dcp import ResilientStorageReader
+
+            kw["storage_reader"] = ResilientStorageReader(self.root)
+        dcp.load(sd, checkpoint_id=str(self.root / f"step-{step}"), process_group=self.group,
+                 **kw)
         self.notes["load_only_s"] = _now() - t0  # dcp.load without the set_state_dict below
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if self.device == "cuda":
@@ -138,7 +157,8 @@ class _Dcp:
         return _now() - t0
 
     def close(self) -> None:
-        pass
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _method(name: str, root: Path, args: argparse.Namespace, group: Any) -> Any:
@@ -149,7 +169,7 @@ def _method(name: str, root: Path, args: argparse.Namespace, group: Any) -> Any:
                    "queue_depth": args.queue_depth, "zstd_level": args.zstd_level}
         mode = "overlap" if name == "resilient_overlap" else "blocking"
         return _Resilient(root, mode, options, args.device)
-    return _Dcp(root, name == "dcp_async", args.device, group)
+    return _Dcp(root, name.endswith("_async"), args.device, group, name.startswith("dcp_res"))
 
 
 def _worker(rank: int, phase: str, world: int, port: int, args: argparse.Namespace,
@@ -223,6 +243,8 @@ def _worker(rank: int, phase: str, world: int, port: int, args: argparse.Namespa
                 for _ in range(args.repeat):
                     barrier()
                     rec["restores"].append(restore_checked(m, args.repeat))
+        except Exception as e:  # one method's failure (torch's own, too) is its row's result
+            rec["error"] = f"rank {rank}: {type(e).__name__}: {str(e)[:400]}"
         finally:
             m.close()
         rec["notes"] = dict(m.notes)
@@ -249,6 +271,14 @@ def summarize(save_ranks: list[dict], reshard_ranks: list[dict] | None,
     rows = []
     for name in methods:
         recs = [r["methods"][name] for r in save_ranks]
+        failed = [rec["error"] for rec in recs if "error" in rec]
+        if failed:
+            rows.append({"method": name, "error": failed[0], "restore_verified": None,
+                         "reshard_verified": None, "mismatches": [], "notes": {},
+                         **{c: None for c in ("return_s", "stall_s", "durable_s", "write_gbps",
+                                              "restore_s", "restore_gbps", "reshard_s",
+                                              "reshard_gbps")}})
+            continue
         repeats = len(recs[0]["saves"])
         ret = [_med([rec["saves"][i][0] for i in range(repeats)]) for rec in recs]
         stall = [_med([rec["saves"][i][1] for i in range(repeats)]) for rec in recs]
@@ -271,8 +301,12 @@ def summarize(save_ranks: list[dict], reshard_ranks: list[dict] | None,
                                                 for rec in recs) if None not in native else None),
                       "cache": recs[0]["restores"][-1]["cache"], "repeats": repeats},
         }
-        if reshard_ranks is not None:
-            rr = [r["methods"][name] for r in reshard_ranks]
+        rr = [r["methods"][name] for r in reshard_ranks] if reshard_ranks is not None else []
+        if any("error" in x for x in rr):
+            row["reshard_verified"] = False
+            row["mismatches"].append("reshard failed: " + next(x["error"] for x in rr
+                                                                if "error" in x))
+        elif rr:
             n = len(rr[0]["restores"])
             row["reshard_s"] = _med([max(x["restores"][i]["s"] for x in rr) for i in range(n)])
             row["reshard_gbps"] = total / row["reshard_s"] / 1e9
@@ -312,7 +346,12 @@ def goals(reference: dict, rows: list[dict], device: str) -> list[dict[str, Any]
         for key in ("durable_s", "restore_s", "reshard_s"):
             v = res[key] / o[key] if res[key] and o[key] else None
             add(f"resilient {key.removesuffix('_s')} / {other}'s (< 1: ahead)", v, 1.0)
-    if res and res["reshard_s"]:
+    for name, other in (("dcp_resilient", "dcp"), ("dcp_resilient_async", "dcp_async")):
+        b, o = by.get(name), by.get(other)
+        for key in ("durable_s", "restore_s", "reshard_s") if b and o else ():
+            v = b[key] / o[key] if b[key] and o[key] else None
+            add(f"{name} {key.removesuffix('_s')} / {other}'s (< 1: ahead)", v, 1.0)
+    if res and res["reshard_s"] and res["restore_s"]:
         add("resilient reshard / same-mesh restore", res["reshard_s"] / res["restore_s"], 1.2)
     return out
 
@@ -327,7 +366,7 @@ def run_fsdp_bench(args: argparse.Namespace) -> int:
         args.world_size = 4 if args.device == "cpu" else torch.cuda.device_count()
     world = int(args.world_size)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(FSDP_METHODS)
+    unknown = set(methods) - set(FSDP_METHODS) - set(DCP_BACKEND_METHODS)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
@@ -372,8 +411,13 @@ def run_fsdp_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
     else:
         print_table(result)
-    return 0 if all(r["restore_verified"] and r["reshard_verified"] is not False
-                    for r in rows) else 1
+    # a baseline's own failure (torch's) is reported in its row; resilient's fails the run
+    def ok(r: dict) -> bool:
+        if "error" in r:
+            return "resilient" not in r["method"]
+        return bool(r["restore_verified"]) and r["reshard_verified"] is not False
+
+    return 0 if all(ok(r) for r in rows) else 1
 
 
 def _fmt(v: Any) -> str:
@@ -391,6 +435,9 @@ def print_table(result: dict) -> None:
     cols = ["return_s", "stall_s", "durable_s", "write_gbps", "restore_s", "reshard_s"]
     print(f"{'method':>18} " + " ".join(f"{c:>10}" for c in cols) + "  verified")
     for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['method']:>18} FAILED: {r['error'][:200]}")
+            continue
         ok = "yes" if r["restore_verified"] and r["reshard_verified"] is not False else (
             "NO: " + ", ".join(r["mismatches"][:3]))
         print(f"{r['method']:>18} " + " ".join(f"{_fmt(r[c]):>10}" for c in cols) + f"  {ok}")
