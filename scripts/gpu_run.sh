@@ -122,7 +122,7 @@ PY
         done ;;
     fsdp-bench) # resilient bench --fsdp on every GPU (one rank per GPU, NCCL)
         log "bench --fsdp"
-        python -m resilient bench --fsdp --device cuda --dir /tmp/fbench --repeat 2 --json \
+        python -m resilient bench --fsdp --device cuda --dir /tmp/fbench ${FSDP_ARGS:---repeat 2} --json \
           >"$OUT/bench-fsdp.json" 2>"$OUT/bench-fsdp.err"; echo "rc=$?"; tail -n 5 "$OUT/bench-fsdp.err"
         python -c "import json, sys; from resilient.cli.bench.fsdp import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/bench-fsdp.json" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
