@@ -56,6 +56,7 @@ from resilient.recovery.decisions import (
     member_failed,
     poll_collective,
 )
+from resilient.recovery.environment import warn_about_launcher
 from resilient.recovery.join import JOIN_BASE, join_as_spare, maybe_admit
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
 from resilient.recovery.timeline import Timeline
@@ -139,6 +140,39 @@ class Recovery:
         self._detector_options = detector_options
         self.detector = detector
         self._polled_detector = False  # a joiner's detector has no callbacks: poll it
+        self._adopted_group: Any = None  # the user's default group (Recovery.adopt)
+        self._detector_host: str | None = None
+
+    @classmethod
+    def adopt(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              **kwargs: Any) -> Recovery:
+        """A Recovery for a job that already called ``torch.distributed.init_process_group``
+        (every torchrun script does): it takes the default group as its first group, the store
+        behind it (the launcher's, see resilient.recovery.environment), the rank and the world
+        size, and the model, unwrapped if the user already wrapped it in DDP (Recovery wraps
+        it again over its own groups: the loss function uses ``rec.model``). A rebuild after a
+        failure replaces the default group, as without adoption. ``kwargs`` are the
+        constructor's (``global_batch`` and ``micro_batch`` are required; ``backend`` defaults
+        to the group's).
+
+        Raises:
+            RuntimeError: no default process group.
+        """
+        from resilient.recovery import environment
+
+        store = environment.default_group_store()
+        module = model.module if isinstance(model, DDP) else model
+        if "backend" not in kwargs:
+            name = str(dist.get_backend())
+            on_gpu = next(module.parameters()).device.type == "cuda"
+            kwargs["backend"] = "nccl" if "nccl" in name and on_gpu else "gloo"
+        rec = cls(environment.job_store(store), dist.get_rank(), dist.get_world_size(), module,
+                  optimizer, **kwargs)
+        rec._adopted_group = dist.group.WORLD
+        host, port = getattr(store, "host", None), getattr(store, "port", 0)
+        if host:
+            rec._detector_host = environment.local_address_towards(host, port)
+        return rec
 
     # ---- lifecycle ----
     def start(self, join: bool = False) -> Recovery:
@@ -149,16 +183,18 @@ class Recovery:
         live peer (see resilient.recovery.join); ``self.step`` is then the job's step.
         """
         if join:
+            warn_about_launcher()
             join_as_spare(self, self.config.join_timeout_s)
             self._polled_detector = True
             self.timeline.add("started", world_size=self.world_size, joined=True)
             return self
+        warn_about_launcher(adopted=self._adopted_group is not None)
         if self.detector is None:
             from resilient.detect import FailureDetector
 
             self.detector = FailureDetector(
                 self.store, self.initial_rank, self.initial_world, job=self.job,
-                options=self._detector_options)
+                host=self._detector_host, options=self._detector_options)
         if getattr(self.detector, "_agent", None) is None:
             # A recovery (e.g. a rendezvous waiting for a slow rank) is not a training hang.
             self.detector.set_watchdog_option("recovery_section_limit_s",
@@ -167,10 +203,13 @@ class Recovery:
         self.detector.on_evicted = self._on_evicted
         if getattr(self.detector, "_agent", None) is None:
             self.detector.start()
-        self._group = join_process_group(
-            self.store, generation=0, rank=self.rank, world_size=self.world_size,
-            backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
-            device_id=self._device if self._device.type == "cuda" else None)
+        if self._adopted_group is not None:
+            self._group = self._adopted_group  # the user's init_process_group made it
+        else:
+            self._group = join_process_group(
+                self.store, generation=0, rank=self.rank, world_size=self.world_size,
+                backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
+                device_id=self._device if self._device.type == "cuda" else None)
         self._wrap(init_sync=True)
         self.timeline.add("started", world_size=self.world_size)
         return self

@@ -1,0 +1,116 @@
+"""An ordinary torchrun DDP script made recoverable with a few lines: Recovery adopts the default
+group, the store and the DDP model; ``resilient run`` keeps the survivors alive when a rank dies.
+
+    resilient run --standalone --nproc-per-node 4 examples/ddp_resilient_run.py --steps 40
+    python -m resilient.run --standalone --nproc-per-node 4 examples/ddp_resilient_run.py
+    srun -n 4 python examples/ddp_resilient_run.py   # RESILIENT_STORE=host:port: external store
+
+The lines marked ``# resilient`` are all that differs from the plain DDP script. Kill a rank
+(``kill -9``, or ``--kill-rank 1 --kill-step 10``) and the other ranks finish the run with the
+global batch kept (gradient accumulation), ending with the parameters of the failure-free run.
+With ``--out DIR`` each rank writes ``DIR/rank<R>.json`` (step, world, parameters, timeline),
+``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resilient.recovery import Recovery, RecoveryStopped  # resilient
+from resilient.recovery.environment import init_env  # resilient
+
+FEATURES, HIDDEN = 32, 64
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, 1))
+
+
+def make_data(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch: the same on every rank whatever the world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(global_batch, FEATURES, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(global_batch, 1, generator=g)
+    return x, y
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (demos)")
+    p.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
+    p.add_argument("--kill-step", type=int, default=-1, help="... at the start of this step")
+    p.add_argument("--out", default="", help="directory for per-rank reports")
+    return p.parse_args(argv)
+
+
+def progress(a: argparse.Namespace, rec: Recovery) -> None:
+    """Fault hook at each step start: report the step, kill this rank if asked."""
+    if a.out:
+        with open(os.path.join(a.out, f"rank{rec.initial_rank}.step"), "w") as f:
+            f.write(str(rec.step))
+    if rec.initial_rank == a.kill_rank and rec.step == a.kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if a.step_sleep:
+        time.sleep(a.step_sleep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    torch.set_num_threads(1)
+    init_env()  # resilient: RANK, MASTER_ADDR... from SLURM_* under srun (else nothing)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    rec = Recovery.adopt(model, opt, global_batch=a.global_batch,  # resilient
+                         micro_batch=a.micro_batch)  # resilient
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    rec.fault_hooks["step_start"].append(lambda r: progress(a, r))
+
+    def loss_fn(step: int, mb: Any) -> torch.Tensor:  # mb: this rank's slice of the step
+        x, y = make_data(step, a.global_batch)
+        return torch.nn.functional.mse_loss(rec.model(x[mb.slice]), y[mb.slice])
+
+    code = 0
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        with rec:  # resilient
+            rec.run(loss_fn, start=0, end=a.steps)  # resilient
+    except RecoveryStopped as e:
+        print(f"rank {rank}: training stopped: {e}", file=sys.stderr, flush=True)
+        report["stopped"], code = str(e), RecoveryStopped.exit_code
+    if a.out:
+        report.update(step=rec.step, world_size=rec.world_size, members=rec.members,
+                      params=torch.cat([p.detach().flatten() for p in rec.module.parameters()])
+                      .tolist(), timeline=rec.timeline.events)
+        path = os.path.join(a.out, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    print(f"rank {rank}: {rec.step} steps, world {rec.world_size}", flush=True)
+    sys.stdout.flush()
+    # Skip destructors: a failed gloo group's threads may still wait for the dead rank.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

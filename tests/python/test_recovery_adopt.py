@@ -1,0 +1,196 @@
+"""Recovery.adopt: a torchrun-style script's own default group, store and DDP model.
+
+One process: adopting the group the user created (no "default process group twice"), the store
+behind it scoped to the launch attempt, steps run. Four processes: examples/ddp_resilient_run.py
+started the way an elastic agent starts workers (RANK, WORLD_SIZE, MASTER_ADDR/PORT, a store hosted
+outside the ranks with TORCHELASTIC_USE_AGENT_STORE=True); one rank is SIGKILLed, the others
+rebuild (replacing the default group) and end with the failure-free parameters. Every process is
+killed with its session at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from resilient.recovery import Recovery  # noqa: E402
+from resilient.recovery import environment as renv  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"
+STEPS = 16
+
+
+class FakeDetector:
+    def __init__(self, world: int) -> None:
+        self.generation = (0, list(range(world)))
+        self.store_prefix = "fake"
+        self.steps: list[int] = []
+
+    def step(self, n: int) -> None:
+        self.steps.append(n)
+
+    def section(self, name: str) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def set_watchdog_option(self, name: str, value: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+def default_group(free_port: int, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A one-rank default group made as torchrun's workers make it (env://, agent store)."""
+    store = dist.TCPStore("127.0.0.1", free_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                 "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(renv.LAUNCHER_ENV, raising=False)
+    dist.init_process_group("gloo")
+    try:
+        yield store
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_adopt_takes_the_users_group_store_and_ddp_model(default_group: Any,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    renv._warned.clear()
+    model = torch.nn.Linear(4, 1)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="resilient.recovery"):
+        rec = Recovery.adopt(ddp, opt, global_batch=4, micro_batch=2,
+                             detector=FakeDetector(1))
+        rec.start()  # no second init_process_group
+        Recovery.adopt(ddp, opt, global_batch=4, micro_batch=2,
+                       detector=FakeDetector(1)).start()
+    assert rec.module is model and rec.backend == "gloo"
+    assert rec._group is dist.group.WORLD and rec.rank == 0 and rec.world_size == 1
+    assert isinstance(rec.model, DDP) and rec.model is not ddp
+    # The rendezvous store itself (not torch's default_pg prefix), scoped to the attempt.
+    rec.store.set("k", "v")
+    assert default_group.get("resilient/run/job7.2/k") == b"v"
+    # Plain torchrun: said once, with what to use instead.
+    said = [r.getMessage() for r in caplog.records if "torchrun" in r.getMessage()]
+    assert len(said) == 1 and "resilient run" in said[0], said
+    x = torch.randn(4, 4)
+    rec.run(lambda step, mb: rec.model(x[mb.slice]).pow(2).mean(), start=0, end=3)
+    assert rec.step == 3 and rec.detector.steps == [1, 2, 3]
+
+
+def test_adopt_without_a_group_says_what_to_do() -> None:
+    assert not dist.is_initialized()
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Recovery.adopt(model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch=2,
+                       micro_batch=1)
+
+
+def test_launcher_warnings() -> None:
+    assert renv.launcher({"RESILIENT_LAUNCHER": "resilient", "TORCHELASTIC_RUN_ID": "x"}) == (
+        "resilient")
+    assert renv.launcher_warnings({"RESILIENT_LAUNCHER": "resilient", "TORCHELASTIC_RUN_ID": "x",
+                                   "TORCHELASTIC_USE_AGENT_STORE": "True"}, adopted=True) == []
+    (msg,) = renv.launcher_warnings({"TORCHELASTIC_RUN_ID": "x",
+                                     "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert "SIGTERM" in msg and "resilient run" in msg
+    (msg,) = renv.launcher_warnings({"MASTER_ADDR": "h"}, adopted=True)
+    assert "rank 0" in msg
+    assert renv.launcher_warnings({"MASTER_ADDR": "h"}) == []  # a store the caller passed
+
+
+# ---- four processes ----
+
+def reference_params(steps: int, global_batch: int = 32, lr: float = 0.05) -> Any:
+    """The same training in one process with the full global batch, no failure."""
+    spec = importlib.util.spec_from_file_location("ddp_resilient_run_example", EXAMPLE)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    model = ex.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        x, y = ex.make_data(step, global_batch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def run_ranks(envs: list[dict[str, str]], args: list[str], out: Path,
+              timeout: float) -> dict[int, int | None]:
+    """Starts one example process per env (its own session), waits up to `timeout`, then
+    SIGKILLs whatever is left; returns each one's exit code (None: it had to be killed)."""
+    procs = []
+    try:
+        for i, env in enumerate(envs):
+            log = open(out / f"proc{i}.log", "w")  # noqa: SIM115 -- owned by the child
+            procs.append(subprocess.Popen(
+                [sys.executable, str(EXAMPLE), "--out", str(out), *args], cwd=ROOT,
+                env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        return {i: p.poll() for i, p in enumerate(procs)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def check_survivors(out: Path, survivors: list[int], codes: dict[int, int | None]) -> None:
+    logs = "\n".join((out / f"proc{i}.log").read_text()[-1500:] for i in codes)
+    for r in survivors:
+        assert codes[r] == 0, (codes, logs)
+    reps = {r: json.loads((out / f"rank{r}.json").read_text()) for r in survivors}
+    ref = reference_params(STEPS)
+    for rep in reps.values():
+        assert rep["step"] == STEPS and rep["world_size"] == len(survivors), rep["step"]
+        assert rep["members"] == survivors
+        kinds = [e["kind"] for e in rep["timeline"]]
+        assert "rebuilt" in kinds and "first_collective" in kinds, kinds
+        got = torch.tensor(rep["params"])
+        assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.timeout(120)
+def test_agent_style_workers_survive_a_kill(tmp_path: Path, free_port: int) -> None:
+    store = dist.TCPStore("127.0.0.1", free_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    envs = [{"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+             "RESILIENT_LAUNCHER": "test", "TORCHELASTIC_RUN_ID": f"adopt-{free_port}"}
+            for r in range(4)]
+    codes = run_ranks(envs, ["--steps", str(STEPS), "--kill-rank", "1", "--kill-step", "6"],
+                      tmp_path, timeout=90)
+    assert codes[1] == -signal.SIGKILL
+    check_survivors(tmp_path, [0, 2, 3], codes)
+    del store
