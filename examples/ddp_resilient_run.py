@@ -9,7 +9,9 @@ The lines marked ``# resilient`` are all that differs from the plain DDP script.
 (``kill -9``, or ``--kill-rank 1 --kill-step 10``) and the other ranks finish the run with the
 global batch kept (gradient accumulation), ending with the parameters of the failure-free run.
 With ``--out DIR`` each rank writes ``DIR/rank<R>.json`` (step, world, parameters, timeline),
-``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running).
+``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running). ``resilient run
+--replacements 1`` starts a new rank for a lost one; it joins at a step boundary and receives the
+state from a live peer.
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def progress(a: argparse.Namespace, rec: Recovery) -> None:
     """Fault hook at each step start: report the step, kill this rank if asked."""
     if a.out:
-        with open(os.path.join(a.out, f"rank{rec.initial_rank}.step"), "w") as f:
+        name = os.path.join(a.out, f"rank{rec.initial_rank}")
+        if not os.path.exists(name + ".pid"):
+            with open(name + ".pid", "w") as f:
+                f.write(str(os.getpid()))
+        with open(name + ".step", "w") as f:
             f.write(str(rec.step))
     if rec.initial_rank == a.kill_rank and rec.step == a.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -75,15 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     init_env()  # resilient: RANK, MASTER_ADDR... from SLURM_* under srun (else nothing)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     rec = Recovery.adopt(model, opt, global_batch=a.global_batch,  # resilient
                          micro_batch=a.micro_batch)  # resilient
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"rank{rank}.pid"), "w") as f:
-            f.write(str(os.getpid()))
     rec.fault_hooks["step_start"].append(lambda r: progress(a, r))
 
     def loss_fn(step: int, mb: Any) -> torch.Tensor:  # mb: this rank's slice of the step
@@ -91,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         return torch.nn.functional.mse_loss(rec.model(x[mb.slice]), y[mb.slice])
 
     code = 0
-    report: dict[str, Any] = {"rank": rank}
+    report: dict[str, Any] = {}
     try:
         with rec:  # resilient
             rec.run(loss_fn, start=0, end=a.steps)  # resilient
     except RecoveryStopped as e:
-        print(f"rank {rank}: training stopped: {e}", file=sys.stderr, flush=True)
+        print(f"rank {rec.initial_rank}: training stopped: {e}", file=sys.stderr, flush=True)
         report["stopped"], code = str(e), RecoveryStopped.exit_code
+    rank = rec.initial_rank  # a replacement rank's id: resilient.recovery.join.JOIN_BASE + n
     if a.out:
-        report.update(step=rec.step, world_size=rec.world_size, members=rec.members,
+        report.update(rank=rank, joined=rec.joined, step=rec.step, world_size=rec.world_size,
+                      members=rec.members,
                       params=torch.cat([p.detach().flatten() for p in rec.module.parameters()])
                       .tolist(), timeline=rec.timeline.events)
         path = os.path.join(a.out, f"rank{rank}.json")

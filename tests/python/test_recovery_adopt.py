@@ -166,14 +166,17 @@ def run_ranks(envs: list[dict[str, str]], args: list[str], out: Path,
             p.wait(timeout=10)
 
 
-def check_survivors(out: Path, survivors: list[int], codes: dict[int, int | None]) -> None:
-    logs = "\n".join((out / f"proc{i}.log").read_text()[-1500:] for i in codes)
+def check_survivors(out: Path, survivors: list[int], codes: dict[int, int | None],
+                    steps: int = STEPS) -> None:
+    """The survivors exited 0 after the last step, in a group of just them, having rebuilt, with
+    the failure-free run's parameters (keep_batch)."""
+    logs = "\n".join(p.read_text()[-1500:] for p in sorted(out.glob("*.log")))
     for r in survivors:
         assert codes[r] == 0, (codes, logs)
     reps = {r: json.loads((out / f"rank{r}.json").read_text()) for r in survivors}
-    ref = reference_params(STEPS)
+    ref = reference_params(steps)
     for rep in reps.values():
-        assert rep["step"] == STEPS and rep["world_size"] == len(survivors), rep["step"]
+        assert rep["step"] == steps and rep["world_size"] == len(survivors), rep["step"]
         assert rep["members"] == survivors
         kinds = [e["kind"] for e in rep["timeline"]]
         assert "rebuilt" in kinds and "first_collective" in kinds, kinds

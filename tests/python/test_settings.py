@@ -18,7 +18,10 @@ from resilient.recovery import RecoveryConfig
 REPO = Path(__file__).resolve().parents[2]
 # Variables that pass values between resilient's own processes (chaos runner -> job); not
 # settings a user sets.
-INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CHAOS_STORE"}
+INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CHAOS_STORE",
+            # resilient run -> its workers
+            "RESILIENT_LAUNCHER", "RESILIENT_JOIN", "RESILIENT_JOIN_FOR_RANK",
+            "RESILIENT_JOIN_WORLD"}
 
 
 def test_the_settings_document_is_generated_from_the_table():

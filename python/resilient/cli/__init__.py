@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "chaos": "resilient.cli.chaos",
     "settings": "resilient.cli.settings",
     "ckpt": "resilient.cli.ckpt",
+    "run": "resilient.cli.run",
 }
 
 DESCRIPTION = ("Keep PyTorch training jobs running through failures: checkpoints, failure "

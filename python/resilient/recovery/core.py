@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from resilient.recovery.decisions import (
     poll_collective,
 )
 from resilient.recovery.environment import warn_about_launcher
-from resilient.recovery.join import JOIN_BASE, join_as_spare, maybe_admit
+from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
 from resilient.recovery.timeline import Timeline
 
@@ -142,6 +143,8 @@ class Recovery:
         self._polled_detector = False  # a joiner's detector has no callbacks: poll it
         self._adopted_group: Any = None  # the user's default group (Recovery.adopt)
         self._detector_host: str | None = None
+        self._join_on_start = False  # a replacement started by `resilient run` (adopt)
+        self.joined = False  #: this process joined a running job (start(join=True))
 
     @classmethod
     def adopt(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -169,6 +172,11 @@ class Recovery:
         rec = cls(environment.job_store(store), dist.get_rank(), dist.get_world_size(), module,
                   optimizer, **kwargs)
         rec._adopted_group = dist.group.WORLD
+        if os.environ.get(environment.JOIN_ENV) == "1":
+            # `resilient run` replaces a lost rank: this process's one-rank group only kept the
+            # script's init_process_group from waiting for the job's old group; it joins.
+            rec._join_on_start = True
+            rec.initial_world = int(os.environ.get("RESILIENT_JOIN_WORLD", rec.initial_world))
         host, port = getattr(store, "host", None), getattr(store, "port", 0)
         if host:
             rec._detector_host = environment.local_address_towards(host, port)
@@ -182,11 +190,14 @@ class Recovery:
         ``join_timeout_s``) until the running job admits it, then receives the state from a
         live peer (see resilient.recovery.join); ``self.step`` is then the job's step.
         """
-        if join:
+        if join or self._join_on_start:
             warn_about_launcher()
-            join_as_spare(self, self.config.join_timeout_s)
+            self.joined = join_as_spare(self, self.config.join_timeout_s)
             self._polled_detector = True
-            self.timeline.add("started", world_size=self.world_size, joined=True)
+            self.timeline.add("started", world_size=self.world_size, joined=self.joined)
+            if not self.joined:
+                log.warning("resilient recovery: the job finished (step %d) before this rank "
+                            "was admitted; nothing to do", self.step)
             return self
         warn_about_launcher(adopted=self._adopted_group is not None)
         if self.detector is None:
@@ -237,13 +248,13 @@ class Recovery:
         ``loss_fn(step, mb)`` computes the mean loss of micro-batch ``mb`` of ``step`` through
         ``self.model`` (samples ``mb.slice`` of the step's global batch); this calls backward,
         the gradient all-reduce and ``optimizer.step``. ``start=None`` continues from
-        ``self.step`` (a joiner's received step).
+        ``self.step``; a rank that joined a running job always continues from the job's step.
 
         Raises:
             RecoveryStopped: too few ranks, this rank was evicted, or too many recoveries.
         """
-        if start is not None:
-            self.step = start
+        if start is not None and not (self.joined or self._join_on_start):
+            self.step = start  # a joiner continues from the job's step
         while self.step < end:
             try:
                 self._run_hooks("step_start")
@@ -260,6 +271,8 @@ class Recovery:
                 raise
             except Exception as exc:  # noqa: BLE001 -- classified below, re-raised if not ours
                 self._recover_until_done(exc)
+        if self.config.join_check_every > 0:
+            mark_finished(self)
         return self.step
 
     def _recover_until_done(self, exc: BaseException) -> None:

@@ -36,6 +36,8 @@ LAUNCHER_ENV = "RESILIENT_LAUNCHER"
 #: "0" turns in-process recovery off in ``resilient run`` (its workers are then restarted as a
 #: group, as torchrun does)
 IN_PROCESS_ENV = "RESILIENT_IN_PROCESS_RECOVERY"
+#: "1" in a worker that ``resilient run`` started to replace a lost one: Recovery.adopt joins
+JOIN_ENV = "RESILIENT_JOIN"
 #: ``host:port`` of a store hosted outside the ranks (Slurm without ``resilient run``)
 STORE_ENV = "RESILIENT_STORE"
 DEFAULT_SLURM_PORT = 29500
@@ -192,6 +194,7 @@ def init_env() -> dict[str, str]:
     return values
 
 
-__all__ = ["IN_PROCESS_ENV", "LAUNCHER_ENV", "STORE_ENV", "default_group_store", "first_host",
-           "init_env", "job_store", "launcher", "launcher_warnings", "local_address_towards",
-           "run_id", "slurm_env", "store_outside_ranks", "warn_about_launcher"]
+__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "LAUNCHER_ENV", "STORE_ENV", "default_group_store",
+           "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
+           "local_address_towards", "run_id", "slurm_env", "store_outside_ranks",
+           "warn_about_launcher"]

@@ -12,6 +12,8 @@ Protocol (keys under ``resilient/recovery/<job>/join/`` in the job's store):
    members) before joining, joiners take the ranks after the members.
 4. Group rank 0 broadcasts model, optimizer, extra state and step (``Recovery.broadcast_state``);
    everyone re-wraps DDP and applies the policy for the larger world.
+5. When the members finish their last step, group rank 0 sets ``finished`` (the step): a joiner
+   still waiting stops, with nothing to do (``join_too_late`` in its timeline).
 
 Joiners are not in the failure detector's world (it has a fixed size): they follow its decided
 generations through the store (:class:`JoinerDetector`), but nobody watches them, so a joiner
@@ -120,15 +122,22 @@ def maybe_admit(rec: Any) -> bool:
     return True
 
 
-def join_as_spare(rec: Any, timeout_s: float) -> None:
-    """Joiner side: takes a ticket, waits to be admitted, joins and receives the state."""
+def join_as_spare(rec: Any, timeout_s: float) -> bool:
+    """Joiner side: takes a ticket, waits to be admitted, joins and receives the state.
+    Returns False, with ``rec.step`` the members' last step, when they finished first (see
+    :func:`mark_finished`)."""
     ticket = int(rec.store.add(_key(rec, "tickets"), 1)) - 1
     rec.timeline.add("join_requested", ticket=ticket)
-    key = _key(rec, f"ticket/{ticket}")
-    try:
-        rec.store.wait([key], timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # torch's DistStoreError on timeout
-        raise TimeoutError(f"not admitted to the job within {timeout_s}s") from e
+    key, finished = _key(rec, f"ticket/{ticket}"), _key(rec, "finished")
+    deadline = time.monotonic() + timeout_s
+    while not rec.store.check([key]):
+        if rec.store.check([finished]):  # the members reached their last step first
+            rec.step = int(bytes(rec.store.get(finished)).decode())
+            rec.timeline.add("join_too_late", ticket=ticket, step=rec.step)
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not admitted to the job within {timeout_s}s")
+        time.sleep(0.05)
     info = json.loads(bytes(rec.store.get(key)).decode())
     rec.initial_rank = JOIN_BASE + ticket
     rec.generation, rec.join_epoch, rec.admitted = (
@@ -137,6 +146,14 @@ def join_as_spare(rec: Any, timeout_s: float) -> None:
     rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live,
                                   store_prefix=info.get("detector_prefix"))
     _regroup(rec, info["group_generation"], info["rank"], info["members"])
+    return True
+
+
+def mark_finished(rec: Any) -> None:
+    """Member side, after the last step: joiners still waiting stop waiting (a replacement
+    started near the end of the job would otherwise wait ``join_timeout_s``)."""
+    if rec.rank == 0:
+        rec.store.set(_key(rec, "finished"), str(rec.step))
 
 
 def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
@@ -156,5 +173,5 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
     rec.apply_world(len(members))
 
 
-__all__ = ["JOIN_BASE", "JoinerDetector", "join_as_spare", "maybe_admit",
+__all__ = ["JOIN_BASE", "JoinerDetector", "join_as_spare", "mark_finished", "maybe_admit",
            "parse_generation_record", "tickets_taken"]

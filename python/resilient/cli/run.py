@@ -1,0 +1,77 @@
+"""``resilient run``: torchrun's command line on an agent that keeps survivors running.
+
+    resilient run --standalone --nproc-per-node 4 train.py --epochs 3
+    resilient run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host:29500 \\
+        --rdzv-id job42 train.py
+    python -m resilient.run ...   # the same
+
+Every torchrun option is parsed by torch's own parser (``torch.distributed.run.
+get_args_parser``), plus ``--[no-]in-process-recovery`` (default on) and ``--replacements N``. The
+agent is resilient.recovery.agent.ResilientAgent (see there and docs/recovery.md, "Launching").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from typing import Any
+
+from resilient import settings
+
+
+def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
+    """torchrun's parser with resilient's options added."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.description = ("Launch a training script like torchrun, but when a worker dies the "
+                          "others keep running and recover in process (resilient.recovery).")
+    parser.add_argument(
+        "--in-process-recovery", action=argparse.BooleanOptionalAction,
+        default=bool(settings.get("RESILIENT_IN_PROCESS_RECOVERY")),
+        help="keep the survivors when a worker dies (default: on; off: torchrun's behaviour, "
+             "the whole group is stopped and restarted up to --max-restarts times)")
+    parser.add_argument(
+        "--replacements", type=int, default=0,
+        help="start a new worker for a lost one, at most this many times per node; it joins "
+             "the running job through Recovery's join path (default 0)")
+    return parser
+
+
+def run(argv: list[str], prog: str = "resilient run") -> int:
+    """Parses torchrun-style ``argv`` and runs the job; returns the launcher's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import config_from_args
+
+    from resilient.recovery.agent import launch
+
+    args = build_parser(prog).parse_args(argv)
+    if args.standalone:  # as torch.distributed.run.run does
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    config, cmd, cmd_args = config_from_args(args)
+    try:
+        launch(config, cmd, cmd_args, in_process=args.in_process_recovery,
+               replacements=args.replacements)
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Registers ``resilient run``; its arguments are parsed by :func:`build_parser` when it
+    runs (so that ``resilient --help`` does not import torch)."""
+    p = sub.add_parser("run", add_help=False, prefix_chars="\0",
+                       help="launch a training script like torchrun, keeping survivors alive")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: run(a.argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(sys.argv[1:] if argv is None else argv, prog="python -m resilient.run")
+
+
+__all__ = ["add_parser", "build_parser", "main", "run"]

@@ -1,0 +1,249 @@
+"""``resilient run``: torchrun's elastic agent, except that a dead worker does not kill the others.
+
+torchrun (``torch.distributed.run``) builds a ``LocalElasticAgent`` over a rendezvous handler from
+the registry. The agent hosts the job's TCPStore (node rank 0's agent, ``TORCHELASTIC_USE_AGENT_
+STORE=True`` in the workers) and its run loop (``SimpleElasticAgent._invoke_run``) calls
+``_monitor_workers`` every ``monitor_interval``; ``LocalElasticAgent._monitor_workers`` asks the
+process context (``PContext.wait(0)`` -> ``SubprocessContext._poll``), which **closes every
+process as soon as one fails** (SIGTERM, then SIGKILL): within one interval of a rank's death the
+survivors are gone, before in-process recovery can do anything.
+
+:class:`ResilientAgent` is a ``LocalElasticAgent`` with three overrides, everything else (argument
+parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, exit barrier,
+``--max-restarts``) is torch's:
+
+* ``_monitor_workers`` polls each worker's ``Popen`` itself instead of ``PContext.wait``, so
+  nothing is closed; :func:`judge` (pure) turns the exit codes into the group's state. A worker
+  that dies while others still run is **lost** (logged, counted, the group stays ``HEALTHY``): the
+  survivors' ``Recovery`` notices through its detector and rebuilds the group. The group
+  ``SUCCEEDED`` when every worker has exited and the workers that finished did so with 0; it
+  ``FAILED`` when all died (none exited 0) or a worker exited non-zero after another finished
+  cleanly (a survivor failed, e.g. ``RecoveryStopped`` below ``min_world``): only then does torch's
+  loop restart the group (``--max-restarts``) or fail the job.
+* With ``--replacements N`` a lost worker is replaced, up to N times per agent: a new process for
+  the same local rank, started with ``RESILIENT_JOIN=1`` and a one-rank ``WORLD_SIZE``/``RANK`` (so
+  the script's own ``init_process_group`` does not wait for the job's old group); its
+  ``Recovery.adopt`` then takes a ticket and is admitted by the running members at a step boundary
+  (resilient.recovery.join: the members check every ``RESILIENT_RECOVERY_JOIN_CHECK_EVERY`` steps,
+  which the agent sets to 1 when replacements are on), receiving the state from a live peer.
+* ``_restart_workers`` does not restart a healthy group because new nodes wait at the rendezvous
+  (torch's elastic scale-up would kill the survivors); they wait for the next real restart.
+
+``--no-in-process-recovery`` (or ``RESILIENT_IN_PROCESS_RECOVERY=0``) gives torchrun's behaviour.
+
+Limits: one agent sees only its own node's workers. When every worker of a node dies, that agent
+reports its group failed (its node's part of the job ends; with ``--max-restarts`` it tries a new
+rendezvous, which the healthy agents do not join), while the other nodes' ranks recover in
+process; the job's exit status is then that of the healthy nodes' agents. Workers must be
+commands (scripts), not Python functions (``elastic_launch`` with a callable uses
+``MultiprocessContext``, whose processes this agent does not poll). A replacement rank is outside
+the failure detector's fixed world (see resilient.recovery.join).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, LAUNCHER_ENV
+
+log = logging.getLogger("resilient.recovery")
+
+
+@dataclass
+class Verdict:
+    """What the agent does with its group after one poll (see :func:`judge`)."""
+
+    state: str  #: "healthy", "succeeded" or "failed"
+    reason: str = ""
+
+
+def judge(exits: list[tuple[int, int]], running: int) -> Verdict:
+    """The group's state from its workers' exits, in the order they were seen.
+
+    Args:
+        exits: ``(local rank, exit code)`` of every worker that exited (replaced ones included).
+        running: how many workers still run.
+    """
+    finished = [i for i, (_, code) in enumerate(exits) if code == 0]
+    if finished:
+        late = [(r, c) for r, c in exits[finished[0]:] if c != 0]
+        if late:
+            return Verdict("failed", f"local rank {late[0][0]} exited with {late[0][1]} after "
+                                     "another worker finished")
+    if running:
+        return Verdict("healthy")
+    if not finished:
+        return Verdict("failed", "every worker died")
+    return Verdict("succeeded")
+
+
+class ResilientAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` that keeps the survivors of a worker's death running (module
+    docstring). ``in_process``: False gives torchrun's behaviour; ``replacements``: how many lost
+    workers this agent replaces."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: Any, start_method: str = "spawn",
+                 exit_barrier_timeout: float = 300, log_line_prefix_template: str | None = None,
+                 *, in_process: bool = True, replacements: int = 0) -> None:
+        super().__init__(spec, logs_specs, start_method, exit_barrier_timeout,
+                         log_line_prefix_template)
+        self.in_process = in_process
+        self.replacements_left = replacements
+        self.exits: list[tuple[int, int]] = []  #: (local rank, exit code), in order seen
+        self.lost: dict[int, ProcessFailure] = {}  #: global rank -> its (first) failure
+        self._seen: set[int] = set()  # pids whose exit is recorded
+        self._restart_refused = False
+
+    # ---- overrides ----
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.exits, self._seen = [], set()
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if not self.in_process:
+            return super()._monitor_workers(worker_group)
+        pc = self._pcontext
+        assert pc is not None
+        handlers = pc.subprocess_handlers  # SubprocessContext: one Popen per local rank
+        running = 0
+        failures: dict[int, ProcessFailure] = {}
+        for local_rank, handler in sorted(handlers.items()):
+            code = handler.proc.poll()
+            if code is None:
+                running += 1
+                continue
+            worker = worker_group.workers[local_rank]
+            if handler.proc.pid not in self._seen:
+                self._seen.add(handler.proc.pid)
+                self.exits.append((local_rank, code))
+                if code != 0:
+                    failure = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid,
+                                             exitcode=code, error_file=pc.error_files[local_rank])
+                    self.lost.setdefault(worker.global_rank, failure)
+                    others = sum(h.proc.poll() is None for h in handlers.values())
+                    log.warning("resilient run: rank %d (pid %d) exited with %d; %d local "
+                                "workers keep running (in-process recovery)",
+                                worker.global_rank, handler.proc.pid, code, others)
+                    if others and self.replacements_left > 0:
+                        self._replace(worker_group, local_rank)
+                        running += 1
+                        continue
+            if code != 0:
+                failures[worker.global_rank] = ProcessFailure(
+                    local_rank=local_rank, pid=handler.proc.pid, exitcode=code,
+                    error_file=pc.error_files[local_rank])
+        verdict = judge(self.exits, running)
+        if verdict.state == "healthy":
+            return RunResult(state=WorkerState.HEALTHY)
+        if verdict.state == "succeeded":
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={
+                w.global_rank: None for w in worker_group.workers})
+        log.error("resilient run: recovery impossible (%s)", verdict.reason)
+        return RunResult(state=WorkerState.FAILED, failures=failures or dict(self.lost))
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self.in_process and worker_group.state == WorkerState.HEALTHY:
+            if not self._restart_refused:
+                self._restart_refused = True
+                log.warning("resilient run: nodes wait at the rendezvous; the running workers "
+                            "are kept (in-process recovery) and the new nodes wait")
+            return
+        super()._restart_workers(worker_group)
+
+    # ---- replacements ----
+    def _replace(self, worker_group: WorkerGroup, local_rank: int) -> None:
+        """Starts a new process for ``local_rank`` that joins the running job (module
+        docstring)."""
+        pc = self._pcontext
+        assert pc is not None
+        self.replacements_left -= 1
+        env = dict(pc.envs[local_rank])
+        env.update({JOIN_ENV: "1", "RESILIENT_JOIN_FOR_RANK": env.get("RANK", ""),
+                    "RESILIENT_JOIN_WORLD": env.get("WORLD_SIZE", ""),
+                    "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        n = len(self.exits)
+        stdout, stderr = pc.stdouts[local_rank], pc.stderrs[local_rank]
+        handler = get_subprocess_handler(
+            entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+            stdout=f"{stdout}.replacement{n}" if stdout else stdout,
+            stderr=f"{stderr}.replacement{n}" if stderr else stderr, local_rank_id=local_rank)
+        pc.subprocess_handlers[local_rank] = handler
+        worker_group.workers[local_rank].id = handler.proc.pid
+        log.warning("resilient run: started pid %d to replace rank %s (%d replacements left)",
+                    handler.proc.pid, env["RESILIENT_JOIN_FOR_RANK"], self.replacements_left)
+
+
+def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = True,
+           replacements: int = 0) -> dict[int, Any]:
+    """``torch.distributed.launcher.api.launch_agent`` with a :class:`ResilientAgent`: the same
+    rendezvous handler (from the registry), WorkerSpec and error handling.
+
+    Raises:
+        ChildFailedError: the job failed (recovery impossible and no restart left).
+    """
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # Inherited by the workers (the subprocess handler starts from os.environ).
+    os.environ[LAUNCHER_ENV] = "resilient run"
+    os.environ[IN_PROCESS_ENV] = "1" if in_process else "0"
+    if in_process and replacements:
+        os.environ.setdefault("RESILIENT_RECOVERY_JOIN_CHECK_EVERY", "1")
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+        args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler, numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank)
+    agent = ResilientAgent(spec, config.logs_specs, config.start_method,
+                           log_line_prefix_template=config.log_line_prefix_template,
+                           in_process=in_process, replacements=replacements)
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            raise ChildFailedError(name=os.path.basename(str(args[0]) if args else entrypoint),
+                                   failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except Exception as exc:
+        if type(exc).__name__ == "SignalException":
+            shutdown_rdzv = False  # torch's launcher leaves the rendezvous open then, too
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+__all__ = ["JOIN_ENV", "ResilientAgent", "Verdict", "judge", "launch"]

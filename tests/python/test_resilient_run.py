@@ -1,0 +1,173 @@
+"""``resilient run``: torchrun's arguments, torch's elastic agent and rendezvous, survivors kept.
+
+Pure: how the agent judges its workers' exits. End to end (4 gloo ranks of the ordinary DDP script
+examples/ddp_resilient_run.py under ``python -m resilient.run --standalone``): a rank is killed
+with SIGKILL from outside mid-run and the job still exits 0 with the failure-free parameters; with
+``--replacements 1`` a new process joins the running job in the lost rank's place; when recovery
+is impossible (``min_world`` 4) the launcher fails the job. Each run is bounded and
+killed with its whole session on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.recovery.agent import judge
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"
+
+
+def test_judge_keeps_the_group_while_survivors_run() -> None:
+    assert judge([], 4).state == "healthy"
+    assert judge([(1, -9)], 3).state == "healthy"  # a lost rank: the others recover
+    assert judge([(1, -9), (0, 0), (2, 0)], 1).state == "healthy"  # the last one finishing
+    assert judge([(1, -9), (0, 0), (2, 0), (3, 0)], 0).state == "succeeded"
+    assert judge([(0, 0), (1, 0)], 0).state == "succeeded"
+
+
+def test_judge_fails_only_when_recovery_is_impossible() -> None:
+    v = judge([(1, -9), (0, 3), (2, 3), (3, 3)], 0)  # the survivors stopped (min_world)
+    assert v.state == "failed" and v.reason == "every worker died"
+    v = judge([(1, -9), (0, 0), (2, 1)], 1)  # a survivor failed after another finished
+    assert v.state == "failed" and "local rank 2 exited with 1" in v.reason
+
+
+def test_parser_is_torchruns_plus_ours() -> None:
+    from resilient.cli.run import build_parser
+
+    a = build_parser().parse_args(["--nnodes", "1:2", "--nproc-per-node", "4", "--rdzv-backend",
+                                   "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
+                                   "--max-restarts", "2", "--node-rank", "0", "--replacements",
+                                   "1", "train.py", "--lr", "3"])
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_endpoint, a.max_restarts) == ("1:2", "4", "h:1", 2)
+    assert a.in_process_recovery and a.replacements == 1
+    assert a.training_script == "train.py" and a.training_script_args == ["--lr", "3"]
+    assert not build_parser().parse_args(["--no-in-process-recovery", "x.py"]).in_process_recovery
+
+
+def start_job(out: Path, *script_args: str, env: dict | None = None,
+              args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``python -m resilient.run --standalone --nproc-per-node 4 [args] EXAMPLE [script_args]``
+    in a session of its own."""
+    log = open(out / "launcher.log", "w")  # noqa: SIM115 -- owned by the child
+    p = subprocess.Popen(
+        [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "4", *args,
+         str(EXAMPLE), "--out", str(out), *script_args], cwd=ROOT, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+    log.close()
+    return p
+
+
+def finish(p: subprocess.Popen, out: Path, timeout: float) -> tuple[int | None, str]:
+    """Waits for the launcher; on timeout kills its session (the workers are in it, and die
+    with the launcher anyway: torch's agent signals them). Returns (exit code, its log)."""
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        for pid_file in out.glob("rank*.pid"):  # workers run in the launcher's session
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    return p.returncode, (out / "launcher.log").read_text()[-6000:]
+
+
+def wait_for_step(out: Path, rank: int, step: int, timeout: float) -> int:
+    """Waits until ``rank`` runs ``step`` or later; returns its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if int((out / f"rank{rank}.step").read_text() or -1) >= step:
+                return int((out / f"rank{rank}.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} never reached step {step}")
+
+
+@pytest.mark.timeout(150)
+def test_kill9_mid_run_job_finishes_with_the_failure_free_model(tmp_path: Path) -> None:
+    from test_recovery_adopt import check_survivors
+
+    steps = 24
+    p = start_job(tmp_path, "--steps", str(steps), "--step-sleep", "0.1")
+    try:
+        os.kill(wait_for_step(tmp_path, 1, 6, timeout=90), signal.SIGKILL)
+    finally:
+        code, log = finish(p, tmp_path, timeout=100)
+    assert code == 0, log
+    assert "rank 1 (pid" in log and "exited with -9" in log, log
+    assert "SIGTERM" not in log.split("exited with -9")[1], log  # nobody was torn down
+    check_survivors(tmp_path, [0, 2, 3], {r: 0 for r in (0, 2, 3)}, steps=steps)
+
+
+@pytest.mark.timeout(150)
+def test_recovery_impossible_fails_the_job(tmp_path: Path) -> None:
+    p = start_job(tmp_path, "--steps", "16", "--kill-rank", "2", "--kill-step", "4",
+                  env={"RESILIENT_RECOVERY_MIN_WORLD": "4"})
+    code, log = finish(p, tmp_path, timeout=100)
+    assert code == 1, log
+    assert "recovery impossible (every worker died)" in log, log
+    assert "fewer than the minimum world size 4" in log, log
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
+    """--replacements 1: a new process for the killed rank joins at a step boundary, receives
+    the state from a live peer and trains to the end; all four end with the failure-free
+    parameters (keep_batch)."""
+    from resilient.recovery.join import JOIN_BASE
+    from test_recovery_adopt import reference_params
+
+    steps = 60
+    p = start_job(tmp_path, "--steps", str(steps), "--step-sleep", "0.1", "--kill-rank", "1",
+                  "--kill-step", "6", args=("--replacements", "1"))
+    code, log = finish(p, tmp_path, timeout=120)
+    assert code == 0, log
+    assert "to replace rank 1" in log, log
+    ranks = [0, 2, 3, JOIN_BASE]
+    reps = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
+    ref = reference_params(steps)
+    for rep in reps.values():
+        assert rep["step"] == steps and rep["members"] == ranks, rep["step"]
+        assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
+    assert reps[JOIN_BASE]["joined"]
+    kinds = [e["kind"] for e in reps[JOIN_BASE]["timeline"]]
+    assert kinds[:3] == ["join_requested", "rebuilt", "restored"], kinds
+    assert any(e["kind"] == "join_admitted" for e in reps[0]["timeline"])
+
+
+def test_a_joiner_that_comes_too_late_stops_waiting() -> None:
+    import torch.distributed as dist
+
+    from resilient.recovery.join import join_as_spare, mark_finished
+    from resilient.recovery.timeline import Timeline
+
+    class Rec:
+        job, rank, step = "late", 0, 12
+        timeline = Timeline(0)
+        store = dist.HashStore()
+
+    member, joiner = Rec(), Rec()
+    joiner.step = 0
+    mark_finished(member)
+    t0 = time.monotonic()
+    assert join_as_spare(joiner, timeout_s=30) is False
+    assert joiner.step == 12 and time.monotonic() - t0 < 5
+    assert joiner.timeline.events[-1]["kind"] == "join_too_late"
