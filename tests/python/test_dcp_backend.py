@@ -1,10 +1,12 @@
 """resilient.dcp: torch.distributed.checkpoint's save/load/async_save through resilient's engine.
 
 A module and its optimizer (get_state_dict/set_state_dict, as torchtitan does) round-trip bit
-for bit; FSDP2 state saved by 2 gloo ranks loads onto 2 ranks and onto 1 process (DCP's planner
-reshards); async_save through ResilientStager reuses its buffers; kill -9 of the writer during a
-save leaves the previous step loadable; a flipped data byte is CorruptCheckpointError naming
-the file and offset; a hostile metadata record is refused; nothing resilient writes is pickle.
+for bit; FSDP2 state saved by 2 gloo ranks (uneven shards) loads onto 2 FSDP2 ranks, onto 2
+ranks holding whole tensors and onto 1 process (DCP's planner reshards; 4 -> 2 ranks is the
+bench's resharded restore, verified value for value); async_save through ResilientStager
+reuses its buffers; kill -9 of the writer during a save leaves the previous step loadable; a
+flipped data byte is CorruptCheckpointError naming the file and offset; a hostile metadata
+record is refused; nothing resilient writes is pickle.
 Multi-rank phases run as torch.multiprocessing workers in a bounded subprocess."""
 
 from __future__ import annotations
@@ -409,15 +411,22 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     set_state_dict(model2, opt2, model_state_dict=state2["model"],
                    optim_state_dict=state2["optim"])
     loaded = _full(_state(model2, opt2, state2["extra"]["step"]))
+    # onto 2 ranks holding whole, unsharded tensors (each reads both saved ranks' chunks)
+    plain, plain_opt = _trained(10, steps=1)
+    state3 = _state(plain, plain_opt, 0)
+    dcp.load(state3, storage_reader=ResilientStorageReader(root))
+    set_state_dict(plain, plain_opt, model_state_dict=state3["model"],
+                   optim_state_dict=state3["optim"])
+    unsharded = _full(_state(plain, plain_opt, state3["extra"]["step"]))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"saved": saved, "loaded": loaded,
+        json.dump({"saved": saved, "loaded": loaded, "unsharded": unsharded,
                    "files": sorted(os.listdir(os.path.join(root, "step-000000000000")))}, f)
     dist.barrier()
     os._exit(0)
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_and_one_process(tmp_path):
+def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_sharded_or_not_and_one_process(tmp_path):
     root, out = tmp_path / "f", tmp_path / "out"
     out.mkdir()
     rc, output = run_bounded([sys.executable, __file__, "fsdp", "2", str(root), str(out)], 240,
@@ -428,6 +437,7 @@ def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_and_one_process(tmp_path)
     assert ranks[1]["saved"] == saved
     for r in ranks:
         assert r["loaded"] == saved
+        assert r["unsharded"] == saved
     assert {"rank-00000.data", "rank-00001.data", "dcp-metadata.json"} <= set(ranks[0]["files"])
     # onto one process without a process group: plain full tensors, resharded by DCP's planner
     model, opt, state, _ = _load_into_fresh(str(root))
