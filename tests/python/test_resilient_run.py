@@ -171,3 +171,15 @@ def test_a_joiner_that_comes_too_late_stops_waiting() -> None:
     assert join_as_spare(joiner, timeout_s=30) is False
     assert joiner.step == 12 and time.monotonic() - t0 < 5
     assert joiner.timeline.events[-1]["kind"] == "join_too_late"
+
+
+@pytest.mark.timeout(120)
+def test_plain_torchrun_is_told_once_to_use_resilient_run(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLE), "--steps", "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+        text=True, timeout=100, start_new_session=True)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert out.count("this job runs under torchrun, whose agent SIGTERMs") == 1, out[-3000:]
+    assert "Launch it with `resilient run`" in out

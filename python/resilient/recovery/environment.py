@@ -91,8 +91,11 @@ def launcher_warnings(environ: Mapping[str, str] | None = None, *,
 
 def warn_about_launcher(environ: Mapping[str, str] | None = None, *,
                         adopted: bool = False) -> list[str]:
-    """Logs :func:`launcher_warnings` as warnings, each once per process; returns those logged
-    now."""
+    """Logs :func:`launcher_warnings` as warnings, once per node (on local rank 0) and once per
+    process; returns those logged now."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCAL_RANK", "0") != "0":
+        return []
     said = []
     for message in launcher_warnings(environ, adopted=adopted):
         if message not in _warned:
