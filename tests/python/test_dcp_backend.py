@@ -444,6 +444,32 @@ def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_sharded_or_not_and_one_pr
     assert _full(_state(model, opt, state["extra"]["step"])) == saved
 
 
+@pytest.mark.timeout(300)
+def test_bench_fsdp_rows_through_resilient_dcp(tmp_path):
+    """`resilient bench --fsdp --methods dcp_resilient,dcp_resilient_async` (gpt-tiny): both rows
+    there, every restore and the resharded one verified, the ratios against dcp's row given."""
+    cli = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", cli, "bench", "--fsdp", "--model", "gpt-tiny", "--world-size",
+         "2", "--repeat", "1", "--json", "--dir", str(tmp_path / "scratch"), "--methods",
+         "dcp,dcp_resilient,dcp_resilient_async"],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"bench timed out:\n{err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out)
+    rows = {r["method"]: r for r in result["rows"]}
+    for name in ("dcp_resilient", "dcp_resilient_async"):
+        assert rows[name]["restore_verified"] and rows[name]["reshard_verified"], rows[name]
+        assert rows[name]["durable_s"] > 0
+    goals = [g["goal"] for g in result["goals"]]
+    assert any(g.startswith("dcp_resilient reshard / dcp's") for g in goals)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "kill":
         _kill_child(sys.argv[2], sys.argv[3])
