@@ -262,6 +262,20 @@ def test_a_resilient_native_step_says_which_reader(tmp_path):
     assert "Checkpointer" in str(_dcp_error(info.value))
 
 
+def test_ranks_that_found_different_newest_steps_are_refused_before_reading(tmp_path):
+    """A save committing while the ranks of a load list the root: rank 0's global plan sees
+    two steps and refuses (every rank then raises through DCP), naming the way out."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from resilient.dcp import ResilientStorageReader
+
+    reader = ResilientStorageReader(tmp_path)
+    same = [LoadPlan([], storage_data=4), LoadPlan([], storage_data=4)]
+    assert reader.prepare_global_plan(same) == same
+    with pytest.raises(ValueError, match=r"different newest steps .*\[4, 5\].*step-<N>"):
+        reader.prepare_global_plan([LoadPlan([], storage_data=4), LoadPlan([], storage_data=5)])
+
+
 def test_async_save_through_the_stager_is_correct_and_reuses_its_buffers(tmp_path):
     from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
 

@@ -402,9 +402,16 @@ class ResilientStorageReader(StorageReader):
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return replace(plan, storage_data=self.step)  # rank 0 checks every rank read one step
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Rank 0: every rank planned against the same step (a save that committed a newer
+        one while the ranks listed the root would otherwise mix two checkpoints)."""
+        steps = sorted({p.storage_data for p in plans}, key=str)
+        if len(steps) > 1:
+            raise ValueError(f"the ranks found different newest steps of {self.path} ({steps}: "
+                             "a save committed while they looked); load an explicit step with "
+                             "checkpoint_id=<root>/step-<N>")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
