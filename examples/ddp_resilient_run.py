@@ -8,7 +8,9 @@ group, the store and the DDP model; ``resilient run`` keeps the survivors alive 
 The lines marked ``# resilient`` are all that differs from the plain DDP script. Kill a rank
 (``kill -9``, or ``--kill-rank 1 --kill-step 10``) and the other ranks finish the run with the
 global batch kept (gradient accumulation), ending with the parameters of the failure-free run.
-With ``--out DIR`` each rank writes ``DIR/rank<R>.json`` (step, world, parameters, timeline),
+``--user-loop`` writes the loop out (``for step in rec.steps(0, n): with rec.attempt(): ...``)
+instead of handing a loss function to ``rec.run``. With ``--out DIR`` each rank writes
+``DIR/rank<R>.json`` (step, world, parameters, timeline),
 ``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running). ``resilient run
 --replacements 1`` starts a new rank for a lost one; it joins at a step boundary and receives the
 state from a live peer.
@@ -58,6 +60,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     p.add_argument("--kill-step", type=int, default=-1, help="... at the start of this step")
     p.add_argument("--out", default="", help="directory for per-rank reports")
+    p.add_argument("--user-loop", action="store_true",
+                   help="the loop written out (rec.steps / rec.attempt) instead of rec.run")
     return p.parse_args(argv)
 
 
@@ -97,7 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     try:
         with rec:  # resilient
-            rec.run(loss_fn, start=0, end=a.steps)  # resilient
+            if not a.user_loop:
+                rec.run(loss_fn, start=0, end=a.steps)  # resilient
+            for step in rec.steps(0, a.steps) if a.user_loop else ():  # resilient
+                with rec.attempt():  # resilient: a peer's failure -> recover, redo the step
+                    opt.zero_grad()
+                    x, y = make_data(step, a.global_batch)
+                    for mb in rec.micro_batches():  # this rank's share, accumulated
+                        loss = torch.nn.functional.mse_loss(rec.model(x[mb.slice]), y[mb.slice])
+                        (loss * mb.loss_scale).backward()
+                    opt.step()
     except RecoveryStopped as e:
         print(f"rank {rec.initial_rank}: training stopped: {e}", file=sys.stderr, flush=True)
         report["stopped"], code = str(e), RecoveryStopped.exit_code

@@ -102,6 +102,20 @@ def test_adopt_takes_the_users_group_store_and_ddp_model(default_group: Any,
     x = torch.randn(4, 4)
     rec.run(lambda step, mb: rec.model(x[mb.slice]).pow(2).mean(), start=0, end=3)
     assert rec.step == 3 and rec.detector.steps == [1, 2, 3]
+    # The user's own loop: steps/attempt/micro_batches; the program's own errors propagate.
+    for _step in rec.steps(None, 5):
+        with rec.attempt():
+            opt.zero_grad()
+            for mb in rec.micro_batches():
+                (rec.model(x[mb.slice]).pow(2).mean() * mb.loss_scale).backward()
+            opt.step()
+    assert rec.step == 5 and rec.detector.steps[-2:] == [4, 5]
+    with pytest.raises(ValueError, match="the user's bug"), rec.attempt():
+        raise ValueError("the user's bug")
+    assert rec.step == 5
+    rec.backend = "nccl"
+    with pytest.raises(NotImplementedError), rec.attempt():
+        pass
 
 
 def test_adopt_without_a_group_says_what_to_do() -> None:

@@ -118,6 +118,19 @@ def test_kill9_mid_run_job_finishes_with_the_failure_free_model(tmp_path: Path) 
 
 
 @pytest.mark.timeout(150)
+def test_the_users_own_loop_recovers(tmp_path: Path) -> None:
+    """``for step in rec.steps(...): with rec.attempt(): ...`` with the user's zero_grad,
+    backward and opt.step: the killed rank's peers redo the failed step on the new group."""
+    from test_recovery_adopt import check_survivors
+
+    p = start_job(tmp_path, "--steps", "16", "--kill-rank", "1", "--kill-step", "6",
+                  "--user-loop")
+    code, log = finish(p, tmp_path, timeout=100)
+    assert code == 0, log
+    check_survivors(tmp_path, [0, 2, 3], {r: 0 for r in (0, 2, 3)}, steps=16)
+
+
+@pytest.mark.timeout(150)
 def test_recovery_impossible_fails_the_job(tmp_path: Path) -> None:
     p = start_job(tmp_path, "--steps", "16", "--kill-rank", "2", "--kill-step", "4",
                   env={"RESILIENT_RECOVERY_MIN_WORLD": "4"})

@@ -59,6 +59,7 @@ from resilient.recovery.decisions import (
 )
 from resilient.recovery.environment import warn_about_launcher
 from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
+from resilient.recovery.loop import StepLoop
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
 from resilient.recovery.timeline import Timeline
 
@@ -69,7 +70,7 @@ FAULT_POINTS = ("step_start", "before_rebuild", "before_restore", "after_recover
 
 
 
-class Recovery:
+class Recovery(StepLoop):
     """Runs a DDP training loop that survives rank failures (see the module docstring).
 
     Args:
@@ -257,23 +258,32 @@ class Recovery:
             self.step = start  # a joiner continues from the job's step
         while self.step < end:
             try:
-                self._run_hooks("step_start")
-                if self._evicted.is_set():
-                    raise RecoveryStopped(self._stop("this rank was removed from the job"))
-                if self._verdict.is_set() and self._members_failed():
-                    raise PeerFailure("verdict")
+                self._begin_step()
                 self._train_step(loss_fn, self.step)
-                self.step += 1
-                self.detector.step(self.step)
-                self._maybe_checkpoint()
-                maybe_admit(self)
+                self._end_step()
             except RecoveryStopped:
                 raise
             except Exception as exc:  # noqa: BLE001 -- classified below, re-raised if not ours
                 self._recover_until_done(exc)
+        self._finished()
+        return self.step
+
+    def _begin_step(self) -> None:
+        self._run_hooks("step_start")
+        if self._evicted.is_set():
+            raise RecoveryStopped(self._stop("this rank was removed from the job"))
+        if self._verdict.is_set() and self._members_failed():
+            raise PeerFailure("verdict")
+
+    def _end_step(self) -> None:
+        self.step += 1
+        self.detector.step(self.step)
+        self._maybe_checkpoint()
+        maybe_admit(self)
+
+    def _finished(self) -> None:
         if self.config.join_check_every > 0:
             mark_finished(self)
-        return self.step
 
     def _recover_until_done(self, exc: BaseException) -> None:
         """Recovers from ``exc``; a failure during the recovery starts the next one."""

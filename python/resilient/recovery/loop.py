@@ -1,0 +1,92 @@
+"""The user's own loop, protected step by step (the alternative to ``Recovery.run(loss_fn)``)::
+
+    for step in rec.steps(start, end):      # yields a step again after a recovery
+        with rec.attempt():                 # a peer's failure here: recover, redo the step
+            opt.zero_grad()
+            for mb in rec.micro_batches():  # this rank's share of the global batch (no_sync
+                x, y = batch(step)          # on all but the last micro-batch)
+                loss = F.mse_loss(rec.model(x[mb.slice]), y[mb.slice]) * mb.loss_scale
+                loss.backward()
+            opt.step()
+            sched.step()
+
+Why a step can be redone: the gradient all-reduce runs inside ``backward`` (Recovery's DDP comm
+hook polls it to completion on the gloo path), so when a peer fails the exception leaves the
+block before ``opt.step()``: parameters, optimizer and scheduler are those of the step's start,
+as with ``run``. ``attempt`` classifies the exception like ``run`` (a peer failure is recovered,
+anything else propagates), and after a recovery ``steps`` yields the same step again on the
+rebuilt group. The loop must use ``rec.model`` (the DDP wrapper changes with the group) and
+``rec.rank``/``rec.world_size`` or ``rec.micro_batches()`` for its share of the data.
+
+Limits: gloo (CPU) only for now: with NCCL the all-reduce is asynchronous on the GPU stream and
+the user's ``opt.step()`` would be queued behind a collective that may never finish; ``run``
+polls a CUDA event before stepping, ``attempt`` raises NotImplementedError. A DataLoader with a
+DistributedSampler is not re-sharded on a world change (the batch plan's slices of a global batch
+are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from resilient.recovery.decisions import RecoveryStopped
+from resilient.recovery.policy import MicroBatch
+
+
+class StepLoop:
+    """``steps``, ``attempt`` and ``micro_batches`` for :class:`resilient.recovery.Recovery`
+    (which provides the state and the ``_begin_step``/``_end_step`` halves of a step)."""
+
+    step: int
+    model: Any
+    plan: Any
+    rank: int
+
+    def steps(self, start: int | None, end: int) -> Iterator[int]:
+        """Yields the step to run, from ``start`` (None: ``self.step``; a rank that joined a
+        running job continues from the job's step) to ``end - 1``; a step whose ``attempt``
+        recovered from a failure is yielded again."""
+        if start is not None and not (self.joined or self._join_on_start):  # type: ignore[attr-defined]
+            self.step = start
+        while self.step < end:
+            yield self.step
+        self._finished()  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Protects one step of the user's loop (module docstring): on success the step counts
+        (detector heartbeat, checkpoint, joiners admitted); on a peer's failure the group is
+        rebuilt and the exception suppressed, so ``steps`` yields the step again.
+
+        Raises:
+            RecoveryStopped: too few ranks, this rank was evicted, or too many recoveries.
+            NotImplementedError: NCCL (use ``run``).
+        """
+        if self.backend != "gloo":  # type: ignore[attr-defined]
+            raise NotImplementedError("Recovery.attempt supports gloo only; use Recovery.run")
+        try:
+            self._begin_step()  # type: ignore[attr-defined]
+            yield
+        except RecoveryStopped:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- classified there, re-raised if not ours
+            self._recover_until_done(exc)  # type: ignore[attr-defined]
+            return
+        self._end_step()  # type: ignore[attr-defined]
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of the current step under the current batch plan (the
+        policy's: with ``keep_batch`` more of them after a rank is lost). Gradients are
+        accumulated locally (``no_sync``) on all but the last, whose backward all-reduces."""
+        mbs = self.plan.micro_batches(self.rank)
+        for i, mb in enumerate(mbs):
+            if i < len(mbs) - 1:
+                with self.model.no_sync():
+                    yield mb
+            else:
+                yield mb
+
+
+__all__ = ["StepLoop"]
