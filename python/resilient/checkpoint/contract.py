@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from resilient.checkpoint import codec, views
-from resilient.checkpoint.dtensor import is_dtensor, storage_ptr, why_not_local
+from resilient.checkpoint.dtensor import is_dtensor, local_tensor, storage_ptr, why_not_local
 from resilient.errors import IncompatibleCheckpointError
 
 #: check(name, target tensor or None, path) -> None if the saved tensor `name` can be read into
@@ -90,7 +90,7 @@ def unwritable(t: Any) -> str | None:
         return None if t.flags.writeable else "a read-only numpy array"
     if is_dtensor(t):
         why = why_not_local(t)
-        return why if why is not None else unwritable(t.to_local())
+        return why if why is not None else unwritable(local_tensor(t))
     if t.layout != torch.strided:
         return f"a {t.layout} tensor"
     if t.device.type == "meta":

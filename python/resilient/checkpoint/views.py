@@ -51,6 +51,8 @@ def _renamer(m: torch.nn.Module, keys: list[str]) -> dict[str, str] | None:
     """raw key -> canonical key for `m`'s keys; None when nothing changes or two keys would
     collide (then the raw keys are used)."""
     lead = _leading_parts(m)
+    if not lead and not any(p in k for k in keys for p in _WRAPPER_PARTS):
+        return None  # the common case, decided without splitting every key
 
     def canon(k: str) -> str:
         parts = k.split(".")
