@@ -270,8 +270,12 @@ class ResilientStorageWriter(StorageWriter):
             if self.keep > 0:
                 roots.apply_retention(info.root, list(_C.committed_steps(info.root)), self.keep)
             for path in roots.stale_saves(info.root, time.time() + 1e9):  # dead saves' leftovers
-                shutil.rmtree(path, ignore_errors=True)
-            roots.purge_trash(info.root)
+                trash = f".trash-{os.path.basename(path)[5:]}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, os.path.join(info.root, trash))
+            # Freeing the space (unlinking large files) is off the save's path, as the
+            # Checkpointer's purge thread does it; a .trash- directory is never read.
+            threading.Thread(target=roots.purge_trash, args=(info.root,),
+                             name="resilient-dcp-purge", daemon=True).start()
         finally:
             self._release()
 
