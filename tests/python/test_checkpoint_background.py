@@ -66,3 +66,17 @@ def test_bad_cpu_list_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_BACKGROUND_CPUS", "0-")
     with pytest.raises(ValueError, match="RESILIENT_BACKGROUND_CPUS.*bad part '0-'"):
         Checkpointer(tmp_path)
+
+
+def test_wait_cleanup_returns_once_retention_deleted_the_old_steps(tmp_path):
+    import torch
+
+    import resilient
+
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    with resilient.Checkpointer(tmp_path / "c", keep=1) as ck:
+        for step in range(4):
+            ck.save(step, state)
+        ck.wait_cleanup(timeout=60)
+        names = sorted(p.name for p in (tmp_path / "c").iterdir() if "step" in p.name)
+        assert names == ["step-000000000003"], names

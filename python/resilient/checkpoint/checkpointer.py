@@ -661,6 +661,20 @@ class Checkpointer:
                 h._observed = True
             raise failed[0]._error  # type: ignore[misc]
 
+    def wait_cleanup(self, timeout: float | None = None) -> None:
+        """wait(), then until retention has deleted the steps it no longer keeps. Deleting runs
+        in the background, off the saves' critical path; a benchmark timing back-to-back
+        saves, or a caller about to measure free space, waits for it here."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait(timeout)
+        done = self._purge.all_tasks_done
+        with done:
+            while self._purge.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"retention still deleting old steps after {timeout} s")
+                done.wait(_POLL_S if left is None else min(_POLL_S, left))
+
     # -- loading --------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, ascending (every lineage)."""
@@ -1085,7 +1099,11 @@ class _Prepared:
 
 def _purge_loop(work: queue.Queue) -> None:
     while (path := work.get()) is not None:
-        roots.purge_trash(path)
+        try:
+            roots.purge_trash(path)
+        finally:
+            work.task_done()
+    work.task_done()
 
 
 def _commit_loop(work: queue.Queue) -> None:

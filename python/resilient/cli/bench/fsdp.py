@@ -61,6 +61,7 @@ class _Resilient:
         self.notes: dict[str, Any] = {"io": self.ck.io_backend}
 
     def save(self, step: int, model: Any, opt: Any) -> tuple[float, float, float, float | None]:
+        self.ck.wait_cleanup()  # the previous step's deletion is not timed (DCP's neither)
         t0 = _now()
         h = self.ck.save(step, {"model": model, "optim": opt}, mode=self.mode)
         ret = _now() - t0

@@ -187,7 +187,7 @@ def resilient_row(
         # Warm-up: the pool's buffers are allocated once, then reused.
         ckpt.save(0, state, mode=mode).wait()
         for step in range(1, repeat + 1):
-            ckpt.wait()  # retention of the previous step finishes before anything is timed
+            ckpt.wait_cleanup()  # retention of the previous step (its deletion too) is done
             _sync_device(device)
             t0 = time.perf_counter()
             h = ckpt.save(step, state, mode=mode)
