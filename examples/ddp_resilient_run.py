@@ -60,6 +60,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     p.add_argument("--kill-step", type=int, default=-1, help="... at the start of this step")
     p.add_argument("--out", default="", help="directory for per-rank reports")
+    p.add_argument("--wait-for-joiner", type=int, default=-1,
+                   help="test hook: at this step the members wait (up to 60 s) until a "
+                        "replacement rank asked to join, so that it is admitted before the end")
     p.add_argument("--user-loop", action="store_true",
                    help="the loop written out (rec.steps / rec.attempt) instead of rec.run")
     return p.parse_args(argv)
@@ -76,6 +79,13 @@ def progress(a: argparse.Namespace, rec: Recovery) -> None:
             f.write(str(rec.step))
     if rec.initial_rank == a.kill_rank and rec.step == a.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if rec.step == a.wait_for_joiner and not rec.joined:
+        from resilient.recovery.join import tickets_taken
+
+        deadline = time.monotonic() + 60
+        with rec.detector.section("recovery"):  # waiting is not a training hang
+            while tickets_taken(rec) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
     if a.step_sleep:
         time.sleep(a.step_sleep)
 

@@ -3,7 +3,8 @@
 Pure: how the agent judges its workers' exits. End to end (4 gloo ranks of the ordinary DDP script
 examples/ddp_resilient_run.py under ``python -m resilient.run --standalone``): a rank is killed
 with SIGKILL from outside mid-run and the job still exits 0 with the failure-free parameters; with
-``--replacements 1`` a new process joins the running job in the lost rank's place; when recovery
+``--replacements 1`` a new process joins the running job in the lost rank's place; a frozen
+(SIGSTOP) rank is removed by the survivors and killed by the agent at the end; when recovery
 is impossible (``min_world`` 4) the launcher fails the job. Each run is bounded and
 killed with its whole session on the way out.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.recovery.agent import judge
+from resilient.recovery.agent import Exit, judge
 
 torch = pytest.importorskip("torch")
 
@@ -29,18 +30,29 @@ EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"
 
 
 def test_judge_keeps_the_group_while_survivors_run() -> None:
+    def ex(*pairs: tuple[int, int]) -> list[Exit]:
+        return [Exit(r, c) for r, c in pairs]
+
     assert judge([], 4).state == "healthy"
-    assert judge([(1, -9)], 3).state == "healthy"  # a lost rank: the others recover
-    assert judge([(1, -9), (0, 0), (2, 0)], 1).state == "healthy"  # the last one finishing
-    assert judge([(1, -9), (0, 0), (2, 0), (3, 0)], 0).state == "succeeded"
-    assert judge([(0, 0), (1, 0)], 0).state == "succeeded"
+    assert judge(ex((1, -9)), 3).state == "healthy"  # a lost rank: the others recover
+    assert judge(ex((1, -9), (0, 0), (2, 0)), 1).state == "healthy"  # the last one finishing
+    assert judge(ex((1, -9), (0, 0), (2, 0), (3, 0)), 0).state == "succeeded"
+    assert judge(ex((0, 0), (1, 0)), 0).state == "succeeded"
 
 
 def test_judge_fails_only_when_recovery_is_impossible() -> None:
-    v = judge([(1, -9), (0, 3), (2, 3), (3, 3)], 0)  # the survivors stopped (min_world)
+    v = judge([Exit(1, -9), Exit(0, 3), Exit(2, 3), Exit(3, 3)], 0)  # survivors stopped
     assert v.state == "failed" and v.reason == "every worker died"
-    v = judge([(1, -9), (0, 0), (2, 1)], 1)  # a survivor failed after another finished
+    v = judge([Exit(1, -9), Exit(0, 0), Exit(2, 1)], 1)  # a survivor failed after a finish
     assert v.state == "failed" and "local rank 2 exited with 1" in v.reason
+
+
+def test_judge_reaps_a_rank_left_running_after_the_others_finished() -> None:
+    done = [Exit(0, 0), Exit(1, 0), Exit(3, 0)]  # rank 2 frozen: removed, still a process
+    assert judge(done, 1, now=109.0, finished_at=100.0, grace_s=10).state == "healthy"
+    v = judge(done, 1, now=110.0, finished_at=100.0, grace_s=10)
+    assert v.state == "reap" and "1 worker(s) still running 10s" in v.reason
+    assert judge([*done, Exit(2, -9, reaped=True)], 0).state == "succeeded"
 
 
 def test_parser_is_torchruns_plus_ours() -> None:
@@ -118,6 +130,24 @@ def test_kill9_mid_run_job_finishes_with_the_failure_free_model(tmp_path: Path) 
 
 
 @pytest.mark.timeout(150)
+def test_a_frozen_rank_is_removed_and_reaped_at_the_end(tmp_path: Path) -> None:
+    """SIGSTOP from outside: the survivors' detector removes the frozen rank and they finish;
+    the agent kills the still-existing frozen process --finish-grace-s later, exit 0."""
+    from test_recovery_adopt import check_survivors
+
+    steps = 24
+    p = start_job(tmp_path, "--steps", str(steps), "--step-sleep", "0.1",
+                  args=("--finish-grace-s", "3"))
+    try:
+        os.kill(wait_for_step(tmp_path, 2, 6, timeout=90), signal.SIGSTOP)
+    finally:
+        code, log = finish(p, tmp_path, timeout=100)
+    assert code == 0, log
+    assert "still running 3s after the others finished" in log, log
+    check_survivors(tmp_path, [0, 1, 3], {r: 0 for r in (0, 1, 3)}, steps=steps)
+
+
+@pytest.mark.timeout(150)
 def test_the_users_own_loop_recovers(tmp_path: Path) -> None:
     """``for step in rec.steps(...): with rec.attempt(): ...`` with the user's zero_grad,
     backward and opt.step: the killed rank's peers redo the failed step on the new group."""
@@ -148,9 +178,9 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     from resilient.recovery.join import JOIN_BASE
     from test_recovery_adopt import reference_params
 
-    steps = 60
-    p = start_job(tmp_path, "--steps", str(steps), "--step-sleep", "0.1", "--kill-rank", "1",
-                  "--kill-step", "6", args=("--replacements", "1"))
+    steps = 20
+    p = start_job(tmp_path, "--steps", str(steps), "--kill-rank", "1", "--kill-step", "6",
+                  "--wait-for-joiner", "10", args=("--replacements", "1"))
     code, log = finish(p, tmp_path, timeout=120)
     assert code == 0, log
     assert "to replace rank 1" in log, log

@@ -37,6 +37,10 @@ def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
         "--replacements", type=int, default=0,
         help="start a new worker for a lost one, at most this many times per node; it joins "
              "the running job through Recovery's join path (default 0)")
+    parser.add_argument(
+        "--finish-grace-s", type=float, default=30.0,
+        help="kill workers still running this long after another finished cleanly (ranks "
+             "the survivors removed, e.g. frozen ones) without failing the job (default 30)")
     return parser
 
 
@@ -54,7 +58,7 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     config, cmd, cmd_args = config_from_args(args)
     try:
         launch(config, cmd, cmd_args, in_process=args.in_process_recovery,
-               replacements=args.replacements)
+               replacements=args.replacements, finish_grace_s=args.finish_grace_s)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1

@@ -26,6 +26,9 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   ``Recovery.adopt`` then takes a ticket and is admitted by the running members at a step boundary
   (resilient.recovery.join: the members check every ``RESILIENT_RECOVERY_JOIN_CHECK_EVERY`` steps,
   which the agent sets to 1 when replacements are on), receiving the state from a live peer.
+* Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
+  not counted as failures: ranks finish together, so these are ranks the survivors removed (a
+  frozen, SIGSTOPped rank stays a live process) or ranks stuck on the way out.
 * ``_restart_workers`` does not restart a healthy group because new nodes wait at the rendezvous
   (torch's elastic scale-up would kill the survivors); they wait for the next real restart.
 
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -67,24 +72,43 @@ log = logging.getLogger("resilient.recovery")
 class Verdict:
     """What the agent does with its group after one poll (see :func:`judge`)."""
 
-    state: str  #: "healthy", "succeeded" or "failed"
+    state: str  #: "healthy", "succeeded", "failed" or "reap" (kill the workers still running)
     reason: str = ""
 
 
-def judge(exits: list[tuple[int, int]], running: int) -> Verdict:
-    """The group's state from its workers' exits, in the order they were seen.
+@dataclass
+class Exit:
+    """A worker's exit as the agent saw it."""
+
+    local_rank: int
+    code: int
+    reaped: bool = False  #: killed by the agent after the others finished (see judge)
+
+
+def judge(exits: list[Exit], running: int, *, now: float = 0.0,
+          finished_at: float | None = None, grace_s: float = float("inf")) -> Verdict:
+    """The group's state from its workers' exits, in the order they were seen (pure).
+
+    A worker that dies while others run is lost, not fatal. The group succeeded when none runs
+    and the workers that finished did so with 0; it failed when every worker died, or one failed
+    (not reaped) after another finished. Workers still running ``grace_s`` after the first clean
+    exit (``finished_at``; ``now`` on the same clock) are to be reaped: ranks finish together, so
+    those are ranks the survivors removed (frozen, SIGSTOP) or stuck on the way out.
 
     Args:
-        exits: ``(local rank, exit code)`` of every worker that exited (replaced ones included).
+        exits: every worker that exited (replaced ones included).
         running: how many workers still run.
     """
-    finished = [i for i, (_, code) in enumerate(exits) if code == 0]
+    finished = [i for i, e in enumerate(exits) if e.code == 0]
     if finished:
-        late = [(r, c) for r, c in exits[finished[0]:] if c != 0]
+        late = [e for e in exits[finished[0]:] if e.code != 0 and not e.reaped]
         if late:
-            return Verdict("failed", f"local rank {late[0][0]} exited with {late[0][1]} after "
-                                     "another worker finished")
+            return Verdict("failed", f"local rank {late[0].local_rank} exited with "
+                                     f"{late[0].code} after another worker finished")
     if running:
+        if finished and finished_at is not None and now - finished_at >= grace_s:
+            return Verdict("reap", f"{running} worker(s) still running {grace_s:g}s after "
+                                   "the others finished")
         return Verdict("healthy")
     if not finished:
         return Verdict("failed", "every worker died")
@@ -98,19 +122,23 @@ class ResilientAgent(LocalElasticAgent):
 
     def __init__(self, spec: WorkerSpec, logs_specs: Any, start_method: str = "spawn",
                  exit_barrier_timeout: float = 300, log_line_prefix_template: str | None = None,
-                 *, in_process: bool = True, replacements: int = 0) -> None:
+                 *, in_process: bool = True, replacements: int = 0,
+                 finish_grace_s: float = 30.0) -> None:
         super().__init__(spec, logs_specs, start_method, exit_barrier_timeout,
                          log_line_prefix_template)
         self.in_process = in_process
         self.replacements_left = replacements
-        self.exits: list[tuple[int, int]] = []  #: (local rank, exit code), in order seen
+        self.finish_grace_s = finish_grace_s
+        self.exits: list[Exit] = []  #: in the order seen
         self.lost: dict[int, ProcessFailure] = {}  #: global rank -> its (first) failure
         self._seen: set[int] = set()  # pids whose exit is recorded
+        self._reaped: set[int] = set()  # pids the agent killed after the others finished
+        self._finished_at: float | None = None
         self._restart_refused = False
 
     # ---- overrides ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self.exits, self._seen = [], set()
+        self.exits, self._seen, self._reaped, self._finished_at = [], set(), set(), None
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -129,8 +157,11 @@ class ResilientAgent(LocalElasticAgent):
             worker = worker_group.workers[local_rank]
             if handler.proc.pid not in self._seen:
                 self._seen.add(handler.proc.pid)
-                self.exits.append((local_rank, code))
-                if code != 0:
+                reaped = handler.proc.pid in self._reaped
+                self.exits.append(Exit(local_rank, code, reaped))
+                if code == 0 and self._finished_at is None:
+                    self._finished_at = time.monotonic()
+                if code != 0 and not reaped:
                     failure = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid,
                                              exitcode=code, error_file=pc.error_files[local_rank])
                     self.lost.setdefault(worker.global_rank, failure)
@@ -142,11 +173,20 @@ class ResilientAgent(LocalElasticAgent):
                         self._replace(worker_group, local_rank)
                         running += 1
                         continue
-            if code != 0:
+            if code != 0 and handler.proc.pid not in self._reaped:
                 failures[worker.global_rank] = ProcessFailure(
                     local_rank=local_rank, pid=handler.proc.pid, exitcode=code,
                     error_file=pc.error_files[local_rank])
-        verdict = judge(self.exits, running)
+        verdict = judge(self.exits, running, now=time.monotonic(),
+                        finished_at=self._finished_at, grace_s=self.finish_grace_s)
+        if verdict.state == "reap":
+            log.warning("resilient run: %s; killing them (removed by the survivors, or stuck "
+                        "on the way out)", verdict.reason)
+            for handler in handlers.values():
+                if handler.proc.poll() is None:
+                    self._reaped.add(handler.proc.pid)
+                    os.killpg(handler.proc.pid, signal.SIGKILL)
+            return RunResult(state=WorkerState.HEALTHY)  # their exits are seen next time
         if verdict.state == "healthy":
             return RunResult(state=WorkerState.HEALTHY)
         if verdict.state == "succeeded":
@@ -188,7 +228,7 @@ class ResilientAgent(LocalElasticAgent):
 
 
 def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = True,
-           replacements: int = 0) -> dict[int, Any]:
+           replacements: int = 0, finish_grace_s: float = 30.0) -> dict[int, Any]:
     """``torch.distributed.launcher.api.launch_agent`` with a :class:`ResilientAgent`: the same
     rendezvous handler (from the registry), WorkerSpec and error handling.
 
@@ -224,7 +264,8 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
         virtual_local_rank=config.virtual_local_rank)
     agent = ResilientAgent(spec, config.logs_specs, config.start_method,
                            log_line_prefix_template=config.log_line_prefix_template,
-                           in_process=in_process, replacements=replacements)
+                           in_process=in_process, replacements=replacements,
+                           finish_grace_s=finish_grace_s)
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))

@@ -127,6 +127,7 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     Returns False, with ``rec.step`` the members' last step, when they finished first (see
     :func:`mark_finished`)."""
     ticket = int(rec.store.add(_key(rec, "tickets"), 1)) - 1
+    rec.initial_rank = JOIN_BASE + ticket
     rec.timeline.add("join_requested", ticket=ticket)
     key, finished = _key(rec, f"ticket/{ticket}"), _key(rec, "finished")
     deadline = time.monotonic() + timeout_s
@@ -139,7 +140,6 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
             raise TimeoutError(f"not admitted to the job within {timeout_s}s")
         time.sleep(0.05)
     info = json.loads(bytes(rec.store.get(key)).decode())
-    rec.initial_rank = JOIN_BASE + ticket
     rec.generation, rec.join_epoch, rec.admitted = (
         info["generation"], info["join_epoch"], info["admitted"])
     det_generation, live = info["detector"]
