@@ -6,6 +6,13 @@ The user gives a model, an optimizer and a loss function; :meth:`Recovery.run` r
         rec.run(lambda step, mb: loss_fn(rec.model(x(step)[mb.slice]), y(step)[mb.slice]),
                 start=0, end=1000)
 
+A torchrun-style script that already called ``init_process_group`` (and wrapped its model in
+DDP) uses ``Recovery.adopt(model, opt, global_batch=..., micro_batch=...)``: the default group,
+its store and the model are taken over (resilient.recovery.environment); launch it with
+``resilient run`` (resilient.recovery.agent), whose agent keeps the survivors alive. The loop can
+also stay the user's: ``for step in rec.steps(a, b): with rec.attempt(): ...``
+(resilient.recovery.loop).
+
 On a failure (a collective error, the detector's verdict, or a collective past its timeout):
 
 1. **abort**: the gradient all-reduce is polled, never waited on, so the training thread stops
