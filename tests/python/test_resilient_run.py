@@ -226,3 +226,13 @@ def test_plain_torchrun_is_told_once_to_use_resilient_run(tmp_path: Path) -> Non
     assert p.returncode == 0, out[-3000:]
     assert out.count("this job runs under torchrun, whose agent SIGTERMs") == 1, out[-3000:]
     assert "Launch it with `resilient run`" in out
+
+
+@pytest.mark.timeout(120)
+def test_without_in_process_recovery_it_is_torchrun(tmp_path: Path) -> None:
+    p = start_job(tmp_path, "--steps", "200", "--step-sleep", "0.05", "--kill-rank", "1",
+                  "--kill-step", "3", args=("--no-in-process-recovery",))
+    code, log = finish(p, tmp_path, timeout=100)
+    assert code == 1, log
+    assert "Sending process" in log and "closing signal SIGTERM" in log, log  # torch's close
+    assert not list(tmp_path.glob("rank*.json"))  # nobody finished
