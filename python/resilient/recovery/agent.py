@@ -8,7 +8,7 @@ process context (``PContext.wait(0)`` -> ``SubprocessContext._poll``), which **c
 process as soon as one fails** (SIGTERM, then SIGKILL): within one interval of a rank's death the
 survivors are gone, before in-process recovery can do anything.
 
-:class:`ResilientAgent` is a ``LocalElasticAgent`` with three overrides, everything else (argument
+:class:`ResilientAgent` is a ``LocalElasticAgent`` with a few overrides; everything else (argument
 parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, exit barrier,
 ``--max-restarts``) is torch's:
 
