@@ -123,7 +123,8 @@ void register_options(pyb::module_& s) {
   pyb::class_<CommOptions> o(s, "CommOptions",
                              "Communicator manager settings (RESILIENT_COMM_* overrides).");
   o.def(pyb::init<>())
-      .def_static("from_env", &CommOptions::from_env)
+      .def_static("from_env", [] { return unwrap(CommOptions::from_env()); })
+      .def("validate", [](const CommOptions& c) { throw_if_error(c.validate()); })
       .def_readwrite("name", &CommOptions::name);
   for (auto [name, field] : {std::pair{"init_timeout_s", &CommOptions::init_timeout},
                              std::pair{"collective_timeout_s", &CommOptions::collective_timeout},
@@ -182,6 +183,7 @@ void register_comm(pyb::module_& m) {
 
   pyb::class_<CommManager>(s, "CommManager", "One non-blocking NCCL communicator.")
       .def(pyb::init([](std::shared_ptr<NcclLibrary> lib, const CommOptions& o) {
+             throw_if_error(o.validate());
              return std::make_unique<CommManager>(std::move(lib), o);
            }),
            pyb::arg("library"), pyb::arg("options"))

@@ -147,7 +147,13 @@ void register_detect(pyb::module_& root) {
   auto m = root.def_submodule("detect", "failure detector (native core)");
 
   pyb::class_<CoreOptions>(m, "CoreOptions")
-      .def_static("from_env", &CoreOptions::from_env, pyb::arg("rank"), pyb::arg("world_size"))
+      .def_static(
+          "from_env",
+          [](int32_t rank, int32_t world_size) {
+            return unwrap(CoreOptions::from_env(rank, world_size));
+          },
+          pyb::arg("rank"), pyb::arg("world_size"))
+      .def("validate", [](const CoreOptions& o) { throw_if_error(o.validate()); })
       .def_readwrite("rank", &CoreOptions::rank)
       .def_readwrite("world_size", &CoreOptions::world_size)
       .def_readwrite("watch_count", &CoreOptions::watch_count)
@@ -167,7 +173,8 @@ void register_detect(pyb::module_& root) {
           [](CoreOptions& o, double s) { o.phi.min_stddev = from_seconds(s); });
 
   pyb::class_<WatchdogOptions>(m, "WatchdogOptions")
-      .def_static("from_env", &WatchdogOptions::from_env)
+      .def_static("from_env", [] { return unwrap(WatchdogOptions::from_env()); })
+      .def("validate", [](const WatchdogOptions& o) { throw_if_error(o.validate()); })
       .def_readwrite("safety_factor", &WatchdogOptions::safety_factor)
       .def_readwrite("warmup_steps", &WatchdogOptions::warmup_steps)
       .DURATION_PROP(WatchdogOptions, min_step_limit)

@@ -67,7 +67,7 @@ void register_straggler(pyb::module_& m) {
 
   pyb::class_<st::StragglerOptions>(s, "StragglerOptions")
       .def(pyb::init<>())
-      .def_static("from_env", &st::StragglerOptions::from_env)
+      .def_static("from_env", [] { return unwrap(st::StragglerOptions::from_env()); })
       .def("validate", [](const st::StragglerOptions& o) { throw_if_error(o.validate()); })
       .def_readwrite("interval", &st::StragglerOptions::interval)
       .def_readwrite("slow_ratio", &st::StragglerOptions::slow_ratio)

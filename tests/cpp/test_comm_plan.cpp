@@ -68,21 +68,41 @@ TEST(CommOptions, EnvironmentOverrides) {
   ::setenv("RESILIENT_COMM_REBUILD", "reinit", 1);
   ::setenv("RESILIENT_COMM_REVOKE", "off", 1);
   ::setenv("RESILIENT_COMM_POLL_INTERVAL_US", "50", 1);
-  CommOptions o = CommOptions::from_env();
-  EXPECT_EQ(o.init_timeout, 2500ms);
-  EXPECT_EQ(o.rebuild_mode, RebuildMode::kReinit);
-  EXPECT_EQ(o.revoke, Feature::kOff);
-  EXPECT_EQ(o.poll_interval, 50us);
+  Result<CommOptions> o = CommOptions::from_env();
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->init_timeout, 2500ms);
+  EXPECT_EQ(o->rebuild_mode, RebuildMode::kReinit);
+  EXPECT_EQ(o->revoke, Feature::kOff);
+  EXPECT_EQ(o->poll_interval, 50us);
   ::setenv("RESILIENT_COMM_REBUILD", "sometimes", 1);
-  EXPECT_THROW(CommOptions::from_env(), std::invalid_argument);
+  Status bad = CommOptions::from_env().status();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("RESILIENT_COMM_REBUILD='sometimes'"), std::string::npos);
   ::setenv("RESILIENT_COMM_REBUILD", "auto", 1);
   ::setenv("RESILIENT_COMM_INIT_TIMEOUT_S", "-1", 1);
-  EXPECT_THROW(CommOptions::from_env(), std::invalid_argument);
+  bad = CommOptions::from_env().status();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("RESILIENT_COMM_INIT_TIMEOUT_S"), std::string::npos);
+  ::setenv("RESILIENT_COMM_INIT_TIMEOUT_S", "soon", 1);
+  EXPECT_EQ(CommOptions::from_env().status().code(), StatusCode::kInvalidArgument);
   for (const char* n : {"RESILIENT_COMM_INIT_TIMEOUT_S", "RESILIENT_COMM_REBUILD",
                         "RESILIENT_COMM_REVOKE", "RESILIENT_COMM_POLL_INTERVAL_US"}) {
     ::unsetenv(n);
   }
-  EXPECT_EQ(CommOptions::from_env().rebuild_mode, RebuildMode::kAuto);
+  EXPECT_EQ(CommOptions::from_env()->rebuild_mode, RebuildMode::kAuto);
+}
+
+TEST(CommOptions, ValidateNamesTheBadField) {
+  EXPECT_TRUE(CommOptions{}.validate().ok());
+  CommOptions o;
+  o.store_timeout = Duration::zero();
+  EXPECT_NE(o.validate().message().find("store_timeout"), std::string::npos);
+  o = CommOptions{};
+  o.poll_interval = -1us;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o = CommOptions{};
+  o.name.clear();
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(InMemoryStore, GetWaitsForSetAndTimesOut) {

@@ -84,6 +84,18 @@ TEST(Config, EnvOverridesAndRejectsGarbage) {
   unsetenv("RESILIENT_TEST_F");
 }
 
+TEST(Config, EnvValueNamesTheVariableInItsStatus) {
+  unsetenv("RESILIENT_TEST_Y");
+  EXPECT_DOUBLE_EQ(*env_value("RESILIENT_TEST_Y", 1.5, parse_double), 1.5);
+  setenv("RESILIENT_TEST_Y", "2.5", 1);
+  EXPECT_DOUBLE_EQ(*env_value("RESILIENT_TEST_Y", 1.5, parse_double), 2.5);
+  setenv("RESILIENT_TEST_Y", "fast", 1);
+  Status s = env_value("RESILIENT_TEST_Y", 1.5, parse_double).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().rfind("RESILIENT_TEST_Y='fast': ", 0), 0u) << s.message();
+  unsetenv("RESILIENT_TEST_Y");
+}
+
 TEST(Clock, ManualClockMovesOnlyWhenTold) {
   ManualClock c;
   auto t0 = c.now();

@@ -5,9 +5,11 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
+#include "resilient/detect/core.hpp"
 #include "resilient/detect/freshness.hpp"
 #include "resilient/detect/membership.hpp"
 #include "resilient/detect/phi.hpp"
@@ -302,6 +304,51 @@ TEST(DetectWatchdog, SectionsHaveTheirOwnLimits) {
   HangWatchdog w2(o, t);
   for (uint64_t s = 1; s <= 5; ++s) w2.progress(s, t += milliseconds(10));
   EXPECT_EQ(w2.limit(), seconds(5));
+}
+
+TEST(DetectOptions, WatchdogValidatesAndReadsTheEnvironment) {
+  EXPECT_TRUE(WatchdogOptions{}.validate().ok());
+  WatchdogOptions o;
+  o.safety_factor = 0.5;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o = WatchdogOptions{};
+  o.section_limits["io"] = -milliseconds(1);
+  EXPECT_NE(o.validate().message().find("'io'"), std::string::npos);
+  ::setenv("RESILIENT_DETECT_HANG_STARTUP_S", "90", 1);
+  Result<WatchdogOptions> env = WatchdogOptions::from_env();
+  ASSERT_TRUE(env.ok()) << env.status().to_string();
+  EXPECT_EQ(env->startup_limit, seconds(90));
+  ::setenv("RESILIENT_DETECT_HANG_STARTUP_S", "later", 1);
+  Status bad = WatchdogOptions::from_env().status();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("RESILIENT_DETECT_HANG_STARTUP_S='later'"), std::string::npos);
+  ::unsetenv("RESILIENT_DETECT_HANG_STARTUP_S");
+  ::setenv("RESILIENT_DETECT_HANG_SAFETY_FACTOR", "0.9", 1);
+  EXPECT_EQ(WatchdogOptions::from_env().status().code(), StatusCode::kInvalidArgument);
+  ::unsetenv("RESILIENT_DETECT_HANG_SAFETY_FACTOR");
+}
+
+TEST(DetectOptions, CoreValidatesAndReadsTheEnvironment) {
+  EXPECT_TRUE(CoreOptions{}.validate().ok());
+  CoreOptions o;
+  o.rank = 4;
+  o.world_size = 4;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o = CoreOptions{};
+  o.heartbeat_interval = Duration::zero();
+  EXPECT_NE(o.validate().message().find("heartbeat_interval"), std::string::npos);
+  ::setenv("RESILIENT_DETECT_HEARTBEAT_MS", "40", 1);
+  Result<CoreOptions> env = CoreOptions::from_env(2, 8);
+  ASSERT_TRUE(env.ok()) << env.status().to_string();
+  EXPECT_EQ(env->heartbeat_interval, milliseconds(40));
+  EXPECT_EQ(env->refused_silence, milliseconds(120));  // follows the heartbeat
+  ::setenv("RESILIENT_DETECT_WATCH_COUNT", "0", 1);
+  Status bad = CoreOptions::from_env(2, 8).status();
+  EXPECT_NE(bad.message().find("RESILIENT_DETECT_WATCH_COUNT"), std::string::npos);
+  ::setenv("RESILIENT_DETECT_WATCH_COUNT", "three", 1);
+  EXPECT_EQ(CoreOptions::from_env(2, 8).status().code(), StatusCode::kInvalidArgument);
+  ::unsetenv("RESILIENT_DETECT_WATCH_COUNT");
+  ::unsetenv("RESILIENT_DETECT_HEARTBEAT_MS");
 }
 
 }  // namespace

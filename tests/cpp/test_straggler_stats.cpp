@@ -149,11 +149,18 @@ TEST(StragglerOptions, ValidateRejectsInconsistentSettings) {
 TEST(StragglerOptions, EnvironmentOverrides) {
   setenv("RESILIENT_STRAGGLER_INTERVAL", "25", 1);
   setenv("RESILIENT_STRAGGLER_MIN_RATIO", "1.3", 1);
-  StragglerOptions o = StragglerOptions::from_env();
-  EXPECT_EQ(o.interval, 25);
-  EXPECT_DOUBLE_EQ(o.min_ratio, 1.3);
+  Result<StragglerOptions> o = StragglerOptions::from_env();
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->interval, 25);
+  EXPECT_DOUBLE_EQ(o->min_ratio, 1.3);
   setenv("RESILIENT_STRAGGLER_CUSUM_DRIFT", "abc", 1);
-  EXPECT_THROW(StragglerOptions::from_env(), std::invalid_argument);
+  Status bad = StragglerOptions::from_env().status();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("RESILIENT_STRAGGLER_CUSUM_DRIFT='abc'"), std::string::npos);
+  unsetenv("RESILIENT_STRAGGLER_CUSUM_DRIFT");
+  setenv("RESILIENT_STRAGGLER_MIN_RATIO", "2", 1);  // above slow_ratio: read, then refused
+  ASSERT_TRUE(StragglerOptions::from_env().ok());
+  EXPECT_EQ(StragglerOptions::from_env()->validate().code(), StatusCode::kInvalidArgument);
   unsetenv("RESILIENT_STRAGGLER_INTERVAL");
   unsetenv("RESILIENT_STRAGGLER_MIN_RATIO");
   unsetenv("RESILIENT_STRAGGLER_CUSUM_DRIFT");

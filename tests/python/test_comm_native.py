@@ -43,6 +43,15 @@ def test_missing_library_raises_unavailable() -> None:
         NcclLibrary.load("", True, "off")
 
 
+def test_options_from_env_rejects_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENT_COMM_QUIESCE_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="RESILIENT_COMM_QUIESCE_TIMEOUT_S"):
+        CommOptions.from_env()
+    monkeypatch.setenv("RESILIENT_COMM_QUIESCE_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="RESILIENT_COMM_QUIESCE_TIMEOUT_S='soon'"):
+        CommOptions.from_env()
+
+
 def test_in_memory_store_times_out() -> None:
     s = InMemoryStore()
     with pytest.raises(TimeoutError):
@@ -95,3 +104,13 @@ def test_torch_store_adapter_round_trip_and_timeout() -> None:
     assert adapter.get("a", 1.0) == b"\x01\x02"
     with pytest.raises(TimeoutError):
         adapter.get("missing", 0.05)
+
+
+def test_options_are_validated_before_use() -> None:
+    lib = _nccl()
+    o = CommOptions()
+    o.name = ""
+    with pytest.raises(ValueError, match="name"):
+        o.validate()
+    with pytest.raises(ValueError, match="name"):
+        CommManager(lib, o)

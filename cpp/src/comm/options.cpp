@@ -1,6 +1,7 @@
 #include "resilient/comm/options.hpp"
 
-#include <stdexcept>
+#include <string>
+#include <tuple>
 
 namespace resilient::comm {
 
@@ -24,32 +25,50 @@ const char* rebuild_mode_name(RebuildMode mode) {
   return "?";
 }
 
-CommOptions CommOptions::from_env() {
+Result<CommOptions> CommOptions::from_env() {
   CommOptions o;
-  auto seconds = [](const char* name, Duration fallback) {
-    double s = env_double(name, to_seconds(fallback));
-    if (!(s > 0)) throw std::invalid_argument(std::string(name) + " must be > 0");
-    return from_seconds(s);
+  auto seconds = [](const char* name, Duration* field) -> Status {
+    RESILIENT_ASSIGN_OR_RETURN(double s, env_value(name, to_seconds(*field), parse_double));
+    *field = from_seconds(s);
+    return ok_status();
   };
-  o.init_timeout = seconds("RESILIENT_COMM_INIT_TIMEOUT_S", o.init_timeout);
-  o.collective_timeout = seconds("RESILIENT_COMM_COLLECTIVE_TIMEOUT_S", o.collective_timeout);
-  o.quiesce_timeout = seconds("RESILIENT_COMM_QUIESCE_TIMEOUT_S", o.quiesce_timeout);
-  o.store_timeout = seconds("RESILIENT_COMM_STORE_TIMEOUT_S", o.store_timeout);
-  int64_t poll_us =
-      env_int("RESILIENT_COMM_POLL_INTERVAL_US",
-              std::chrono::duration_cast<std::chrono::microseconds>(o.poll_interval).count());
-  if (poll_us < 0) throw std::invalid_argument("RESILIENT_COMM_POLL_INTERVAL_US must be >= 0");
+  RESILIENT_RETURN_IF_ERROR(seconds("RESILIENT_COMM_INIT_TIMEOUT_S", &o.init_timeout));
+  RESILIENT_RETURN_IF_ERROR(seconds("RESILIENT_COMM_COLLECTIVE_TIMEOUT_S", &o.collective_timeout));
+  RESILIENT_RETURN_IF_ERROR(seconds("RESILIENT_COMM_QUIESCE_TIMEOUT_S", &o.quiesce_timeout));
+  RESILIENT_RETURN_IF_ERROR(seconds("RESILIENT_COMM_STORE_TIMEOUT_S", &o.store_timeout));
+  RESILIENT_ASSIGN_OR_RETURN(
+      int64_t poll_us,
+      env_value<int64_t>(
+          "RESILIENT_COMM_POLL_INTERVAL_US",
+          std::chrono::duration_cast<std::chrono::microseconds>(o.poll_interval).count(),
+          parse_int));
   o.poll_interval = std::chrono::microseconds(poll_us);
-  if (auto mode = env_string("RESILIENT_COMM_REBUILD")) {
-    auto parsed = parse_rebuild_mode(*mode);
-    if (!parsed.ok()) {
-      throw std::invalid_argument("RESILIENT_COMM_REBUILD: " + parsed.status().message());
-    }
-    o.rebuild_mode = *parsed;
-  }
-  o.revoke = env_feature("RESILIENT_COMM_REVOKE", o.revoke);
+  RESILIENT_ASSIGN_OR_RETURN(
+      o.rebuild_mode, env_value("RESILIENT_COMM_REBUILD", o.rebuild_mode, parse_rebuild_mode));
+  RESILIENT_ASSIGN_OR_RETURN(o.revoke, env_value("RESILIENT_COMM_REVOKE", o.revoke, parse_feature));
   if (auto name = env_string("RESILIENT_COMM_NAME")) o.name = *name;
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
+}
+
+Status CommOptions::validate() const {
+  auto invalid = [](const std::string& what) {
+    return Status(StatusCode::kInvalidArgument, "comm options: " + what);
+  };
+  for (auto [field, value, variable] :
+       {std::tuple{"init_timeout", init_timeout, "RESILIENT_COMM_INIT_TIMEOUT_S"},
+        std::tuple{"collective_timeout", collective_timeout, "RESILIENT_COMM_COLLECTIVE_TIMEOUT_S"},
+        std::tuple{"quiesce_timeout", quiesce_timeout, "RESILIENT_COMM_QUIESCE_TIMEOUT_S"},
+        std::tuple{"store_timeout", store_timeout, "RESILIENT_COMM_STORE_TIMEOUT_S"}}) {
+    if (value <= Duration::zero()) {
+      return invalid(std::string(field) + " (" + variable + ") must be > 0");
+    }
+  }
+  if (poll_interval < Duration::zero()) {
+    return invalid("poll_interval (RESILIENT_COMM_POLL_INTERVAL_US) must be >= 0");
+  }
+  if (name.empty()) return invalid("name (RESILIENT_COMM_NAME) must not be empty");
+  return ok_status();
 }
 
 }  // namespace resilient::comm

@@ -22,8 +22,10 @@ std::string trim(std::string_view s) {
   return std::string(s.substr(b, e - b));
 }
 
-[[noreturn]] void bad_env(const char* name, const std::string& value, const std::string& why) {
-  throw std::invalid_argument(std::string(name) + "='" + value + "': " + why);
+template <typename T>
+T value_or_throw(Result<T> r) {
+  if (!r.ok()) throw std::invalid_argument(r.status().message());
+  return std::move(r).value();
 }
 
 }  // namespace
@@ -119,43 +121,23 @@ std::optional<std::string> env_string(const char* name) {
 }
 
 int64_t env_int(const char* name, int64_t fallback) {
-  auto v = env_string(name);
-  if (!v) return fallback;
-  auto x = parse_int(*v);
-  if (!x.ok()) bad_env(name, *v, x.status().message());
-  return *x;
+  return value_or_throw(env_value(name, fallback, parse_int));
 }
 
 double env_double(const char* name, double fallback) {
-  auto v = env_string(name);
-  if (!v) return fallback;
-  auto x = parse_double(*v);
-  if (!x.ok()) bad_env(name, *v, x.status().message());
-  return *x;
+  return value_or_throw(env_value(name, fallback, parse_double));
 }
 
 bool env_bool(const char* name, bool fallback) {
-  auto v = env_string(name);
-  if (!v) return fallback;
-  auto x = parse_bool(*v);
-  if (!x.ok()) bad_env(name, *v, x.status().message());
-  return *x;
+  return value_or_throw(env_value(name, fallback, parse_bool));
 }
 
 uint64_t env_bytes(const char* name, uint64_t fallback) {
-  auto v = env_string(name);
-  if (!v) return fallback;
-  auto b = parse_bytes(*v);
-  if (!b.ok()) bad_env(name, *v, b.status().message());
-  return *b;
+  return value_or_throw(env_value(name, fallback, parse_bytes));
 }
 
 Feature env_feature(const char* name, Feature fallback) {
-  auto v = env_string(name);
-  if (!v) return fallback;
-  auto f = parse_feature(*v);
-  if (!f.ok()) bad_env(name, *v, f.status().message());
-  return *f;
+  return value_or_throw(env_value(name, fallback, parse_feature));
 }
 
 }  // namespace resilient

@@ -40,6 +40,8 @@ std::string addr_bytes(const sockaddr_in& sa) {
 Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opt, std::shared_ptr<Store> store,
                                              GenerationPtr initial) {
   const int32_t rank = opt.core.rank;
+  RESILIENT_RETURN_IF_ERROR(opt.core.validate());
+  RESILIENT_RETURN_IF_ERROR(opt.watchdog.validate());
   if (opt.key.size() < 16)
     return Status(StatusCode::kInvalidArgument, "HMAC key shorter than 16 bytes");
   if (rank < 0 || static_cast<size_t>(rank) >= opt.addresses.size()) {

@@ -1,6 +1,8 @@
 #include "resilient/detect/core.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "resilient/common/config.hpp"
 
@@ -8,9 +10,27 @@ namespace resilient::detect {
 namespace {
 using std::chrono::milliseconds;
 
-Duration env_ms(const char* name, Duration fallback) {
-  return milliseconds(env_int(name, std::chrono::duration_cast<milliseconds>(fallback).count()));
+Status env_ms(const char* name, Duration* field) {
+  RESILIENT_ASSIGN_OR_RETURN(
+      int64_t ms, env_value<int64_t>(name, std::chrono::duration_cast<milliseconds>(*field).count(),
+                                     parse_int));
+  *field = milliseconds(ms);
+  return ok_status();
 }
+
+Status env_count(const char* name, int* field) {
+  RESILIENT_ASSIGN_OR_RETURN(int64_t v, env_value<int64_t>(name, *field, parse_int));
+  if (v < INT32_MIN || v > INT32_MAX) {
+    return Status(StatusCode::kInvalidArgument, std::string(name) + " out of range");
+  }
+  *field = static_cast<int>(v);
+  return ok_status();
+}
+
+Status invalid(const std::string& what) {
+  return Status(StatusCode::kInvalidArgument, "detector options: " + what);
+}
+
 }  // namespace
 
 const char* event_kind_name(Event::Kind k) {
@@ -31,26 +51,54 @@ const char* event_kind_name(Event::Kind k) {
   return "?";
 }
 
-CoreOptions CoreOptions::from_env(int32_t rank, int32_t world_size) {
+Result<CoreOptions> CoreOptions::from_env(int32_t rank, int32_t world_size) {
   CoreOptions o;
   o.rank = rank;
   o.world_size = world_size;
-  o.watch_count = static_cast<int>(env_int("RESILIENT_DETECT_WATCH_COUNT", o.watch_count));
-  o.heartbeat_interval = env_ms("RESILIENT_DETECT_HEARTBEAT_MS", o.heartbeat_interval);
-  o.phi_threshold = env_double("RESILIENT_DETECT_PHI_THRESHOLD", o.phi_threshold);
-  o.phi.acceptable_pause = env_ms("RESILIENT_DETECT_ACCEPTABLE_PAUSE_MS", o.phi.acceptable_pause);
-  o.phi.min_stddev = env_ms("RESILIENT_DETECT_MIN_STDDEV_MS", o.phi.min_stddev);
+  RESILIENT_RETURN_IF_ERROR(env_count("RESILIENT_DETECT_WATCH_COUNT", &o.watch_count));
+  RESILIENT_RETURN_IF_ERROR(env_ms("RESILIENT_DETECT_HEARTBEAT_MS", &o.heartbeat_interval));
+  RESILIENT_ASSIGN_OR_RETURN(
+      o.phi_threshold, env_value("RESILIENT_DETECT_PHI_THRESHOLD", o.phi_threshold, parse_double));
+  RESILIENT_RETURN_IF_ERROR(
+      env_ms("RESILIENT_DETECT_ACCEPTABLE_PAUSE_MS", &o.phi.acceptable_pause));
+  RESILIENT_RETURN_IF_ERROR(env_ms("RESILIENT_DETECT_MIN_STDDEV_MS", &o.phi.min_stddev));
   o.phi.first_interval = o.heartbeat_interval;
-  o.max_silence = env_ms("RESILIENT_DETECT_MAX_SILENCE_MS", o.max_silence);
-  o.refused_silence = env_ms("RESILIENT_DETECT_REFUSED_SILENCE_MS", 3 * o.heartbeat_interval);
-  o.freshness_window = env_ms("RESILIENT_DETECT_FRESHNESS_MS", o.freshness_window);
-  o.gossip_fanout = static_cast<int>(env_int("RESILIENT_DETECT_GOSSIP_FANOUT", o.gossip_fanout));
-  if (o.watch_count < 1 || o.heartbeat_interval <= Duration::zero() || o.gossip_fanout < 0 ||
-      o.freshness_window <= Duration::zero()) {
-    throw std::invalid_argument(
-        "RESILIENT_DETECT_*: watch count >= 1, heartbeat > 0, fanout >= 0, freshness > 0");
-  }
+  RESILIENT_RETURN_IF_ERROR(env_ms("RESILIENT_DETECT_MAX_SILENCE_MS", &o.max_silence));
+  o.refused_silence = 3 * o.heartbeat_interval;  // the default follows an overridden heartbeat
+  RESILIENT_RETURN_IF_ERROR(env_ms("RESILIENT_DETECT_REFUSED_SILENCE_MS", &o.refused_silence));
+  RESILIENT_RETURN_IF_ERROR(env_ms("RESILIENT_DETECT_FRESHNESS_MS", &o.freshness_window));
+  RESILIENT_RETURN_IF_ERROR(env_count("RESILIENT_DETECT_GOSSIP_FANOUT", &o.gossip_fanout));
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
+}
+
+Status CoreOptions::validate() const {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return invalid("rank " + std::to_string(rank) + " outside a world of " +
+                   std::to_string(world_size));
+  }
+  if (watch_count < 1) return invalid("watch_count (RESILIENT_DETECT_WATCH_COUNT) must be >= 1");
+  if (heartbeat_interval <= Duration::zero()) {
+    return invalid("heartbeat_interval (RESILIENT_DETECT_HEARTBEAT_MS) must be > 0");
+  }
+  if (!(phi_threshold > 0)) {
+    return invalid("phi_threshold (RESILIENT_DETECT_PHI_THRESHOLD) must be > 0");
+  }
+  if (max_silence <= Duration::zero()) {
+    return invalid("max_silence (RESILIENT_DETECT_MAX_SILENCE_MS) must be > 0");
+  }
+  if (refused_silence <= Duration::zero()) {
+    return invalid("refused_silence (RESILIENT_DETECT_REFUSED_SILENCE_MS) must be > 0");
+  }
+  if (freshness_window <= Duration::zero()) {
+    return invalid("freshness_window (RESILIENT_DETECT_FRESHNESS_MS) must be > 0");
+  }
+  if (report_ttl <= Duration::zero()) return invalid("report_ttl must be > 0");
+  if (gossip_fanout < 0) {
+    return invalid("gossip_fanout (RESILIENT_DETECT_GOSSIP_FANOUT) must be >= 0");
+  }
+  if (store_retry < Duration::zero()) return invalid("store_retry must be >= 0");
+  return ok_status();
 }
 
 DetectorCore::DetectorCore(CoreOptions opt, GenerationPtr initial, TimePoint now)

@@ -6,21 +6,45 @@
 
 namespace resilient::detect {
 namespace {
-Duration env_s(const char* name, Duration fallback) {
-  return from_seconds(env_double(name, to_seconds(fallback)));
+
+Status env_seconds(const char* name, Duration* field) {
+  RESILIENT_ASSIGN_OR_RETURN(double s, env_value(name, to_seconds(*field), parse_double));
+  *field = from_seconds(s);
+  return ok_status();
 }
+
+Status invalid(const std::string& what) {
+  return Status(StatusCode::kInvalidArgument, "watchdog options: " + what);
+}
+
 }  // namespace
 
-WatchdogOptions WatchdogOptions::from_env() {
+Result<WatchdogOptions> WatchdogOptions::from_env() {
   WatchdogOptions o;
-  o.safety_factor = env_double("RESILIENT_DETECT_HANG_SAFETY_FACTOR", o.safety_factor);
-  o.min_step_limit = env_s("RESILIENT_DETECT_HANG_MIN_STEP_S", o.min_step_limit);
-  o.step_limit_override = env_s("RESILIENT_DETECT_HANG_STEP_S", o.step_limit_override);
-  o.startup_limit = env_s("RESILIENT_DETECT_HANG_STARTUP_S", o.startup_limit);
-  o.section_limits["checkpoint"] =
-      env_s("RESILIENT_DETECT_HANG_CHECKPOINT_S", o.section_limits["checkpoint"]);
-  if (o.safety_factor < 1.0) throw std::invalid_argument("RESILIENT_DETECT_HANG_SAFETY_FACTOR < 1");
+  RESILIENT_ASSIGN_OR_RETURN(o.safety_factor, env_value("RESILIENT_DETECT_HANG_SAFETY_FACTOR",
+                                                        o.safety_factor, parse_double));
+  RESILIENT_RETURN_IF_ERROR(env_seconds("RESILIENT_DETECT_HANG_MIN_STEP_S", &o.min_step_limit));
+  RESILIENT_RETURN_IF_ERROR(env_seconds("RESILIENT_DETECT_HANG_STEP_S", &o.step_limit_override));
+  RESILIENT_RETURN_IF_ERROR(env_seconds("RESILIENT_DETECT_HANG_STARTUP_S", &o.startup_limit));
+  RESILIENT_RETURN_IF_ERROR(
+      env_seconds("RESILIENT_DETECT_HANG_CHECKPOINT_S", &o.section_limits["checkpoint"]));
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
+}
+
+Status WatchdogOptions::validate() const {
+  if (!(safety_factor >= 1.0)) {
+    return invalid("safety_factor (RESILIENT_DETECT_HANG_SAFETY_FACTOR) must be >= 1");
+  }
+  if (min_step_limit < Duration::zero()) return invalid("min_step_limit must be >= 0");
+  if (step_limit_override < Duration::zero()) return invalid("step_limit_override must be >= 0");
+  if (startup_limit < Duration::zero()) return invalid("startup_limit must be >= 0");
+  for (const auto& [name, limit] : section_limits) {
+    if (limit < Duration::zero()) return invalid("limit of section '" + name + "' must be >= 0");
+  }
+  if (warmup_steps < 0) return invalid("warmup_steps must be >= 0");
+  if (window < 1) return invalid("window must be >= 1");
+  return ok_status();
 }
 
 HangWatchdog::HangWatchdog(WatchdogOptions opt, TimePoint now)

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "resilient/common/config.hpp"
 
@@ -14,21 +15,26 @@ Status invalid(const std::string& what) {
 
 }  // namespace
 
-StragglerOptions StragglerOptions::from_env() {
+Result<StragglerOptions> StragglerOptions::from_env() {
   StragglerOptions o;
-  o.interval = env_int("RESILIENT_STRAGGLER_INTERVAL", o.interval);
-  o.slow_ratio = env_double("RESILIENT_STRAGGLER_SLOW_RATIO", o.slow_ratio);
-  o.z_threshold = env_double("RESILIENT_STRAGGLER_Z_THRESHOLD", o.z_threshold);
-  o.min_ratio = env_double("RESILIENT_STRAGGLER_MIN_RATIO", o.min_ratio);
-  o.mad_floor = env_double("RESILIENT_STRAGGLER_MAD_FLOOR", o.mad_floor);
-  o.min_step_fraction = env_double("RESILIENT_STRAGGLER_MIN_STEP_FRACTION", o.min_step_fraction);
-  o.min_ranks = env_int("RESILIENT_STRAGGLER_MIN_RANKS", o.min_ranks);
-  o.history_windows = env_int("RESILIENT_STRAGGLER_HISTORY", o.history_windows);
-  o.report_after = env_int("RESILIENT_STRAGGLER_REPORT_AFTER", o.report_after);
-  o.cusum.drift = env_double("RESILIENT_STRAGGLER_CUSUM_DRIFT", o.cusum.drift);
-  o.cusum.threshold = env_double("RESILIENT_STRAGGLER_CUSUM_THRESHOLD", o.cusum.threshold);
-  o.cusum.clip = env_double("RESILIENT_STRAGGLER_CUSUM_CLIP", o.cusum.clip);
-  o.cusum.cap = env_double("RESILIENT_STRAGGLER_CUSUM_CAP", o.cusum.cap);
+  for (auto [name, field] : {std::pair{"RESILIENT_STRAGGLER_INTERVAL", &o.interval},
+                             std::pair{"RESILIENT_STRAGGLER_MIN_RANKS", &o.min_ranks},
+                             std::pair{"RESILIENT_STRAGGLER_HISTORY", &o.history_windows},
+                             std::pair{"RESILIENT_STRAGGLER_REPORT_AFTER", &o.report_after}}) {
+    RESILIENT_ASSIGN_OR_RETURN(*field, env_value(name, *field, parse_int));
+  }
+  for (auto [name, field] :
+       {std::pair{"RESILIENT_STRAGGLER_SLOW_RATIO", &o.slow_ratio},
+        std::pair{"RESILIENT_STRAGGLER_Z_THRESHOLD", &o.z_threshold},
+        std::pair{"RESILIENT_STRAGGLER_MIN_RATIO", &o.min_ratio},
+        std::pair{"RESILIENT_STRAGGLER_MAD_FLOOR", &o.mad_floor},
+        std::pair{"RESILIENT_STRAGGLER_MIN_STEP_FRACTION", &o.min_step_fraction},
+        std::pair{"RESILIENT_STRAGGLER_CUSUM_DRIFT", &o.cusum.drift},
+        std::pair{"RESILIENT_STRAGGLER_CUSUM_THRESHOLD", &o.cusum.threshold},
+        std::pair{"RESILIENT_STRAGGLER_CUSUM_CLIP", &o.cusum.clip},
+        std::pair{"RESILIENT_STRAGGLER_CUSUM_CAP", &o.cusum.cap}}) {
+    RESILIENT_ASSIGN_OR_RETURN(*field, env_value(name, *field, parse_double));
+  }
   return o;
 }
 

@@ -44,9 +44,13 @@ struct CommOptions {
   /// RESILIENT_COMM_NAME: namespace of this communicator's store keys.
   std::string name = "default";
 
-  /// Defaults overridden by the RESILIENT_COMM_* variables; a malformed value throws
-  /// std::invalid_argument naming the variable.
-  static CommOptions from_env();
+  /// Defaults overridden by the RESILIENT_COMM_* variables, then validate()d.
+  /// Errors: kInvalidArgument naming a malformed variable or an out-of-range value.
+  static Result<CommOptions> from_env();
+
+  /// kInvalidArgument naming the first bad field (and its variable): every timeout must be
+  /// > 0, poll_interval >= 0, name non-empty.
+  Status validate() const;
 };
 
 }  // namespace resilient::comm

@@ -31,8 +31,21 @@ Result<bool> parse_bool(std::string_view text);
 /// The environment variable's value, or nullopt when unset or empty.
 std::optional<std::string> env_string(const char* name);
 
-// Each returns `fallback` when the variable is unset; a set but malformed value throws
-// std::invalid_argument naming the variable (a misconfigured job should not start silently).
+/// The variable `name` parsed by `parse` (one of the parse_* above), or `fallback` when it is
+/// unset or empty. Errors: kInvalidArgument naming the variable and its value (a misconfigured
+/// job should not start silently). Options structs' from_env() read through this.
+template <typename T>
+Result<T> env_value(const char* name, T fallback, Result<T> (*parse)(std::string_view)) {
+  auto text = env_string(name);
+  if (!text) return fallback;
+  Result<T> v = parse(*text);
+  if (!v.ok()) return Status(v.status()).prepend(std::string(name) + "='" + *text + "'");
+  return v;
+}
+
+// Throwing forms for code that cannot return a Status (static initialisers): each returns
+// `fallback` when the variable is unset; a set but malformed value throws std::invalid_argument
+// naming the variable.
 int64_t env_int(const char* name, int64_t fallback);
 double env_double(const char* name, double fallback);
 bool env_bool(const char* name, bool fallback);

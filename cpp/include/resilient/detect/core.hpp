@@ -56,9 +56,14 @@ struct CoreOptions {
   Duration store_retry = std::chrono::milliseconds(500);
   uint64_t seed = 1;
 
-  /// Defaults with RESILIENT_DETECT_* overrides applied. Throws std::invalid_argument on a
-  /// malformed variable.
-  static CoreOptions from_env(int32_t rank, int32_t world_size);
+  /// Defaults with RESILIENT_DETECT_* overrides applied, then validate()d.
+  /// Errors: kInvalidArgument naming a malformed variable or an out-of-range value.
+  static Result<CoreOptions> from_env(int32_t rank, int32_t world_size);
+
+  /// kInvalidArgument naming the first bad field: 0 <= rank < world_size, watch_count >= 1,
+  /// heartbeat_interval > 0, phi_threshold > 0, max_silence, refused_silence, freshness_window
+  /// and report_ttl > 0, gossip_fanout >= 0, store_retry >= 0.
+  Status validate() const;
 };
 
 struct Outgoing {

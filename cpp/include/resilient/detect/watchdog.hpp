@@ -12,6 +12,7 @@
 #include <string>
 
 #include "resilient/common/clock.hpp"
+#include "resilient/common/status.hpp"
 
 namespace resilient::detect {
 
@@ -26,8 +27,13 @@ struct WatchdogOptions {
   int warmup_steps = 2;
   size_t window = 50;
 
-  /// Defaults with RESILIENT_DETECT_HANG_* overrides. Throws std::invalid_argument if malformed.
-  static WatchdogOptions from_env();
+  /// Defaults with RESILIENT_DETECT_HANG_* overrides, then validate()d.
+  /// Errors: kInvalidArgument naming a malformed variable or an out-of-range value.
+  static Result<WatchdogOptions> from_env();
+
+  /// kInvalidArgument naming the first bad field: safety_factor >= 1, every limit >= 0
+  /// (step_limit_override 0 means learned), window >= 1, warmup_steps >= 0.
+  Status validate() const;
 };
 
 struct Hang {

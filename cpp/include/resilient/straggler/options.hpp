@@ -39,9 +39,10 @@ struct StragglerOptions {
   /// _CUSUM_CAP).
   CusumParams cusum;
 
-  /// Defaults overridden by the environment. Throws std::invalid_argument naming a malformed
-  /// variable (see common/config.hpp).
-  static StragglerOptions from_env();
+  /// Defaults overridden by the environment. Errors: kInvalidArgument naming a malformed
+  /// variable. Fields are checked together by validate(), which the detector calls at creation
+  /// (after the caller's own overrides).
+  static Result<StragglerOptions> from_env();
 
   /// kInvalidArgument naming the first inconsistent field (e.g. slow_ratio < min_ratio).
   Status validate() const;
