@@ -1,6 +1,6 @@
-// resilient._C.comm: the NCCL loader, the communicator manager and the Store interface (which
-// Python subclasses, e.g. to adapt a torch.distributed Store). Every native wait releases the
-// GIL; callbacks into Python (Store methods, the done query) take it back.
+// resilient._C.comm: the NCCL loader and the communicator manager, whose store is any store
+// as_store() accepts (a torch.distributed.Store, resilient._C.InMemoryStore). Every native wait
+// releases the GIL; callbacks into Python (the store, the done query) take it back.
 #include <cstring>
 
 #include <pybind11/functional.h>
@@ -9,6 +9,7 @@
 
 #include "errors.hpp"
 #include "register.hpp"
+#include "store.hpp"
 #include "resilient/comm/comm_manager.hpp"
 
 namespace resilient::py {
@@ -16,41 +17,6 @@ namespace pyb = pybind11;
 using namespace resilient::comm;
 
 namespace {
-
-/// A Store implemented in Python: set(key: str, value: bytes) and
-/// get(key: str, timeout_s: float) -> bytes (raising TimeoutError at the deadline).
-class PyStore : public Store {
- public:
-  Status set(const std::string& key, const std::string& value) override {
-    pyb::gil_scoped_acquire gil;
-    try {
-      pyb::function f = pyb::get_override(static_cast<const Store*>(this), "set");
-      if (!f) return Status(StatusCode::kInternal, "Store.set is not implemented");
-      f(key, pyb::bytes(value));
-      return ok_status();
-    } catch (pyb::error_already_set& e) {
-      return from_python("store set " + key, e);
-    }
-  }
-  Result<std::string> get(const std::string& key, Duration timeout) override {
-    pyb::gil_scoped_acquire gil;
-    try {
-      pyb::function f = pyb::get_override(static_cast<const Store*>(this), "get");
-      if (!f) return Status(StatusCode::kInternal, "Store.get is not implemented");
-      pyb::object v = f(key, to_seconds(timeout));
-      return std::string(pyb::bytes(v));
-    } catch (pyb::error_already_set& e) {
-      return from_python("store get " + key, e);
-    }
-  }
-
- private:
-  static Status from_python(const std::string& what, pyb::error_already_set& e) {
-    const bool timeout = e.matches(PyExc_TimeoutError);
-    return Status(timeout ? StatusCode::kTimeout : StatusCode::kUnavailable,
-                  what + ": " + e.what());
-  }
-};
 
 NcclDataType parse_dtype(const std::string& s) {
   static const std::pair<const char*, NcclDataType> kMap[] = {
@@ -168,19 +134,6 @@ void register_comm(pyb::module_& m) {
         return l.supports(parse_nccl_feature(f));
       });
 
-  pyb::class_<Store, PyStore, std::shared_ptr<Store>>(
-      s, "Store",
-      "Key/value store for unique ids: override set(key, value) and "
-      "get(key, timeout_s) -> bytes.")
-      .def(pyb::init<>());
-  pyb::class_<InMemoryStore, Store, std::shared_ptr<InMemoryStore>>(s, "InMemoryStore")
-      .def(pyb::init<>())
-      .def("set", [](InMemoryStore& st, const std::string& k,
-                     const pyb::bytes& v) { throw_if_error(st.set(k, std::string(v))); })
-      .def("get", [](InMemoryStore& st, const std::string& k, double timeout_s) {
-        return pyb::bytes(unwrap(without_gil([&] { return st.get(k, from_seconds(timeout_s)); })));
-      });
-
   pyb::class_<CommManager>(s, "CommManager", "One non-blocking NCCL communicator.")
       .def(pyb::init([](std::shared_ptr<NcclLibrary> lib, const CommOptions& o) {
              throw_if_error(o.validate());
@@ -201,9 +154,9 @@ void register_comm(pyb::module_& m) {
           pyb::arg("unique_id"), pyb::arg("nranks"), pyb::arg("rank"), pyb::arg("generation") = 0)
       .def(
           "init_from_store",
-          [](CommManager& c, Store& store, uint64_t gen, int nranks, int rank) {
-            throw_if_error(
-                without_gil([&] { return c.init_from_store(store, gen, nranks, rank); }));
+          [](CommManager& c, const pyb::object& store, uint64_t gen, int nranks, int rank) {
+            std::shared_ptr<Store> s = as_store(store);
+            throw_if_error(without_gil([&] { return c.init_from_store(*s, gen, nranks, rank); }));
           },
           pyb::arg("store"), pyb::arg("generation"), pyb::arg("nranks"), pyb::arg("rank"))
       .def(
@@ -252,14 +205,16 @@ void register_comm(pyb::module_& m) {
       .def("request_abort", &CommManager::request_abort)
       .def(
           "recover",
-          [](CommManager& c, uint64_t gen, std::vector<int> excluded, int new_size, Store* store) {
+          [](CommManager& c, uint64_t gen, std::vector<int> excluded, int new_size,
+             const pyb::object& store) {
+            std::shared_ptr<Store> s = store.is_none() ? nullptr : as_store(store);
             RecoveryReport r = unwrap(without_gil([&] {
-              return c.recover({gen, std::move(excluded), new_size}, store);
+              return c.recover({gen, std::move(excluded), new_size}, s.get());
             }));
             return report_dict(r);
           },
           pyb::arg("generation"), pyb::arg("excluded"), pyb::arg("new_size") = 0,
-          pyb::arg("store") = nullptr)
+          pyb::arg("store") = pyb::none())
       .def(
           "plan",
           [](const CommManager& c, bool joiners) {

@@ -4,6 +4,7 @@
 
 #include "errors.hpp"
 #include "register.hpp"
+#include "store.hpp"
 #include "resilient/common/config.hpp"
 #include "resilient/common/crash_report.hpp"
 #include "resilient/common/logging.hpp"
@@ -12,6 +13,7 @@ namespace resilient::py {
 namespace pyb = pybind11;
 
 void register_common(pyb::module_& m) {
+  register_store(m);
   m.def(
       "parse_bytes", [](const std::string& s) { return unwrap(parse_bytes(s)); },
       "Parses a size such as '16MiB' into bytes.");

@@ -1,10 +1,11 @@
-// resilient._C detect bindings: the native agent (threads, UDP, HMAC), the option structs, the
-// Store adapter over a Python store object (torch.distributed.TCPStore) and the simulator.
+// resilient._C detect bindings: the native agent (threads, UDP, HMAC), the option structs and
+// the simulator. The agent's store is any store as_store() accepts (torch.distributed.TCPStore).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "errors.hpp"
 #include "register.hpp"
+#include "store.hpp"
 #include "resilient/detect/agent.hpp"
 #include "resilient/detect/sim.hpp"
 
@@ -13,60 +14,6 @@ namespace pyb = pybind11;
 using namespace resilient::detect;
 
 namespace {
-
-/// A detect::Store over a Python object with compare_set/get/set/check (torch's Store API).
-/// Called from the agent's store thread, off the hot path: it takes the GIL only through a guard
-/// that refuses while the interpreter is finalizing.
-class PyStore final : public Store {
- public:
-  explicit PyStore(pyb::object obj) : obj_(std::move(obj)) {}
-  ~PyStore() override {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-      pyb::gil_scoped_acquire gil;
-      obj_ = pyb::object();
-    } else {
-      obj_.release();  // leak rather than touch a dying interpreter
-    }
-  }
-
-  Result<std::string> compare_set(const std::string& key, const std::string& expected,
-                                  const std::string& desired, Duration) override {
-    return call([&]() -> Result<std::string> {
-      return obj_.attr("compare_set")(key, pyb::bytes(expected), pyb::bytes(desired))
-          .cast<std::string>();
-    });
-  }
-  Result<std::string> get(const std::string& key, Duration) override {
-    return call([&]() -> Result<std::string> {
-      pyb::list keys;
-      keys.append(key);
-      if (!obj_.attr("check")(keys).cast<bool>()) return Status(StatusCode::kNotFound, key);
-      return obj_.attr("get")(key).cast<std::string>();
-    });
-  }
-  Status set(const std::string& key, const std::string& value, Duration) override {
-    auto r = call([&]() -> Result<std::string> {
-      obj_.attr("set")(key, pyb::bytes(value));
-      return std::string();
-    });
-    return r.status();
-  }
-
- private:
-  template <typename F>
-  Result<std::string> call(F&& f) {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) {
-      return Status(StatusCode::kUnavailable, "interpreter finalizing");
-    }
-    pyb::gil_scoped_acquire gil;
-    try {
-      return f();
-    } catch (pyb::error_already_set& e) {
-      return Status(StatusCode::kUnavailable, std::string("store: ") + e.what());
-    }
-  }
-  pyb::object obj_;
-};
 
 double secs(Duration d) { return to_seconds(d); }
 
@@ -201,7 +148,7 @@ void register_detect(pyb::module_& root) {
 
   pyb::class_<Agent>(m, "Agent")
       .def(pyb::init([](AgentOptions opt, pyb::object store) {
-             auto s = std::make_shared<PyStore>(std::move(store));
+             std::shared_ptr<Store> s = as_store(store);
              auto g0 = std::make_shared<const Generation>(Generation::initial(opt.core.world_size));
              return unwrap(Agent::create(std::move(opt), std::move(s), std::move(g0)));
            }),

@@ -10,6 +10,10 @@
 //   Cancelled        -> resilient.CancelledError
 //   ResourceExhausted-> resilient.ResourceExhaustedError
 //   others           -> resilient.ResilientError
+// Python exception -> Status map (an exception raised into native code by a store):
+//   TimeoutError, torch.distributed.DistStoreError -> Timeout
+//   KeyError                                       -> NotFound
+//   others                                         -> Unavailable
 #include "errors.hpp"
 
 #include <cerrno>
@@ -28,7 +32,33 @@ pyb::object error_class(const char* name) {
   throw pyb::error_already_set();
 }
 
+/// torch.distributed.DistStoreError when torch is already imported (never imports it).
+bool is_torch_store_error(const pyb::error_already_set& error) {
+  pyb::dict modules = pyb::module_::import("sys").attr("modules");
+  if (!modules.contains("torch.distributed")) return false;
+  pyb::object dist = modules["torch.distributed"];
+  return pyb::hasattr(dist, "DistStoreError") && error.matches(dist.attr("DistStoreError"));
+}
+
 }  // namespace
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+Status status_from_python(const pyb::error_already_set& error, const std::string& what) {
+  StatusCode code = StatusCode::kUnavailable;
+  if (error.matches(PyExc_TimeoutError) || is_torch_store_error(error)) {
+    code = StatusCode::kTimeout;
+  } else if (error.matches(PyExc_KeyError)) {
+    code = StatusCode::kNotFound;
+  }
+  return Status(code, what + ": " + error.what());
+}
 
 void throw_if_error(const Status& s) {
   if (s.ok()) return;

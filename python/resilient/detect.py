@@ -29,22 +29,13 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from resilient._C import detect as _native
+from resilient.store import StoreLike
 
 FailureCallback = Callable[[list, int], None]
 HangCallback = Callable[[int, str], None]
-
-
-class StoreLike(Protocol):
-    """The subset of ``torch.distributed.Store`` the detector uses."""
-
-    def set(self, key: str, value: bytes | str) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes: ...
-    def check(self, keys: list) -> bool: ...
-    def wait(self, keys: list, timeout: Any = ...) -> None: ...
 
 
 def launcher_run_id() -> str | None:

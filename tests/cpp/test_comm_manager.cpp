@@ -104,7 +104,7 @@ TEST_F(CommManagerTest, InitFromStoreTimesOutWithoutRankZero) {
 }
 
 TEST_F(CommManagerTest, InitFromStoreRejectsMalformedId) {
-  ASSERT_TRUE(store_.set("resilient/comm/default/gen0/nccl_id", "short").ok());
+  ASSERT_TRUE(store_.set("resilient/comm/default/gen0/nccl_id", "short", 1s).ok());
   auto m = make();
   EXPECT_EQ(m->init_from_store(store_, 0, 2, 1).code(), StatusCode::kCorrupt);
 }

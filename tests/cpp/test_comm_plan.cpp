@@ -1,11 +1,9 @@
-// Pure recovery decisions, options parsing and the in-memory store.
+// Pure recovery decisions and options parsing.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <thread>
 
 #include "resilient/comm/recovery_plan.hpp"
-#include "resilient/comm/store.hpp"
 
 namespace resilient::comm {
 namespace {
@@ -103,20 +101,6 @@ TEST(CommOptions, ValidateNamesTheBadField) {
   o = CommOptions{};
   o.name.clear();
   EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
-}
-
-TEST(InMemoryStore, GetWaitsForSetAndTimesOut) {
-  InMemoryStore store;
-  EXPECT_EQ(store.get("k", 10ms).status().code(), StatusCode::kTimeout);
-  std::thread setter([&] {
-    std::this_thread::sleep_for(20ms);
-    EXPECT_TRUE(store.set("k", std::string("a\0b", 3)).ok());
-  });
-  auto v = store.get("k", 5s);
-  setter.join();
-  ASSERT_TRUE(v.ok());
-  EXPECT_EQ(*v, std::string("a\0b", 3));
-  EXPECT_EQ(store.size(), 1u);
 }
 
 }  // namespace

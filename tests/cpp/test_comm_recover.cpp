@@ -106,7 +106,8 @@ TEST_F(CommRecoverTest, OldNcclAbortsAndReinitsThroughStore) {
   fail(*m);
   // The new rank 0 (old rank 0) published its id for generation 1.
   ASSERT_TRUE(
-      store_.set("resilient/comm/default/gen1/nccl_id", std::string("gen1-id").append(121, '\0'))
+      store_
+          .set("resilient/comm/default/gen1/nccl_id", std::string("gen1-id").append(121, '\0'), 1s)
           .ok());
   auto report = m->recover({.generation = 1, .excluded = {2}}, &store_);
   ASSERT_TRUE(report.ok()) << report.status().to_string();

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from resilient import UnavailableError
-from resilient.comm import CommManager, CommOptions, InMemoryStore, Store, load_nccl
-from resilient.comm.native import NcclLibrary, TorchStoreAdapter, torch_nccl_dir
+from resilient.comm import CommManager, CommOptions, InMemoryStore, load_nccl
+from resilient.comm.native import NcclLibrary, torch_nccl_dir
+from resilient.store import as_store
 
 
 def _nccl():
@@ -56,8 +57,12 @@ def test_in_memory_store_times_out() -> None:
     s = InMemoryStore()
     with pytest.raises(TimeoutError):
         s.get("k", 0.01)
+    with pytest.raises(KeyError):
+        s.get("k", 1.0, wait=False)
     s.set("k", b"\x00v")
     assert s.get("k", 0.01) == b"\x00v"
+    assert s.compare_set("k", b"\x00v", b"w") == b"w"
+    assert len(s) == 1
 
 
 def test_real_nccl_loads_and_gates_features() -> None:
@@ -73,37 +78,39 @@ def test_real_nccl_loads_and_gates_features() -> None:
     assert m.plan() == ("none", "reinit")  # nothing to tear down before the first init
 
 
+class DictStore:
+    """A Python store with torch.distributed.Store's methods; wait() never sees a key appear."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list) -> bool:
+        return all(k in self.data for k in keys)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        if self.data.get(key, b"") == expected:
+            self.data[key] = desired
+        return self.data.get(key, expected)
+
+    def wait(self, keys: list, timeout: object = None) -> None:
+        if not self.check(keys):
+            raise TimeoutError(keys)
+
+
 def test_python_store_timeout_reaches_init_from_store() -> None:
-    """A Store implemented in Python: its TimeoutError becomes the manager's Timeout."""
+    """A store implemented in Python: its TimeoutError becomes the manager's Timeout."""
     lib = _nccl()
-
-    class DictStore(Store):
-        def __init__(self) -> None:
-            super().__init__()
-            self.data: dict[str, bytes] = {}
-
-        def set(self, key: str, value: bytes) -> None:
-            self.data[key] = value
-
-        def get(self, key: str, timeout_s: float) -> bytes:
-            if key not in self.data:
-                raise TimeoutError(key)
-            return self.data[key]
-
     o = CommOptions()
     o.store_timeout_s = 0.05
     m = CommManager(lib, o)
     with pytest.raises(TimeoutError, match="gen3/nccl_id"):
         m.init_from_store(DictStore(), 3, 2, 1)
-
-
-def test_torch_store_adapter_round_trip_and_timeout() -> None:
-    dist = pytest.importorskip("torch.distributed")
-    adapter = TorchStoreAdapter(dist.HashStore())
-    adapter.set("a", b"\x01\x02")
-    assert adapter.get("a", 1.0) == b"\x01\x02"
-    with pytest.raises(TimeoutError):
-        adapter.get("missing", 0.05)
 
 
 def test_options_are_validated_before_use() -> None:
@@ -114,3 +121,26 @@ def test_options_are_validated_before_use() -> None:
         o.validate()
     with pytest.raises(ValueError, match="name"):
         CommManager(lib, o)
+
+
+def test_torch_store_through_the_native_adapter() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    s = as_store(dist.HashStore())
+    s.set("a", b"\x01\x02")
+    assert s.get("a", 1.0) == b"\x01\x02"
+    with pytest.raises(TimeoutError):
+        s.get("missing", 0.05)
+    with pytest.raises(KeyError):
+        s.get("missing", 1.0, wait=False)
+    assert s.compare_set("c", b"", b"first") == b"first"
+    assert s.compare_set("c", b"", b"second") == b"first"
+    with pytest.raises(KeyError):  # an absent key with an expected value is left absent
+        s.compare_set("d", b"x", b"y")
+
+
+def test_native_store_passes_through_the_adapter() -> None:
+    s = InMemoryStore()
+    assert as_store(s) is s
+    no_wait = type("NoWait", (), {"set": 1, "get": 1, "compare_set": 1, "check": 1})
+    with pytest.raises(TypeError, match="wait"):
+        as_store(no_wait())

@@ -160,9 +160,11 @@ Status CommManager::init_from_store(Store& store, uint64_t generation, int nrank
   const std::string key = id_key(generation);
   if (rank == 0) {
     RESILIENT_ASSIGN_OR_RETURN(id, new_unique_id());
-    RESILIENT_RETURN_IF_ERROR(store.set(key, std::string(id.internal, sizeof(id.internal))));
+    RESILIENT_RETURN_IF_ERROR(
+        store.set(key, std::string(id.internal, sizeof(id.internal)), options_.store_timeout));
   } else {
-    RESILIENT_ASSIGN_OR_RETURN(std::string bytes, store.get(key, options_.store_timeout));
+    RESILIENT_ASSIGN_OR_RETURN(std::string bytes,
+                               store.get(key, options_.store_timeout, IfAbsent::kWait));
     if (bytes.size() != sizeof(id.internal)) {
       return Status(StatusCode::kCorrupt, "store key " + key + " holds " +
                                               std::to_string(bytes.size()) +

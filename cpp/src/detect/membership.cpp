@@ -139,48 +139,6 @@ std::vector<int32_t> ring_predecessors(const std::vector<int32_t>& live, int32_t
   return out;
 }
 
-Result<std::string> InMemoryStore::compare_set(const std::string& key, const std::string& expected,
-                                               const std::string& desired, Duration) {
-  std::lock_guard lock(mu_);
-  ++calls_;
-  if (unavailable_) return Status(StatusCode::kUnavailable, "store unavailable");
-  auto it = kv_.find(key);
-  if (it == kv_.end()) {
-    if (!expected.empty()) return expected;  // same answer torch's TCPStore gives
-    kv_[key] = desired;
-    return desired;
-  }
-  if (it->second == expected) it->second = desired;
-  return it->second;
-}
-
-Result<std::string> InMemoryStore::get(const std::string& key, Duration) {
-  std::lock_guard lock(mu_);
-  ++calls_;
-  if (unavailable_) return Status(StatusCode::kUnavailable, "store unavailable");
-  auto it = kv_.find(key);
-  if (it == kv_.end()) return Status(StatusCode::kNotFound, "no key " + key);
-  return it->second;
-}
-
-Status InMemoryStore::set(const std::string& key, const std::string& value, Duration) {
-  std::lock_guard lock(mu_);
-  ++calls_;
-  if (unavailable_) return Status(StatusCode::kUnavailable, "store unavailable");
-  kv_[key] = value;
-  return ok_status();
-}
-
-void InMemoryStore::set_unavailable(bool v) {
-  std::lock_guard lock(mu_);
-  unavailable_ = v;
-}
-
-size_t InMemoryStore::calls() const {
-  std::lock_guard lock(mu_);
-  return calls_;
-}
-
 std::string generation_key(const std::string& prefix, uint64_t g) {
   return prefix + "/gen/" + std::to_string(g);
 }
@@ -198,7 +156,8 @@ Result<Generation> decide_generation(Store& store, const std::string& prefix,
 
 Result<Generation> read_generation(Store& store, const std::string& prefix, uint64_t g,
                                    Duration timeout) {
-  RESILIENT_ASSIGN_OR_RETURN(std::string value, store.get(generation_key(prefix, g), timeout));
+  RESILIENT_ASSIGN_OR_RETURN(std::string value,
+                             store.get(generation_key(prefix, g), timeout, IfAbsent::kFail));
   RESILIENT_ASSIGN_OR_RETURN(Generation out, Generation::parse(value));
   if (out.number != g) return corrupt("number mismatch at " + std::to_string(g));
   return out;

@@ -16,7 +16,6 @@ from resilient.comm.native import (
     InMemoryStore,
     NcclLibrary,
     Store,
-    TorchStoreAdapter,
     load_nccl,
     torch_nccl_dir,
 )
@@ -52,7 +51,6 @@ __all__ = [
     "RebuildResult",
     "RebuildTimings",
     "Store",
-    "TorchStoreAdapter",
     "abort_process_group",
     "generation_store",
     "join_process_group",

@@ -7,19 +7,16 @@ NCCL is loaded at run time with dlopen. In a PyTorch process, load the NCCL that
 from __future__ import annotations
 
 import importlib.util
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from resilient import settings
 from resilient._C import comm as _comm
 from resilient.comm.nccl_env import prepare_nccl_env
+from resilient.store import InMemoryStore, Store
 
 CommManager = _comm.CommManager
 CommOptions = _comm.CommOptions
-InMemoryStore = _comm.InMemoryStore
 NcclLibrary = _comm.NcclLibrary
-Store = _comm.Store
 
 __all__ = [
     "CommManager",
@@ -27,7 +24,6 @@ __all__ = [
     "InMemoryStore",
     "NcclLibrary",
     "Store",
-    "TorchStoreAdapter",
     "load_nccl",
     "torch_nccl_dir",
 ]
@@ -63,30 +59,3 @@ def load_nccl(path: str | None = None, *, search_system: bool = True) -> NcclLib
     chosen = path or settings.get("RESILIENT_NCCL_PATH") or torch_nccl_dir() or ""
     enabled = settings.get("RESILIENT_NCCL")
     return NcclLibrary.load(chosen, search_system, enabled)
-
-
-class TorchStoreAdapter(Store):
-    """Adapts a ``torch.distributed.Store`` (TCPStore, PrefixStore, ...) to the native Store.
-
-    Args:
-        store: the torch store; keys are used as given (wrap it in a PrefixStore to namespace).
-    """
-
-    def __init__(self, store: Any) -> None:
-        super().__init__()
-        self._store = store
-
-    def set(self, key: str, value: bytes) -> None:
-        """Sets ``key`` to ``value``."""
-        self._store.set(key, value)
-
-    def get(self, key: str, timeout_s: float) -> bytes:
-        """Returns ``key``'s value, waiting up to ``timeout_s``; raises TimeoutError."""
-        try:
-            self._store.wait([key], timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # torch reports a store wait timeout as a RuntimeError
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                raise TimeoutError(f"store key {key!r}: {exc}") from exc
-            raise
-        value = self._store.get(key)
-        return bytes(value)

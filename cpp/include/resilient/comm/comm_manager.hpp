@@ -13,7 +13,7 @@
 #include "resilient/comm/nccl_api.hpp"
 #include "resilient/comm/options.hpp"
 #include "resilient/comm/recovery_plan.hpp"
-#include "resilient/comm/store.hpp"
+#include "resilient/common/store.hpp"
 #include "resilient/common/clock.hpp"
 #include "resilient/common/status.hpp"
 

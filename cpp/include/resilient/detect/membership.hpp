@@ -14,15 +14,13 @@
 // point of failure left (until an etcd backend exists); it must run outside the training ranks.
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <condition_variable>
 #include <string>
 #include <vector>
 
 #include "resilient/common/clock.hpp"
 #include "resilient/common/status.hpp"
+#include "resilient/common/store.hpp"
 #include "resilient/detect/wire.hpp"
 
 namespace resilient::detect {
@@ -49,38 +47,6 @@ std::vector<int32_t> ring_successors(const std::vector<int32_t>& live, int32_t r
 /// The `count` live ranks before `rank` on the ring.
 std::vector<int32_t> ring_predecessors(const std::vector<int32_t>& live, int32_t rank, int count);
 
-/// The job's key-value store (torch.distributed TCPStore today, etcd later).
-/// Implementations are thread-safe; every call is bounded by `timeout`.
-class Store {
- public:
-  virtual ~Store() = default;
-  /// Atomically: if `key` is absent and `expected` is empty, or its value equals `expected`,
-  /// set it to `desired`. Returns the value after the call. Errors: kTimeout, kUnavailable.
-  virtual Result<std::string> compare_set(const std::string& key, const std::string& expected,
-                                          const std::string& desired, Duration timeout) = 0;
-  /// The value, or kNotFound if absent (does not wait). Errors: kTimeout, kUnavailable.
-  virtual Result<std::string> get(const std::string& key, Duration timeout) = 0;
-  virtual Status set(const std::string& key, const std::string& value, Duration timeout) = 0;
-};
-
-/// A process-local Store for tests and the simulator. `fail_` switch models an unreachable store.
-class InMemoryStore final : public Store {
- public:
-  Result<std::string> compare_set(const std::string& key, const std::string& expected,
-                                  const std::string& desired, Duration timeout) override;
-  Result<std::string> get(const std::string& key, Duration timeout) override;
-  Status set(const std::string& key, const std::string& value, Duration timeout) override;
-  /// While true every call fails with kUnavailable.
-  void set_unavailable(bool v);
-  size_t calls() const;
-
- private:
-  mutable std::mutex mu_;
-  std::map<std::string, std::string> kv_;
-  bool unavailable_ = false;
-  size_t calls_ = 0;
-};
-
 /// Key of generation `g` under `prefix`.
 std::string generation_key(const std::string& prefix, uint64_t g);
 
@@ -89,7 +55,8 @@ std::string generation_key(const std::string& prefix, uint64_t g);
 Result<Generation> decide_generation(Store& store, const std::string& prefix,
                                      const Generation& proposal, Duration timeout);
 
-/// Reads generation `g`. Errors: kNotFound if not decided yet, kCorrupt, the store's.
+/// Reads generation `g` (without waiting for it). Errors: kNotFound if not decided yet, kCorrupt,
+/// the store's.
 Result<Generation> read_generation(Store& store, const std::string& prefix, uint64_t g,
                                    Duration timeout);
 
