@@ -10,6 +10,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "checkpoint/detail/read_plan.hpp"
 #include "resilient/checkpoint/persist.hpp"
 #include "resilient/common/thread_pool.hpp"
 #include "resilient/io/file.hpp"
@@ -99,33 +100,6 @@ class DeviceWriter {
   std::vector<memory::EventHandle> pending_[2];
 };
 
-struct Extent {
-  uint32_t shard;
-  uint64_t begin;      // aligned file offset
-  uint64_t end;        // aligned
-  size_t first, last;  // pieces [first, last)
-};
-
-std::vector<Extent> coalesce(const std::vector<Piece>& pieces, uint64_t max_bytes) {
-  std::vector<Extent> out;
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const auto& p = pieces[i];
-    uint64_t b = p.chunk.offset / io::kDirectAlignment * io::kDirectAlignment;
-    uint64_t e = io::align_up(p.chunk.offset + p.chunk.len);
-    if (!out.empty()) {
-      Extent& x = out.back();
-      if (x.shard == p.shard && b >= x.begin && b <= x.end &&
-          std::max(e, x.end) - x.begin <= max_bytes) {
-        x.end = std::max(e, x.end);
-        x.last = i + 1;
-        continue;
-      }
-    }
-    out.push_back(Extent{p.shard, b, e, i, i + 1});
-  }
-  return out;
-}
-
 Status decode(const Piece& p, const std::byte* stored, const std::string& path,
               DeviceWriter& device, int buf, std::vector<std::byte>& scratch) {
   if (checksum(stored, p.chunk.len) != p.chunk.xxh3) {
@@ -160,7 +134,7 @@ Status decode(const Piece& p, const std::byte* stored, const std::string& path,
   return ok_status();
 }
 
-Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Piece> pieces,
+Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vector<Piece>& pieces,
                   const RestoreOptions& o, memory::HostPool& pool) {
   // Open each needed shard once and check the manifest's extents against the real sizes. The
   // step directory and the shards are opened without following links (a step directory
@@ -190,42 +164,24 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     if (!files[s].is_open()) continue;
     RESILIENT_ASSIGN_OR_RETURN(sizes[s], files[s].size());
   }
-  for (const auto& p : pieces) {
-    if (p.chunk.offset + p.chunk.len > sizes[p.shard] ||
-        io::align_up(p.chunk.offset + p.chunk.len) > io::align_up(sizes[p.shard])) {
-      Status s(StatusCode::kCorrupt,
-               "tensor '" + *p.tensor + "' extends past the end of its data file (truncated)");
-      s.with_path(paths[p.shard]).with_offset(p.chunk.offset);
-      return s;
-    }
+  std::vector<detail::ChunkLocation> chunks;
+  chunks.reserve(pieces.size());
+  for (const auto& p : pieces) chunks.push_back({p.shard, p.chunk.offset, p.chunk.len});
+  if (auto bad = detail::find_chunk_past_end(chunks, sizes)) {
+    const Piece& p = pieces[*bad];
+    Status s(StatusCode::kCorrupt,
+             "tensor '" + *p.tensor + "' extends past the end of its data file (truncated)");
+    s.with_path(paths[p.shard]).with_offset(p.chunk.offset);
+    return s;
   }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
-    return a.shard != b.shard ? a.shard < b.shard : a.chunk.offset < b.chunk.offset;
-  });
-  const auto extents = coalesce(pieces, pool.slab_bytes());
-  // Consecutive extents of one shard are read by one call, enough of them to keep the I/O
-  // engine's queue full (queue_depth x request_bytes): each read then streams like one
-  // sequential reader instead of stopping for every extent.
-  // Each thread holds two sets of per_read slabs (one while the other's copies drain); together
-  // they stay within the pool's budget, or threads holding some slabs could wait for each
-  // other's until the timeout. A one-slab budget gets one thread with one set.
-  const uint64_t budget_slabs = std::max<uint64_t>(1, pool.budget_bytes() / pool.slab_bytes());
-  const int sets = budget_slabs >= 2 ? 2 : 1;
-  const size_t nthreads_max = std::clamp<uint64_t>(budget_slabs / 2, 1, std::max(o.threads, 1));
-  // Never so many per read that threads go without work (checksums and zstd run per thread).
-  const uint64_t spread = (extents.size() + nthreads_max - 1) / nthreads_max;
-  const size_t per_read = std::clamp<uint64_t>(
-      (static_cast<uint64_t>(o.io.queue_depth) * o.io.request_bytes) / pool.slab_bytes(), 1,
-      std::max<uint64_t>(1, std::min(spread, budget_slabs / (sets * nthreads_max))));
-  std::vector<std::pair<size_t, size_t>> groups;  // extents [first, last)
-  for (size_t i = 0; i < extents.size(); ++i) {
-    if (!groups.empty() && groups.back().second - groups.back().first < per_read &&
-        extents[groups.back().first].shard == extents[i].shard) {
-      groups.back().second = i + 1;
-    } else {
-      groups.emplace_back(i, i + 1);
-    }
-  }
+  // What to read, in which groups, by how many threads (detail/read_plan.hpp); the reader
+  // threads below execute the plan.
+  const detail::ReadPlan plan =
+      detail::plan_reads(chunks, {.slab_bytes = pool.slab_bytes(),
+                                  .budget_bytes = pool.budget_bytes(),
+                                  .threads = o.threads,
+                                  .queue_depth = static_cast<uint64_t>(o.io.queue_depth),
+                                  .request_bytes = o.io.request_bytes});
   const TimePoint deadline = SteadyClock::instance().now() + o.timeout;
 
   std::atomic<size_t> next{0};
@@ -243,21 +199,22 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     auto engine = io::IoEngine::create(o.io);
     if (!engine.ok()) return fail(engine.status());
     // The buffers outlive the writer, whose destructor waits for the copies out of them.
-    std::vector<memory::Slab> slabs[2] = {std::vector<memory::Slab>(per_read),
-                                          std::vector<memory::Slab>(per_read)};
+    std::vector<memory::Slab> slabs[2] = {std::vector<memory::Slab>(plan.slabs_per_read),
+                                          std::vector<memory::Slab>(plan.slabs_per_read)};
     using Heap = std::unique_ptr<std::byte, decltype(&std::free)>;
     std::vector<Heap> big;  // chunks larger than this pool's slabs (written with another slab size)
     DeviceWriter device(o.cuda);
     std::vector<std::byte> scratch;
     std::vector<io::IoRequest> reqs;
     int cur = 0;
-    for (size_t g; !failed && (g = next.fetch_add(1)) < groups.size(); cur = (cur + 1) % sets) {
-      const auto [first, last] = groups[g];
+    for (size_t g; !failed && (g = next.fetch_add(1)) < plan.groups.size();
+         cur = (cur + 1) % plan.slab_sets) {
+      const auto [first, last] = plan.groups[g];
       if (Status r = device.reuse(cur); !r.ok()) return fail(r);
       reqs.clear();
       big.clear();
       for (size_t k = first; k < last; ++k) {
-        const uint64_t n = extents[k].end - extents[k].begin;
+        const uint64_t n = plan.extents[k].len;
         memory::Slab& slab = slabs[cur][k - first];
         if (n <= pool.slab_bytes()) {
           if (!slab) {
@@ -266,7 +223,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
             if (!s.ok()) return fail(Status(s.status()).prepend("waiting for host buffers"));
             slab = std::move(s).value();
           }
-          reqs.push_back(io::IoRequest{slab.data(), n, extents[k].begin});
+          reqs.push_back(io::IoRequest{slab.data(), n, plan.extents[k].offset});
         } else {
           void* p = nullptr;
           if (posix_memalign(&p, io::kDirectAlignment, n) != 0) {
@@ -274,20 +231,21 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
                 Status(StatusCode::kResourceExhausted, "out of memory reading a large chunk"));
           }
           big.emplace_back(static_cast<std::byte*>(p), &std::free);
-          reqs.push_back(io::IoRequest{p, n, extents[k].begin});
+          reqs.push_back(io::IoRequest{p, n, plan.extents[k].offset});
         }
       }
       Duration left = deadline - SteadyClock::instance().now();
       if (left <= Duration::zero()) return fail(Status(StatusCode::kTimeout, "restore timed out"));
-      const uint32_t shard = extents[first].shard;
+      const uint32_t shard = plan.extents[first].shard;
       Status r = (*engine)->read(files[shard], reqs, left);
       if (!r.ok()) return fail(r);
       for (size_t k = first; k < last; ++k) {
-        const Extent& x = extents[k];
+        const detail::Extent& x = plan.extents[k];
         auto* buf = static_cast<std::byte*>(reqs[k - first].buf);
         for (size_t i = x.first; i < x.last; ++i) {
-          Status d = decode(pieces[i], buf + (pieces[i].chunk.offset - x.begin), paths[shard],
-                            device, cur, scratch);
+          const Piece& p = pieces[plan.order[i]];
+          Status d =
+              decode(p, buf + (p.chunk.offset - x.offset), paths[shard], device, cur, scratch);
           if (!d.ok()) return fail(d);
         }
       }
@@ -297,9 +255,8 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, std::vector<Pi
     }
     if (Status d = device.drain(); !d.ok()) fail(d);
   };
-  size_t nthreads = std::clamp<size_t>(groups.size(), 1, nthreads_max);
   std::vector<std::thread> threads;
-  for (size_t t = 1; t < nthreads; ++t) {
+  for (size_t t = 1; t < plan.threads; ++t) {
     threads.emplace_back([&worker] {
       set_thread_name("rs-restore");
       worker();
@@ -345,7 +302,7 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
       raw_off += c.raw;
     }
   }
-  return run_pieces(step_dir, m, std::move(pieces), o, pool);
+  return run_pieces(step_dir, m, pieces, o, pool);
 }
 
 Status verify_step(const std::string& step_dir, const Manifest& m, const RestoreOptions& o,
@@ -354,7 +311,7 @@ Status verify_step(const std::string& step_dir, const Manifest& m, const Restore
   for (const auto& e : m.tensors) {
     for (const auto& c : e.chunks) pieces.push_back(Piece{e.shard, c, nullptr, &e.name});
   }
-  return run_pieces(step_dir, m, std::move(pieces), o, pool);
+  return run_pieces(step_dir, m, pieces, o, pool);
 }
 
 }  // namespace resilient::checkpoint

@@ -1,0 +1,74 @@
+#pragma once
+// Restore's read planning, as pure functions: which aligned byte ranges of which shard files to
+// read, which stored chunks each range holds, how the ranges are grouped into engine calls, and
+// how many reader threads and host slabs run them. restore.cpp executes the plan.
+//
+// Why the shapes: data files may be opened O_DIRECT, so every read starts and ends on a
+// kDirectAlignment boundary. Chunks of one shard that lie together are read as one range (an
+// "extent") as long as it fits a pool slab, so small tensors cost one read, not one each.
+// Consecutive extents of one shard are issued by one engine call, enough of them to fill the
+// engine's queue (queue_depth x request_bytes), so each call streams like one sequential reader.
+// Each reader thread holds two sets of slabs (one being read into while the other's copies to the
+// device drain); all threads' slabs together stay within the pool's budget, or threads holding
+// some slabs could wait for each other's until the timeout.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace resilient::checkpoint::detail {
+
+/// Where one stored chunk lies: a byte range of one shard's data file.
+struct ChunkLocation {
+  uint32_t shard = 0;
+  uint64_t offset = 0;
+  uint64_t len = 0;
+};
+
+/// One aligned read: bytes [offset, offset + len) of `shard`, holding the chunks
+/// order[first, last) of the plan (each at buffer offset chunk.offset - offset).
+struct Extent {
+  uint32_t shard = 0;
+  uint64_t offset = 0;  ///< a multiple of kDirectAlignment
+  uint64_t len = 0;     ///< a multiple of kDirectAlignment
+  size_t first = 0, last = 0;
+};
+
+/// What bounds a plan: the host pool's slab and budget sizes, the restore's reader threads and
+/// the I/O engine's queue.
+struct ReadLimits {
+  uint64_t slab_bytes = 0;     ///< > 0, a multiple of kDirectAlignment
+  uint64_t budget_bytes = 0;   ///< the pool's budget; below one slab counts as one slab
+  int threads = 1;             ///< reader threads wanted (< 1 counts as 1)
+  uint64_t queue_depth = 1;    ///< I/O engine queue depth
+  uint64_t request_bytes = 0;  ///< I/O engine request size
+};
+
+struct ReadPlan {
+  /// Indices into the chunk list, sorted by (shard, offset).
+  std::vector<size_t> order;
+  /// Extents in order; each covers its chunks, no two share a chunk.
+  std::vector<Extent> extents;
+  /// Extents [first, last) read by one engine call: consecutive extents of one shard, at most
+  /// slabs_per_read of them.
+  std::vector<std::pair<size_t, size_t>> groups;
+  size_t threads = 1;         ///< reader threads to run (<= groups, >= 1)
+  int slab_sets = 1;          ///< sets of slabs each thread alternates between (1 or 2)
+  size_t slabs_per_read = 1;  ///< slabs in one set: the most extents in one group
+};
+
+/// The first chunk (index into `chunks`) that does not lie within its file: its end past the
+/// file's size, or its aligned end past the file's aligned size. nullopt when all fit (the
+/// precondition of plan_reads). `file_sizes` is indexed by shard.
+std::optional<size_t> find_chunk_past_end(std::span<const ChunkLocation> chunks,
+                                          std::span<const uint64_t> file_sizes);
+
+/// The plan for reading `chunks` within `limits`. Every chunk is read by exactly one extent;
+/// an extent longer than a slab holds exactly one chunk (the reader gives it a buffer of its
+/// own). No extent ends past its file's aligned size when find_chunk_past_end() found none.
+/// Pure: no I/O, no clock.
+ReadPlan plan_reads(std::span<const ChunkLocation> chunks, const ReadLimits& limits);
+
+}  // namespace resilient::checkpoint::detail
