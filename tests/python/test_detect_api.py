@@ -280,3 +280,18 @@ def test_pings_from_elsewhere_or_replayed_get_no_answer():
     finally:
         for d in dets:
             d.stop()
+
+
+def test_a_bad_detector_setting_is_a_value_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENT_DETECT_HEARTBEAT_MS", "0")
+    with pytest.raises(ValueError, match="RESILIENT_DETECT_HEARTBEAT_MS"):
+        native.CoreOptions.from_env(0, 2)
+    monkeypatch.delenv("RESILIENT_DETECT_HEARTBEAT_MS")
+    monkeypatch.setenv("RESILIENT_DETECT_HANG_SAFETY_FACTOR", "lots")
+    with pytest.raises(ValueError, match="RESILIENT_DETECT_HANG_SAFETY_FACTOR='lots'"):
+        native.WatchdogOptions.from_env()
+    monkeypatch.delenv("RESILIENT_DETECT_HANG_SAFETY_FACTOR")
+    core = native.CoreOptions.from_env(0, 2)
+    core.watch_count = 0
+    with pytest.raises(ValueError, match="watch_count"):
+        core.validate()
