@@ -303,6 +303,35 @@ def test_async_save_through_the_stager_is_correct_and_reuses_its_buffers(tmp_pat
             assert torch.equal(got[k], saved[step][k]), (step, k)
 
 
+def test_overlapping_async_saves_of_one_writer_commit_distinct_steps(tmp_path):
+    """A second async_save planned while the first is still committing (nobody waited for its
+    future) takes the next step, and each commit is its own save's."""
+    from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
+
+    class Slow(ResilientStorageWriter):
+        def finish(self, metadata, results):
+            time.sleep(1.0)
+            super().finish(metadata, results)
+
+    root = str(tmp_path / "o")
+    writer = Slow(root)
+    first = {"w": torch.full((64,), 1.0), "n": 1}
+    second = {"w": torch.full((64,), 2.0), "n": 2}
+    futures = [dcp.async_save(state, storage_writer=writer, async_stager=ResilientStager())
+               for state in (first, second)]
+    for f in futures:
+        f.result()
+    writer.close()
+    for step, state in enumerate((first, second)):
+        got = {"w": torch.zeros(64), "n": 0}
+        dcp.load(got, storage_reader=ResilientStorageReader(f"{root}/step-{step}"))
+        assert torch.equal(got["w"], state["w"]) and got["n"] == state["n"], step
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+    newest = {"w": torch.zeros(64), "n": 0}  # commits in planning order: step 1 is the head
+    dcp.load(newest, storage_reader=ResilientStorageReader(root))
+    assert newest["n"] == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_through_the_writer_and_a_pinned_stager(tmp_path):
     """CUDA tensors reach the engine through its streams; ResilientStager stages them into

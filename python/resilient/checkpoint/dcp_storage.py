@@ -110,6 +110,16 @@ class _SaveInfo:
     step: int
     save_id: str
     world_size: int
+    fqns: tuple[str, ...] = ()  # rank 0's plan only: every FQN of the save (its values)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A WriteResult's storage_data: the item's manifest entry and the save it belongs to (how
+    finish() finds its save when async saves of one writer overlap)."""
+
+    entry: str
+    save_id: str
 
 
 def _state_doc(fqns: list[str]) -> Any:
@@ -144,8 +154,11 @@ class ResilientStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
         self.last_step: int | None = None  # the step the last finished save committed
-        self._info: _SaveInfo | None = None
-        self._fqns: list[str] = []
+        self._info: _SaveInfo | None = None  # this rank's last save
+        self._pending: dict[str, tuple[_SaveInfo, float]] = {}  # rank 0: saves not finished
+        # _pending and the lock: async saves plan and finish on other threads; commits happen
+        # in planning order (the lineage's order), one at a time.
+        self._mutex = threading.Condition()
         self._engines: dict[tuple, Any] = {}
         self._lock: roots.WriterLock | None = None
         self._idle = threading.Event()  # set while no save reads a stager's buffers
@@ -163,6 +176,7 @@ class ResilientStorageWriter(StorageWriter):
         return roots.is_root(root) or not os.path.exists(root)
 
     def storage_meta(self) -> StorageMeta | None:
+        self.save_id = uuid.uuid4().hex  # DCP asks once per save, on every rank
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -181,21 +195,37 @@ class ResilientStorageWriter(StorageWriter):
         the step removed (before any rank writes: they write after this plan reaches them)."""
         root, step = locate(self.path)
         roots.ensure_root(root)
-        if self._lock is None or self._lock.root != os.path.realpath(root):
-            self._release()
-            self._lock = roots.WriterLock(root)
-        self._lock.acquire()
-        if step is None:
-            steps = list(_C.committed_steps(root))
-            step = steps[-1] + 1 if steps else 0
+        with self._mutex:
+            if self._lock is None or self._lock.root != os.path.realpath(root):
+                if self._pending:
+                    raise ValueError("a save of this writer to another root is still in flight")
+                self._release()
+                self._lock = roots.WriterLock(root)
+            self._lock.acquire()
+            busy = self._in_flight(root)
+            if step is None:
+                steps = list(_C.committed_steps(root))
+                step = max([*steps, *busy], default=-1) + 1
+            elif step in busy:
+                raise ValueError(f"a save of step {step} of {root} by this writer is still in "
+                                 "flight (wait for its future before saving the step again)")
+            fqns = tuple(sorted({item.index.fqn for p in plans for item in p.items}))
+            info = _SaveInfo(root, step, f"dcp-{uuid.uuid4().hex}", len(plans), fqns)
+            self._pending[info.save_id] = (info, time.monotonic())
         tmp = roots.tmp_dir(root, step)
         if os.path.islink(tmp):
             os.unlink(tmp)
         elif os.path.exists(tmp):
             shutil.rmtree(tmp)
-        info = _SaveInfo(root, step, f"dcp-{self.save_id}", len(plans))
-        self._fqns = sorted({item.index.fqn for p in plans for item in p.items})
-        return [replace(p, storage_data=info) for p in plans]
+        return [replace(p, storage_data=info if i == 0 else replace(info, fqns=()))
+                for i, p in enumerate(plans)]
+
+    def _in_flight(self, root: str) -> set[int]:
+        """Rank 0: steps of `root` whose save this writer planned and has not finished (a save
+        that failed on another rank never reaches finish(): forgotten after `timeout`)."""
+        now = time.monotonic()
+        self._pending = {k: v for k, v in self._pending.items() if now - v[1] < self.timeout}
+        return {info.step for info, _ in self._pending.values() if info.root == root}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stores this rank's items through its native engine; returns once they are durable."""
@@ -228,10 +258,10 @@ class ResilientStorageWriter(StorageWriter):
                 d["global_shape"], d["global_offset"] = gshape, offset
                 descs.append(d)
                 results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes,
-                                           storage_data=name))
+                                           storage_data=_Stored(name, info.save_id)))
             values = {"format": RANK_FORMAT, "save_id": info.save_id, "rank": self.rank,
                       "world_size": info.world_size, "rank_state": None,
-                      "state": _state_doc(self._fqns) if self.rank == 0 else None}
+                      "state": _state_doc(list(info.fqns)) if self.rank == 0 else None}
             engine = self._engine(info.root, self.rank, info.world_size)
             native = engine.save(info.step, descs, json.dumps(values), False, "blocking")
             del keep  # blocking: the engine copied every tensor before save() returned
@@ -246,9 +276,19 @@ class ResilientStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Rank 0, after every rank's data is durable: the metadata record, the lineage record,
         the commit (crash-consistent), retention. Nothing is committed if any of it fails."""
-        info = self._info
-        if info is None:
-            raise ValueError("finish() without a save in progress")
+        ids = {r.storage_data.save_id for rr in results for r in rr
+               if isinstance(r.storage_data, _Stored)}
+        with self._mutex:
+            if not ids and self._info is not None:  # a save without items
+                ids = {self._info.save_id}
+            found = [self._pending.get(i) for i in ids]  # pending until committed
+        if len(ids) != 1 or found[0] is None:
+            raise ValueError(f"finish() of a save this writer did not plan (save ids {ids})")
+        info, planned = found[0]
+        with self._mutex:  # an earlier save of this writer commits first
+            self._mutex.wait_for(lambda: not any(
+                t < planned and i.root == info.root for i, t in self._pending.values()),
+                timeout=self.timeout)
         tmp = roots.tmp_dir(info.root, info.step)
         try:
             text = dcp_metadata.encode(metadata)
@@ -264,12 +304,20 @@ class ResilientStorageWriter(StorageWriter):
             _C.commit_shards(info.root, info.step, info.world_size, info.save_id)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            with self._mutex:
+                self._pending.pop(info.save_id, None)
+                self._mutex.notify_all()
             raise
+        with self._mutex:
+            self._pending.pop(info.save_id, None)
+            self._mutex.notify_all()
         self.last_step = info.step
         try:
             if self.keep > 0:
                 roots.apply_retention(info.root, list(_C.committed_steps(info.root)), self.keep)
-            for path in roots.stale_saves(info.root, time.time() + 1e9):  # dead saves' leftovers
+            with self._mutex:
+                live = {roots.tmp_dir(info.root, s) for s in self._in_flight(info.root)}
+            for path in set(roots.stale_saves(info.root, time.time() + 1e9)) - live:
                 trash = f".trash-{os.path.basename(path)[5:]}-{uuid.uuid4().hex[:8]}"
                 os.rename(path, os.path.join(info.root, trash))
             # Freeing the space (unlinking large files) is off the save's path, as the
@@ -277,7 +325,9 @@ class ResilientStorageWriter(StorageWriter):
             threading.Thread(target=roots.purge_trash, args=(info.root,),
                              name="resilient-dcp-purge", daemon=True).start()
         finally:
-            self._release()
+            with self._mutex:
+                if not self._in_flight(info.root):
+                    self._release()
 
     # -- staging (ResilientStager) -------------------------------------------------------
     def acquire_staging(self, timeout: float) -> bool:
