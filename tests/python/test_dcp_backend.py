@@ -116,6 +116,67 @@ def test_module_and_optimizer_round_trip_bit_exact_one_step_per_save(tmp_path):
     assert reader.step == 100 and state["extra"]["step"] == 100
 
 
+def test_torchtitan_idiom_stateful_wrappers_and_step_folders(tmp_path):
+    """torchtitan's checkpointing through the backend: Stateful wrappers around
+    get_model_state_dict / get_optimizer_state_dict(flatten_optimizer_state_dict=True),
+    dcp.save(..., checkpoint_id=f"{folder}/step-{n}") with only storage_writer added, and its
+    discovery (the largest step-<n> directory) finding the step to load."""
+    import re
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from resilient.dcp import ResilientStorageReader, ResilientStorageWriter
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    class ModelWrapper:
+        def __init__(self, m):
+            self.m = m
+
+        def state_dict(self):
+            return get_model_state_dict(self.m)
+
+        def load_state_dict(self, sd):
+            set_model_state_dict(self.m, sd)
+
+    class Optimizers:
+        def __init__(self, m, o):
+            self.m, self.o = m, o
+
+        def state_dict(self):
+            return get_optimizer_state_dict(self.m, self.o, options=flat)
+
+        def load_state_dict(self, sd):
+            set_optimizer_state_dict(self.m, self.o, sd, options=flat)
+
+    folder = str(tmp_path / "checkpoint")
+    model, opt = _trained(12)
+    writer = ResilientStorageWriter(folder)
+    for n in (10, 20):
+        with torch.no_grad():
+            model[0].weight.add_(n)
+        dcp.save({"model": ModelWrapper(model), "optimizer": Optimizers(model, opt),
+                  "train_state": {"step": n}},
+                 checkpoint_id=os.path.join(folder, f"step-{n}"), storage_writer=writer)
+    writer.close()
+    steps = [int(m.group(1)) for f in os.listdir(folder)
+             if (m := re.fullmatch(r"step-(\d+)", f))]  # torchtitan's discovery
+    assert max(steps) == 20
+    fresh, fresh_opt = _trained(13, steps=1)
+    state = {"model": ModelWrapper(fresh), "optimizer": Optimizers(fresh, fresh_opt),
+             "train_state": {"step": 0}}
+    dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{max(steps)}"),
+             storage_reader=ResilientStorageReader(folder))
+    assert state["train_state"] == {"step": 20}
+    _same_model_and_optim(fresh, fresh_opt, model, opt)
+
+
 _PICKLE_MARKS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"data.pkl", b"PK\x03\x04")
 
 
