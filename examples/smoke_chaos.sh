@@ -12,5 +12,5 @@ timeout 600 resilient chaos --plan examples/chaos_plan.yaml --check --plot "$out
   --dir "$out/runs" \
   | tee "$out/table.txt"
 resilient sim ettr --interval-s 600 --restart-stall-s 10
-python -m resilient.health >/dev/null || { echo "health check reported a sick GPU"; exit 1; }
+python -m resilient.detect.health >/dev/null || { echo "health check reported a sick GPU"; exit 1; }
 echo "chaos smoke passed"

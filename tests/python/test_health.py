@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from resilient import health
-from resilient.health import DeviceReading, HealthConfig
+from resilient.detect import health
+from resilient.detect.health import DeviceReading, HealthConfig
 
 # A stand-in for libnvidia-ml.so.1 with the entry points health.py calls; FAKE_* variables pick
 # what it reports for its 2 devices (device 1 is the sick one when FAKE_SICK=1).

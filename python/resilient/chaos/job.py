@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     attempt = int(os.environ.get("RESILIENT_CHAOS_ATTEMPT", "0"))
     events.emit("start", world_size=world, attempt=attempt)
     torch.set_num_threads(1)
-    from resilient import health
+    from resilient.detect import health
 
     report = health.check()  # before joining (and before every rejoin: each attempt)
     events.emit("health", available=report.available, healthy=report.healthy,

@@ -11,7 +11,7 @@ a verdict and is a pure function of (readings, config).
 Settings: RESILIENT_NVML (auto|on|off), RESILIENT_NVML_LIBRARY (path or soname),
 RESILIENT_HEALTH_XID_WATCH_MS (default 0: no watch); ``configure()`` sets them in process.
 
-    python -m resilient.health            # prints the report, exit 1 when unhealthy
+    python -m resilient.detect.health            # prints the report, exit 1 when unhealthy
 """
 
 from __future__ import annotations
