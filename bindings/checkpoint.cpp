@@ -72,7 +72,8 @@ pyb::list tensor_list(const Manifest& m) {
 
 void register_checkpoint(pyb::module_& m) {
   pyb::class_<CheckpointOptions>(m, "CheckpointOptions")
-      .def(pyb::init([](const std::string& root) { return CheckpointOptions::from_env(root); }),
+      .def(pyb::init(
+               [](const std::string& root) { return unwrap(CheckpointOptions::from_env(root)); }),
            pyb::arg("root"), "Options with defaults and RESILIENT_* environment overrides applied.")
       .def_readwrite("root", &CheckpointOptions::root)
       .def_readwrite("keep", &CheckpointOptions::keep)

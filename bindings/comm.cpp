@@ -123,6 +123,7 @@ void register_comm(pyb::module_& m) {
             o.path = path;
             o.search_system = search_system;
             o.enabled = unwrap(parse_feature(enabled));
+            throw_if_error(o.validate());
             return std::const_pointer_cast<NcclLibrary>(unwrap(NcclLibrary::load(o)));
           },
           pyb::arg("path") = "", pyb::arg("search_system") = true, pyb::arg("enabled") = "auto")

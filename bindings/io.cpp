@@ -48,14 +48,14 @@ struct RawSetup {
 Result<RawSetup> make_setup(uint64_t request_bytes, int queue_depth, const std::string& uring,
                             const std::string& direct, uint64_t buffer_bytes) {
   RawSetup s;
-  s.io = io::IoOptions::from_env();
+  RESILIENT_ASSIGN_OR_RETURN(s.io, io::IoOptions::from_env());
   s.io.request_bytes = request_bytes;
   s.io.queue_depth = queue_depth;
   RESILIENT_ASSIGN_OR_RETURN(s.io.uring, parse_feature(uring));
   RESILIENT_ASSIGN_OR_RETURN(s.io.direct, parse_feature(direct));
   RESILIENT_RETURN_IF_ERROR(s.io.validate());
   RESILIENT_ASSIGN_OR_RETURN(s.engine, io::IoEngine::create(s.io));
-  memory::PoolOptions po = memory::PoolOptions::from_env();
+  RESILIENT_ASSIGN_OR_RETURN(memory::PoolOptions po, memory::PoolOptions::from_env());
   po.slab_bytes = request_bytes;
   po.budget_bytes = std::max<uint64_t>(io::align_up(buffer_bytes, request_bytes), request_bytes);
   s.pool = std::make_unique<memory::HostPool>(po);

@@ -58,7 +58,8 @@ int main(int argc, char **argv) {
   resilient::torch_adapter::TrainState state{&net, &tensors, {{"step", 0}}};
 
   auto options = resilient::checkpoint::CheckpointOptions::from_env(root);
-  auto ckpt = resilient::checkpoint::Checkpointer::create(options);
+  if (!options.ok()) return fail(options.status());
+  auto ckpt = resilient::checkpoint::Checkpointer::create(*options);
   if (!ckpt.ok()) return fail(ckpt.status());
   int64_t step = 0;
   auto loaded = resilient::torch_adapter::load(**ckpt, state);

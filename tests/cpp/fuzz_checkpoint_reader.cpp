@@ -32,7 +32,7 @@ struct Fixture {
   Fixture() {
     root = fs::temp_directory_path() / ("resilient-fuzz-" + std::to_string(::getpid()));
     fs::remove_all(root);
-    auto o = CheckpointOptions::from_env(root.string());
+    auto o = CheckpointOptions::from_env(root.string()).value();
     o.chunk_bytes = 4096;
     o.pool.slab_bytes = 16384;
     o.pool.budget_bytes = 1 << 20;

@@ -155,7 +155,7 @@ class DeviceTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(root_); }
   std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0,
                                      Duration timeout = 30s) {
-    auto o = CheckpointOptions::from_env(root_.string());
+    auto o = CheckpointOptions::from_env(root_.string()).value();
     o.zstd_level = zstd;
     o.chunk_bytes = 64 << 10;
     o.pool.slab_bytes = 256 << 10;
@@ -263,7 +263,7 @@ TEST_F(DeviceTest, GroupedRestoreToADeviceWaitsForItsCopies) {
     auto h = c->save(1, specs, {});
     ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok());
     auto read = [&](uint64_t slab, std::vector<float>& back) {
-      auto o = CheckpointOptions::from_env(root_.string());
+      auto o = CheckpointOptions::from_env(root_.string()).value();
       o.chunk_bytes = slab;
       o.pool.slab_bytes = slab;
       o.pool.budget_bytes = 64 << 20;
@@ -299,7 +299,7 @@ TEST_F(DeviceTest, GroupedRestoreToADeviceWaitsForItsCopies) {
 }
 
 TEST_F(DeviceTest, DeviceTensorsWithoutCudaAreUnavailable) {
-  auto o = CheckpointOptions::from_env(root_.string());
+  auto o = CheckpointOptions::from_env(root_.string()).value();
   o.pool.budget_bytes = 64 << 20;
   o.pool.pin = Feature::kOff;
   auto c = Checkpointer::create(o);

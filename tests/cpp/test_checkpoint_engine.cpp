@@ -30,7 +30,7 @@ class EngineTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(root_); }
 
   std::unique_ptr<Checkpointer> make(int zstd = 0, int keep = 3) {
-    auto o = CheckpointOptions::from_env(root_.string());
+    auto o = CheckpointOptions::from_env(root_.string()).value();
     o.keep = keep;
     o.zstd_level = zstd;
     o.chunk_bytes = 64 << 10;  // small chunks: many chunks per tensor
@@ -117,7 +117,7 @@ TEST_F(EngineTest, RestoreInGroupsOfExtentsAndWithSmallerSlabs) {
     fill(5);
     ASSERT_TRUE(save(*writer, 1).ok());
     for (const auto& r : readers) {
-      auto o = CheckpointOptions::from_env(root_.string());
+      auto o = CheckpointOptions::from_env(root_.string()).value();
       o.chunk_bytes = r.slab;  // a slab holds at least one chunk of this reader's own saves
       o.pool.slab_bytes = r.slab;
       o.pool.budget_bytes = r.budget;
@@ -276,7 +276,7 @@ TEST_F(EngineTest, StaleTemporaryDirectoryIsNotACheckpoint) {
 }
 
 TEST_F(EngineTest, BudgetTooSmallIsResourceExhausted) {
-  auto o = CheckpointOptions::from_env(root_.string());
+  auto o = CheckpointOptions::from_env(root_.string()).value();
   o.chunk_bytes = 64 << 10;
   o.pool.slab_bytes = 256 << 10;
   o.pool.budget_bytes = 512 << 10;

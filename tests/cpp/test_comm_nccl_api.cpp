@@ -118,7 +118,7 @@ TEST(NcclLoad, NotALibraryIsRejected) {
 }
 
 TEST(NcclLoad, RealLibraryStaysMappedAfterTheLastReference) {
-  auto lib = NcclLibrary::load(NcclLoadOptions::from_env());
+  auto lib = NcclLibrary::load(NcclLoadOptions::from_env().value());
   if (!lib.ok()) GTEST_SKIP() << "no NCCL on this machine: " << lib.status().message();
   const std::string origin = (*lib)->origin();
   lib = Status(StatusCode::kCancelled, "dropped");  // the only reference goes away
@@ -128,7 +128,7 @@ TEST(NcclLoad, RealLibraryStaysMappedAfterTheLastReference) {
 }
 
 TEST(NcclLoad, RealLibraryWhenPresent) {
-  NcclLoadOptions o = NcclLoadOptions::from_env();
+  NcclLoadOptions o = NcclLoadOptions::from_env().value();
   auto lib = NcclLibrary::load(o);
   if (!lib.ok()) GTEST_SKIP() << "no NCCL on this machine: " << lib.status().message();
   EXPECT_GE((*lib)->version(), nccl_version_code(2, 14, 0));

@@ -318,19 +318,25 @@ TEST(IoOptions, FromEnv) {
   ::setenv("RESILIENT_IO_REQUEST_BYTES", "4MiB", 1);
   ::setenv("RESILIENT_IO_QUEUE_DEPTH", "32", 1);
   ::setenv("RESILIENT_IO_THREADS", "2", 1);
-  IoOptions o = IoOptions::from_env();
+  IoOptions o = IoOptions::from_env().value();
   EXPECT_EQ(o.uring, Feature::kOff);
   EXPECT_EQ(o.direct, Feature::kOn);
   EXPECT_EQ(o.request_bytes, 4u << 20);
   EXPECT_EQ(o.queue_depth, 32);
   EXPECT_EQ(o.threads, 2);
   ::setenv("RESILIENT_IO_QUEUE_DEPTH", "lots", 1);
-  EXPECT_THROW(IoOptions::from_env(), std::invalid_argument);
+  auto bad = IoOptions::from_env();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("RESILIENT_IO_QUEUE_DEPTH='lots'"), std::string::npos)
+      << bad.status().message();
+  ::setenv("RESILIENT_IO_QUEUE_DEPTH", "0", 1);  // well spelled, out of range: validate()
+  EXPECT_FALSE(IoOptions::from_env().ok());
   for (const char* v : {"RESILIENT_IO_URING", "RESILIENT_O_DIRECT", "RESILIENT_IO_REQUEST_BYTES",
                         "RESILIENT_IO_QUEUE_DEPTH", "RESILIENT_IO_THREADS"}) {
     ::unsetenv(v);
   }
-  IoOptions d = IoOptions::from_env();
+  IoOptions d = IoOptions::from_env().value();
   EXPECT_EQ(d.request_bytes, 16u << 20);
   EXPECT_EQ(d.queue_depth, 8);
 }

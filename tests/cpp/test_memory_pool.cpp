@@ -234,14 +234,21 @@ TEST(PoolOptions, FromEnv) {
   ::setenv("RESILIENT_POOL_SLAB_BYTES", "1MiB", 1);
   ::setenv("RESILIENT_POOL_BYTES", "8MiB", 1);
   ::setenv("RESILIENT_PIN_MEMORY", "off", 1);
-  PoolOptions o = PoolOptions::from_env();
+  PoolOptions o = PoolOptions::from_env().value();
   EXPECT_EQ(o.slab_bytes, 1u << 20);
   EXPECT_EQ(o.budget_bytes, 8u << 20);
   EXPECT_EQ(o.pin, Feature::kOff);
   ::unsetenv("RESILIENT_POOL_SLAB_BYTES");
   ::unsetenv("RESILIENT_POOL_BYTES");
   ::unsetenv("RESILIENT_PIN_MEMORY");
-  EXPECT_EQ(PoolOptions::from_env().slab_bytes, 64u << 20);
+  EXPECT_EQ(PoolOptions::from_env().value().slab_bytes, 64u << 20);
+  ::setenv("RESILIENT_POOL_SLAB_BYTES", "big", 1);
+  auto bad = PoolOptions::from_env();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("RESILIENT_POOL_SLAB_BYTES"), std::string::npos);
+  ::setenv("RESILIENT_POOL_SLAB_BYTES", "0", 1);
+  EXPECT_FALSE(PoolOptions::from_env().ok());
+  ::unsetenv("RESILIENT_POOL_SLAB_BYTES");
 }
 
 }  // namespace

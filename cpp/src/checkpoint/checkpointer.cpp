@@ -7,18 +7,29 @@
 
 namespace resilient::checkpoint {
 
-CheckpointOptions CheckpointOptions::from_env(std::string root) {
+Result<CheckpointOptions> CheckpointOptions::from_env(std::string root) {
   CheckpointOptions o;
   o.root = std::move(root);
-  o.chunk_bytes = env_bytes("RESILIENT_CHUNK_BYTES", o.chunk_bytes);
-  o.zstd_level = static_cast<int>(env_int("RESILIENT_ZSTD_LEVEL", o.zstd_level));
-  o.copy_threads = static_cast<int>(env_int("RESILIENT_COPY_THREADS", o.copy_threads));
-  o.restore_threads = static_cast<int>(env_int("RESILIENT_RESTORE_THREADS", o.restore_threads));
-  o.background_nice = static_cast<int>(env_int("RESILIENT_BACKGROUND_NICE", o.background_nice));
+  RESILIENT_ASSIGN_OR_RETURN(o.chunk_bytes,
+                             env_value("RESILIENT_CHUNK_BYTES", o.chunk_bytes, parse_bytes));
+  auto small = [](const char* name, int* field) -> Status {
+    RESILIENT_ASSIGN_OR_RETURN(int64_t v, env_value<int64_t>(name, *field, parse_int));
+    if (v < -(1 << 20) || v > (1 << 20)) {
+      return Status(StatusCode::kInvalidArgument, std::string(name) + " out of range");
+    }
+    *field = static_cast<int>(v);
+    return ok_status();
+  };
+  RESILIENT_RETURN_IF_ERROR(small("RESILIENT_ZSTD_LEVEL", &o.zstd_level));
+  RESILIENT_RETURN_IF_ERROR(small("RESILIENT_COPY_THREADS", &o.copy_threads));
+  RESILIENT_RETURN_IF_ERROR(small("RESILIENT_RESTORE_THREADS", &o.restore_threads));
+  RESILIENT_RETURN_IF_ERROR(small("RESILIENT_BACKGROUND_NICE", &o.background_nice));
   if (auto cpus = env_string("RESILIENT_BACKGROUND_CPUS")) o.background_cpus = *cpus;
-  o.timeout = from_seconds(env_double("RESILIENT_CKPT_TIMEOUT_S", to_seconds(o.timeout)));
-  o.io = io::IoOptions::from_env();
-  o.pool = memory::PoolOptions::from_env();
+  RESILIENT_ASSIGN_OR_RETURN(
+      double timeout_s, env_value("RESILIENT_CKPT_TIMEOUT_S", to_seconds(o.timeout), parse_double));
+  o.timeout = from_seconds(timeout_s);
+  RESILIENT_ASSIGN_OR_RETURN(o.io, io::IoOptions::from_env());
+  RESILIENT_ASSIGN_OR_RETURN(o.pool, memory::PoolOptions::from_env());
   return o;
 }
 

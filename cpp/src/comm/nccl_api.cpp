@@ -104,11 +104,20 @@ const char* nccl_feature_name(NcclFeature feature) {
   return "?";
 }
 
-NcclLoadOptions NcclLoadOptions::from_env() {
+Result<NcclLoadOptions> NcclLoadOptions::from_env() {
   NcclLoadOptions o;
-  o.enabled = env_feature("RESILIENT_NCCL", Feature::kAuto);
+  RESILIENT_ASSIGN_OR_RETURN(o.enabled, env_value("RESILIENT_NCCL", Feature::kAuto, parse_feature));
   if (auto p = env_string("RESILIENT_NCCL_PATH")) o.path = *p;
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
+}
+
+Status NcclLoadOptions::validate() const {
+  if (enabled == Feature::kOn && path.empty() && !search_system) {
+    return Status(StatusCode::kInvalidArgument,
+                  "RESILIENT_NCCL=on with no path (RESILIENT_NCCL_PATH) and no system search");
+  }
+  return ok_status();
 }
 
 NcclLibrary::NcclLibrary(const NcclApi& api, int version, std::string origin, void* handle)

@@ -9,13 +9,23 @@
 
 namespace resilient::io {
 
-IoOptions IoOptions::from_env() {
+Result<IoOptions> IoOptions::from_env() {
   IoOptions o;
-  o.uring = env_feature("RESILIENT_IO_URING", o.uring);
-  o.direct = env_feature("RESILIENT_O_DIRECT", o.direct);
-  o.request_bytes = env_bytes("RESILIENT_IO_REQUEST_BYTES", o.request_bytes);
-  o.queue_depth = static_cast<int>(env_int("RESILIENT_IO_QUEUE_DEPTH", o.queue_depth));
-  o.threads = static_cast<int>(env_int("RESILIENT_IO_THREADS", o.threads));
+  RESILIENT_ASSIGN_OR_RETURN(o.uring, env_value("RESILIENT_IO_URING", o.uring, parse_feature));
+  RESILIENT_ASSIGN_OR_RETURN(o.direct, env_value("RESILIENT_O_DIRECT", o.direct, parse_feature));
+  RESILIENT_ASSIGN_OR_RETURN(o.request_bytes,
+                             env_value("RESILIENT_IO_REQUEST_BYTES", o.request_bytes, parse_bytes));
+  RESILIENT_ASSIGN_OR_RETURN(
+      int64_t depth, env_value<int64_t>("RESILIENT_IO_QUEUE_DEPTH", o.queue_depth, parse_int));
+  RESILIENT_ASSIGN_OR_RETURN(int64_t threads,
+                             env_value<int64_t>("RESILIENT_IO_THREADS", o.threads, parse_int));
+  if (depth < 0 || depth > 1 << 20 || threads < 0 || threads > 1 << 20) {
+    return Status(StatusCode::kInvalidArgument,
+                  "RESILIENT_IO_QUEUE_DEPTH / RESILIENT_IO_THREADS out of range");
+  }
+  o.queue_depth = static_cast<int>(depth);
+  o.threads = static_cast<int>(threads);
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
 }
 

@@ -30,12 +30,24 @@ const CudaRuntime* runtime_for(Feature pin) {
 
 }  // namespace
 
-PoolOptions PoolOptions::from_env() {
+Result<PoolOptions> PoolOptions::from_env() {
   PoolOptions o;
-  o.slab_bytes = env_bytes("RESILIENT_POOL_SLAB_BYTES", o.slab_bytes);
-  o.budget_bytes = env_bytes("RESILIENT_POOL_BYTES", o.budget_bytes);
-  o.pin = env_feature("RESILIENT_PIN_MEMORY", o.pin);
+  RESILIENT_ASSIGN_OR_RETURN(o.slab_bytes,
+                             env_value("RESILIENT_POOL_SLAB_BYTES", o.slab_bytes, parse_bytes));
+  RESILIENT_ASSIGN_OR_RETURN(o.budget_bytes,
+                             env_value("RESILIENT_POOL_BYTES", o.budget_bytes, parse_bytes));
+  RESILIENT_ASSIGN_OR_RETURN(o.pin, env_value("RESILIENT_PIN_MEMORY", o.pin, parse_feature));
+  RESILIENT_RETURN_IF_ERROR(o.validate());
   return o;
+}
+
+Status PoolOptions::validate() const {
+  if (slab_bytes == 0 || slab_bytes > (1ull << 40)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "slab_bytes (RESILIENT_POOL_SLAB_BYTES) must be in (0, 1 TiB], got " +
+                      std::to_string(slab_bytes));
+  }
+  return ok_status();
 }
 
 // --- Slab ---------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ struct CheckpointOptions {
   /// The CUDA runtime for device tensors; null: memory::CudaRuntime::get() (tests inject a fake).
   const memory::CudaRuntime* cuda = nullptr;
 
-  static CheckpointOptions from_env(std::string root);
+  static Result<CheckpointOptions> from_env(std::string root);
   Status validate() const;
 };
 

@@ -132,8 +132,10 @@ struct NcclLoadOptions {
   bool search_system = true;
   /// RESILIENT_NCCL: AUTO/ON/OFF. OFF makes load() return Unavailable.
   Feature enabled = Feature::kAuto;
-  /// Reads RESILIENT_NCCL and RESILIENT_NCCL_PATH.
-  static NcclLoadOptions from_env();
+  /// Reads RESILIENT_NCCL and RESILIENT_NCCL_PATH, then validate()s.
+  static Result<NcclLoadOptions> from_env();
+  /// kInvalidArgument when ON leaves no place to look (no path, no system search).
+  Status validate() const;
 };
 
 /// A loaded NCCL (or an injected fake): the function table and the runtime version.

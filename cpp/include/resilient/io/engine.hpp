@@ -24,7 +24,8 @@ struct IoOptions {
   int queue_depth = 8;                   // RESILIENT_IO_QUEUE_DEPTH: requests in flight
   int threads = 4;                       // RESILIENT_IO_THREADS: pwrite fallback pool size
 
-  static IoOptions from_env();
+  /// Defaults with the RESILIENT_IO_* / RESILIENT_O_DIRECT overrides, then validate()d.
+  static Result<IoOptions> from_env();
   Status validate() const;
 };
 

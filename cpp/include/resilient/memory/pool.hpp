@@ -20,7 +20,9 @@ struct PoolOptions {
   uint64_t budget_bytes = 0;          // RESILIENT_POOL_BYTES; 0 = half of physical memory
   Feature pin = Feature::kAuto;       // RESILIENT_PIN_MEMORY: pin with CUDA when available
 
-  static PoolOptions from_env();
+  /// Defaults with the RESILIENT_POOL_* / RESILIENT_PIN_MEMORY overrides, then validate()d.
+  static Result<PoolOptions> from_env();
+  Status validate() const;
 };
 
 class HostPool;
@@ -64,7 +66,8 @@ class Slab {
 /// Thread-safe.
 class HostPool {
  public:
-  explicit HostPool(PoolOptions options = PoolOptions::from_env());
+  /// `options`: the defaults unless given (PoolOptions::from_env() reads the environment).
+  explicit HostPool(PoolOptions options = PoolOptions{});
   /// As above with an explicit CUDA runtime for pinning (nullptr: never pin). For tests and for
   /// callers that already hold the runtime.
   HostPool(PoolOptions options, const CudaRuntime* cuda);
