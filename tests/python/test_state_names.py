@@ -313,6 +313,12 @@ def test_optimizer_state_inherits_its_parameters_spec_and_positional_specs_raise
         assert ck.spec_for("optim/state/head.weight/step", (), None) is None  # other shape
         assert ck.spec_for("optim/state/blocks.0.weight/exp_avg", (4, 4), None) is None
         ck.save(1, {"model": m, "optim": o}).wait()
+    other = ShardSpec.split((4, 4), 0, 1, 2)  # two specs name head.weight, and differ
+    half = ShardSpec.split((4, 4), 0, 0, 2)
+    with resilient.Checkpointer(tmp_path / "c", specs={"model/head.weight": half,
+                                                       "ema/head.weight": other}) as ck:
+        with pytest.raises(ValueError, match="differ"):
+            ck.spec_for("optim/state/head.weight/exp_avg", (2, 4), None)
     with resilient.Checkpointer(tmp_path / "b", specs={"optim/state/6/*": whole}) as ck:
         with pytest.raises(ValueError, match="keyed by parameter name"):
             ck.save(1, {"model": m, "optim": o})

@@ -515,9 +515,13 @@ class Checkpointer:
         m = _OPTIM_STATE.match(name)
         if m is None or m["param"].isdigit():
             return None
-        found = [s for key, s in self.specs.items() if not key.endswith("*") and fits(s)
-                 and (key == m["param"] or key.endswith("/" + m["param"]))]
-        return found[0] if len(found) == 1 else None
+        found = {key: s for key, s in self.specs.items() if not key.endswith("*") and fits(s)
+                 and (key == m["param"] or key.endswith("/" + m["param"]))}
+        if len({(tuple(s.global_shape), tuple(s.offset)) for s in found.values()}) > 1:
+            raise ValueError(
+                f"tensor {name!r}: the specs of {sorted(found)} all name its parameter and "
+                "differ; give its optimizer state a spec of its own")
+        return next(iter(found.values()), None)
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Waits until the last overlapped save no longer reads the saved tensors."""
