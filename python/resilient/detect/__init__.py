@@ -100,8 +100,9 @@ def agree_run_id(store: StoreLike, job: str, rank: int, world_size: int,
     return run_id
 
 
-def _local_ip_towards(host: str, port: int) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is sent)."""
+def local_address_towards(host: str, port: int) -> str:
+    """The local address this machine uses to reach ``host`` (no packet is sent): where a
+    detector should listen when its store sits on another host."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((socket.gethostbyname(host), port or 1))
@@ -161,7 +162,7 @@ class FailureDetector:
         self.job = job or os.environ.get("RESILIENT_JOB", "default")
         self.run_id: str | None = run_id or launcher_run_id()
         self._prefix = ""
-        self._host = host or os.environ.get("RESILIENT_DETECT_HOST") or _local_ip_towards(
+        self._host = host or os.environ.get("RESILIENT_DETECT_HOST") or local_address_towards(
             getattr(store, "host", "127.0.0.1"), getattr(store, "port", 0))
         self._port = port
         self._key = key

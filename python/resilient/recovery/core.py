@@ -187,7 +187,9 @@ class Recovery(StepLoop):
             rec.initial_world = int(os.environ.get("RESILIENT_JOIN_WORLD", rec.initial_world))
         host, port = getattr(store, "host", None), getattr(store, "port", 0)
         if host:
-            rec._detector_host = environment.local_address_towards(host, port)
+            from resilient.detect import local_address_towards
+
+            rec._detector_host = local_address_towards(host, port)
         return rec
 
     # ---- lifecycle ----

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,17 +143,6 @@ def job_store(store: Any, environ: Mapping[str, str] | None = None) -> Any:
     return store if rid is None else dist.PrefixStore(f"resilient/run/{rid}", store)
 
 
-def local_address_towards(host: str, port: int) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is sent): where the
-    detector should listen when its store sits on another host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(host), port or 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: ``"node[03-05,9],gpu1"`` -> ``"node03"``
     (what ``scontrol show hostnames | head -1`` prints)."""
@@ -199,5 +187,5 @@ def init_env() -> dict[str, str]:
 
 __all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "LAUNCHER_ENV", "STORE_ENV", "default_group_store",
            "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
-           "local_address_towards", "run_id", "slurm_env", "store_outside_ranks",
+           "run_id", "slurm_env", "store_outside_ranks",
            "warn_about_launcher"]
