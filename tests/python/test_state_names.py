@@ -323,3 +323,26 @@ def test_optimizer_state_inherits_its_parameters_spec_and_positional_specs_raise
         with pytest.raises(ValueError, match="keyed by parameter name"):
             ck.save(1, {"model": m, "optim": o})
         ck.save(1, {"optim": o}).wait()  # saved alone: positional, the spec applies
+
+
+def test_an_optimizer_with_its_own_state_dict_layout_is_saved_as_it_is(tmp_path):
+    class Custom(torch.optim.SGD):
+        def state_dict(self):
+            sd = super().state_dict()
+            return {"inner": sd, "extra": 7}
+
+        def load_state_dict(self, sd):
+            assert sd["extra"] == 7
+            super().load_state_dict(sd["inner"])
+
+    m = Net()
+    o = Custom(m.parameters(), lr=0.1, momentum=0.9)
+    train(m, o)
+    m2 = Net()
+    o2 = Custom(m2.parameters(), lr=0.5, momentum=0.9)
+    train(m2, o2, 1)
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        ck.save(1, {"model": m, "optim": o}).wait()
+        assert "optim/inner/state/0/momentum_buffer" in saved_doc(tmp_path / "c", 1)
+        assert ck.load({"model": m2, "optim": o2}) == 1
+    assert equal(by_name(m, o), by_name(m2, o2))

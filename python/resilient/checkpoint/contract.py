@@ -165,6 +165,11 @@ def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadP
                 "target state holds no module that owns all of its parameters; load the model "
                 "and its optimizer together, e.g. {'model': model, 'optim': optim}")
             return None
+        if not views.numbered(live, len(fqns)):
+            issues.mismatched.append(
+                f"{where}: the checkpoint keys this optimizer's state by parameter name, and its "
+                "state_dict() is not Optimizer.state_dict()'s numbered layout")
+            return None
         ov = views.OptimizerView(live, fqns, saved_groups)
         if ov.problem is not None:
             issues.mismatched.append(f"'{join(path, 'param_groups')}': {ov.problem}")

@@ -128,9 +128,19 @@ def state_of(obj: Any, names: Names) -> Any:
         return sd if ren is None else type(sd)((ren[k], v) for k, v in sd.items())
     if isinstance(obj, torch.optim.Optimizer):
         fqns = names.fqns(obj)
-        if fqns is not None:
+        if fqns is not None and numbered(sd, len(fqns)):
             return _by_name(sd, fqns)
     return sd
+
+
+def numbered(sd: Any, n: int) -> bool:
+    """True for Optimizer.state_dict()'s own layout: param_groups numbering 0..n-1 in order
+    and state keyed by those numbers (an optimizer with a state_dict() of its own keeps it)."""
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict)
+            and isinstance(sd.get("param_groups"), list)):
+        return False
+    ids = [i for g in sd["param_groups"] if isinstance(g, dict) for i in g.get("params", ())]
+    return ids == list(range(n)) and all(k in range(n) for k in sd["state"])
 
 
 def encode(state: Any) -> codec.Encoded:
