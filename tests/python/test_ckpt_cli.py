@@ -250,6 +250,9 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
     with Checkpointer(root, keep=0, create=True, specs=specs) as ck:
         ck.save(4, {"w": full[rank * 4:(rank + 1) * 4].clone(), "rep": torch.ones(3000, 100)},
                 {"r": torch.tensor([rank])}).wait()
+    # rank 0 hosts the store here: it must not go away while rank 1 still reads the commit's
+    # outcome from it (under torchrun the agent hosts the store)
+    dist.barrier()
     dist.destroy_process_group()
 
 
