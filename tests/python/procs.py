@@ -9,15 +9,25 @@ import subprocess
 import pytest
 
 
+def _communicate(args: list[str], timeout: float, what: str, stderr: int) -> tuple[int, str, str]:
+    proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{what} timed out:\n{(err or out)[-4000:]}")
+    return proc.returncode, out, err or ""
+
+
 def run_bounded(args: list[str], timeout: float, what: str) -> tuple[int, str]:
     """Runs `args` (stdout and stderr together); on timeout kills the whole process group and
     fails the test with the output's tail. Returns (exit code, output)."""
-    proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{what} timed out:\n{output[-4000:]}")
-    return proc.returncode, output
+    rc, out, _ = _communicate(args, timeout, what, subprocess.STDOUT)
+    return rc, out
+
+
+def run_separate(args: list[str], timeout: float, what: str) -> tuple[int, str, str]:
+    """run_bounded with stdout and stderr apart: (exit code, stdout, stderr)."""
+    return _communicate(args, timeout, what, subprocess.PIPE)

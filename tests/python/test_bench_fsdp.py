@@ -5,12 +5,11 @@ reshard is skipped, and the verifier itself catches zeroed, changed and misplace
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
+
+from procs import run_separate
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -20,16 +19,7 @@ CLI = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _run(args: list[str], timeout: float = 240) -> tuple[int, str, str]:
-    """Runs `args` with stdout and stderr apart; on timeout kills the whole process group."""
-    proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{args} timed out:\n{err[-4000:]}")
-    return proc.returncode, out, err
+    return run_separate(args, timeout, " ".join(args[3:6]))
 
 
 def _bench(tmp_path, *extra: str) -> dict:

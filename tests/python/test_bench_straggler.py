@@ -4,16 +4,15 @@ with argparse.REMAINDER, which does not take a leading option) and --json prints
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+
+from procs import run_separate
 
 CLI = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _run(args: list[str], timeout: float) -> tuple[int, str, str]:
-    p = subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True,
-                       timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
+    return run_separate([sys.executable, "-c", CLI, *args], timeout, " ".join(args[:2]))
 
 
 def test_bench_straggler_help_and_json(tmp_path):

@@ -123,37 +123,8 @@ def test_torchtitan_idiom_stateful_wrappers_and_step_folders(tmp_path):
     discovery (the largest step-<n> directory) finding the step to load."""
     import re
 
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
+    from idioms import torchtitan_wrappers
     from resilient.dcp import ResilientStorageReader, ResilientStorageWriter
-
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    class ModelWrapper:
-        def __init__(self, m):
-            self.m = m
-
-        def state_dict(self):
-            return get_model_state_dict(self.m)
-
-        def load_state_dict(self, sd):
-            set_model_state_dict(self.m, sd)
-
-    class Optimizers:
-        def __init__(self, m, o):
-            self.m, self.o = m, o
-
-        def state_dict(self):
-            return get_optimizer_state_dict(self.m, self.o, options=flat)
-
-        def load_state_dict(self, sd):
-            set_optimizer_state_dict(self.m, self.o, sd, options=flat)
 
     folder = str(tmp_path / "checkpoint")
     model, opt = _trained(12)
@@ -161,16 +132,16 @@ def test_torchtitan_idiom_stateful_wrappers_and_step_folders(tmp_path):
     for n in (10, 20):
         with torch.no_grad():
             model[0].weight.add_(n)
-        dcp.save({"model": ModelWrapper(model), "optimizer": Optimizers(model, opt),
-                  "train_state": {"step": n}},
+        wrapped, wrapped_opt = torchtitan_wrappers(model, opt)
+        dcp.save({"model": wrapped, "optimizer": wrapped_opt, "train_state": {"step": n}},
                  checkpoint_id=os.path.join(folder, f"step-{n}"), storage_writer=writer)
     writer.close()
     steps = [int(m.group(1)) for f in os.listdir(folder)
              if (m := re.fullmatch(r"step-(\d+)", f))]  # torchtitan's discovery
     assert max(steps) == 20
     fresh, fresh_opt = _trained(13, steps=1)
-    state = {"model": ModelWrapper(fresh), "optimizer": Optimizers(fresh, fresh_opt),
-             "train_state": {"step": 0}}
+    wrapped, wrapped_opt = torchtitan_wrappers(fresh, fresh_opt)
+    state = {"model": wrapped, "optimizer": wrapped_opt, "train_state": {"step": 0}}
     dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{max(steps)}"),
              storage_reader=ResilientStorageReader(folder))
     assert state["train_state"] == {"step": 20}

@@ -254,35 +254,7 @@ def test_torchtitan_style_wrappers_with_flattened_optimizer_state(tmp_path):
     """torchtitan's checkpointing idiom: Stateful wrappers around get_model_state_dict and
     get_optimizer_state_dict(flatten_optimizer_state_dict=True), the optimizer's state
     initialised before the load."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    class ModelWrapper:
-        def __init__(self, m):
-            self.m = m
-
-        def state_dict(self):
-            return get_model_state_dict(self.m)
-
-        def load_state_dict(self, sd):
-            set_model_state_dict(self.m, sd)
-
-    class Optimizers:
-        def __init__(self, m, o):
-            self.m, self.o = m, o
-
-        def state_dict(self):
-            return get_optimizer_state_dict(self.m, self.o, options=flat)
-
-        def load_state_dict(self, sd):
-            set_optimizer_state_dict(self.m, self.o, sd, options=flat)
+    from idioms import torchtitan_wrappers
 
     m = Net()
     o = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -294,8 +266,10 @@ def test_torchtitan_style_wrappers_with_flattened_optimizer_state(tmp_path):
     o2.step()  # as torchtitan's OptimizersContainer initialises its state
     o2.zero_grad()
     with resilient.Checkpointer(tmp_path / "c") as ck:
-        ck.save(1, {"model": ModelWrapper(m), "optimizer": Optimizers(m, o)}).wait()
-        assert ck.load({"model": ModelWrapper(m2), "optimizer": Optimizers(m2, o2)}) == 1
+        model, optim = torchtitan_wrappers(m, o)
+        ck.save(1, {"model": model, "optimizer": optim}).wait()
+        model2, optim2 = torchtitan_wrappers(m2, o2)
+        assert ck.load({"model": model2, "optimizer": optim2}) == 1
     assert equal(by_name(m, o), by_name(m2, o2))
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
                                                  m2.state_dict().values()))
