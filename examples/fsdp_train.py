@@ -15,6 +15,7 @@ full parameter as JSON. CPU runs use gloo (FSDP2 runs on CPU); --device cuda use
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -150,11 +151,21 @@ def train(args: argparse.Namespace) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close(120)
     full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # collective
+    # every rank uses the gathered tensors, so no gather is still in flight at exit
+    params = {n: hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+              for n, t in full.items()}
     if rank == 0 and args.out:
-        params = {n: hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()[:16]
-                  for n, t in full.items()}
         with open(args.out, "w") as f:
             json.dump({"losses": {k: v.hex() for k, v in losses.items()}, "params": params}, f)
+
+
+def _shutdown() -> None:
+    """Frees the model's process-group objects (FSDP modules hold them in reference cycles)
+    while the interpreter still runs, then destroys the groups. Left to the collection at exit,
+    a gloo thread finishing a collective would take the GIL of a finalizing interpreter and
+    abort the process ("terminate called without an active exception")."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -164,7 +175,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     try:
         train(args)
     finally:
-        dist.destroy_process_group()
+        _shutdown()
 
 
 def main() -> None:
@@ -194,7 +205,7 @@ def _worker_env(args: argparse.Namespace) -> None:
     try:
         train(args)
     finally:
-        dist.destroy_process_group()
+        _shutdown()
 
 
 if __name__ == "__main__":

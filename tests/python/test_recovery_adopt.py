@@ -10,7 +10,6 @@ killed with its session at the end, whatever happened.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ddp_reference import reference_params
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -141,21 +142,6 @@ def test_launcher_warnings() -> None:
 
 # ---- four processes ----
 
-def reference_params(steps: int, global_batch: int = 32, lr: float = 0.05) -> Any:
-    """The same training in one process with the full global batch, no failure."""
-    spec = importlib.util.spec_from_file_location("ddp_resilient_run_example", EXAMPLE)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    model = ex.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for step in range(steps):
-        x, y = ex.make_data(step, global_batch)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 def run_ranks(envs: list[dict[str, str]], args: list[str], out: Path,
               timeout: float) -> dict[int, int | None]:
     """Starts one example process per env (its own session), waits up to `timeout`, then
@@ -188,7 +174,7 @@ def check_survivors(out: Path, survivors: list[int], codes: dict[int, int | None
     for r in survivors:
         assert codes[r] == 0, (codes, logs)
     reps = {r: json.loads((out / f"rank{r}.json").read_text()) for r in survivors}
-    ref = reference_params(steps)
+    ref = reference_params(EXAMPLE, steps)
     for rep in reps.values():
         assert rep["step"] == steps and rep["world_size"] == len(survivors), rep["step"]
         assert rep["members"] == survivors

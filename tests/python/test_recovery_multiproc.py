@@ -7,7 +7,6 @@ every process it started, frozen ones included, even on failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ddp_reference import reference_params
 
 torch = pytest.importorskip("torch")
 
@@ -34,21 +35,6 @@ def run_example(tmp: Path, *args: str, timeout: float = 100) -> tuple[int, dict[
 
 def reports(tmp: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
     return {r: json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in ranks}
-
-
-def reference_params(steps: int, global_batch: int = 32, lr: float = 0.05) -> Any:
-    """The same training in one process with the full global batch, no failure."""
-    spec = importlib.util.spec_from_file_location("ddp_recovery_example", EXAMPLE)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    model = ex.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for step in range(steps):
-        x, y = ex.make_data(step, global_batch)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def check_survivors(tmp: Path, res: dict[str, Any], survivors: list[int]) -> dict[int, dict]:
@@ -72,7 +58,7 @@ def test_kill9_survivors_finish_with_the_failure_free_parameters(tmp_path: Path)
     assert res["source"] == "memory"  # all survivors held step 6: no storage read
     assert res["total_s"] < 10, res
     # keep_batch: accumulation keeps the global batch, so the result matches the reference.
-    ref = reference_params(STEPS)
+    ref = reference_params(EXAMPLE, STEPS)
     got = torch.tensor(reps[0]["params"])
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
     assert reps[0]["accum_steps"] == 2
@@ -152,5 +138,5 @@ def test_spare_joins_and_receives_state_from_a_peer(tmp_path: Path, kill_step: i
         assert not any(e["kind"] == "failure_observed" for e in spare)
     else:
         assert any(e["kind"] == "agreed" and e["removed"] == [1] for e in spare)
-    ref = reference_params(STEPS)
+    ref = reference_params(EXAMPLE, STEPS)
     assert torch.allclose(torch.tensor(reps[4]["params"]), ref, atol=1e-5)
