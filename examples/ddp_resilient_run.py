@@ -9,7 +9,10 @@ The lines marked ``# resilient`` are all that differs from the plain DDP script.
 (``kill -9``, or ``--kill-rank 1 --kill-step 10``) and the other ranks finish the run with the
 global batch kept (gradient accumulation), ending with the parameters of the failure-free run.
 ``--user-loop`` writes the loop out (``for step in rec.steps(0, n): with rec.attempt(): ...``)
-instead of handing a loss function to ``rec.run``. With ``--out DIR`` each rank writes
+instead of handing a loss function to ``rec.run``; ``--loader`` (with ``--user-loop``) draws the
+micro-batches from a DataLoader over a DistributedSampler, which Recovery rewinds and re-splits
+on a world change, and logs the sample indices of every completed step to
+``DIR/rank<R>.samples``. With ``--out DIR`` each rank writes
 ``DIR/rank<R>.json`` (step, world, parameters, timeline),
 ``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running). ``resilient run
 --replacements 1`` starts a new rank for a lost one; it joins at a step boundary and receives the
@@ -29,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from resilient import ResumableSampler, forever  # resilient (--loader)
 from resilient.recovery import Recovery, RecoveryStopped  # resilient
 from resilient.recovery.environment import init_env  # resilient
 
@@ -50,6 +55,12 @@ def make_data(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
+def make_dataset(samples: int) -> TensorDataset:
+    """--loader: (x, y, index) samples."""
+    x, y = make_data(-1, samples)
+    return TensorDataset(x, y, torch.arange(samples))
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
@@ -65,6 +76,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "replacement rank asked to join, so that it is admitted before the end")
     p.add_argument("--user-loop", action="store_true",
                    help="the loop written out (rec.steps / rec.attempt) instead of rec.run")
+    p.add_argument("--loader", action="store_true",
+                   help="with --user-loop: micro-batches from a DataLoader + DistributedSampler")
+    p.add_argument("--samples", type=int, default=240, help="--loader: samples per epoch")
     return p.parse_args(argv)
 
 
@@ -97,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    sampler = None
+    if a.loader:
+        data = make_dataset(a.samples)
+        sampler = ResumableSampler(DistributedSampler(data, seed=0))  # resilient (--loader)
+        batches = forever(DataLoader(data, batch_size=a.micro_batch, sampler=sampler))
     rec = Recovery.adopt(model, opt, global_batch=a.global_batch,  # resilient
-                         micro_batch=a.micro_batch)  # resilient
+                         micro_batch=a.micro_batch,  # resilient
+                         samplers=[sampler] if sampler else None)  # resilient (--loader)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     rec.fault_hooks["step_start"].append(lambda r: progress(a, r))
@@ -114,13 +134,23 @@ def main(argv: list[str] | None = None) -> int:
             if not a.user_loop:
                 rec.run(loss_fn, start=0, end=a.steps)  # resilient
             for step in rec.steps(0, a.steps) if a.user_loop else ():  # resilient
+                seen: list[int] = []
                 with rec.attempt():  # resilient: a peer's failure -> recover, redo the step
                     opt.zero_grad()
-                    x, y = make_data(step, a.global_batch)
+                    if not a.loader:
+                        x, y = make_data(step, a.global_batch)
                     for mb in rec.micro_batches():  # this rank's share, accumulated
-                        loss = torch.nn.functional.mse_loss(rec.model(x[mb.slice]), y[mb.slice])
+                        if a.loader:
+                            xb, yb, index = next(batches)
+                            seen += index.tolist()
+                        else:
+                            xb, yb = x[mb.slice], y[mb.slice]
+                        loss = torch.nn.functional.mse_loss(rec.model(xb), yb)
                         (loss * mb.loss_scale).backward()
                     opt.step()
+                if a.loader and a.out and rec.step > step:  # the step completed
+                    with open(os.path.join(a.out, f"rank{rec.initial_rank}.samples"), "a") as f:
+                        f.write(json.dumps([step, seen]) + "\n")
     except RecoveryStopped as e:
         print(f"rank {rec.initial_rank}: training stopped: {e}", file=sys.stderr, flush=True)
         report["stopped"], code = str(e), RecoveryStopped.exit_code

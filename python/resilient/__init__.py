@@ -45,7 +45,7 @@ _LAZY = {
     "RecoveryStopped": "resilient.recovery",
     "CheckpointManager": "resilient.checkpoint.manager",
     "RNGState": "resilient.checkpoint.manager",
-    "ResumableSampler": "resilient.checkpoint.manager",
+    "ResumableSampler": "resilient.checkpoint.sampler",
     "forever": "resilient.checkpoint.manager",
     "DistributedCheckpointer": "resilient.distributed",
     "ShardSpec": "resilient.checkpoint",

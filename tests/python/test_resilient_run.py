@@ -161,6 +161,35 @@ def test_the_users_own_loop_recovers(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_the_users_dataloader_is_resplit_and_no_sample_is_lost_or_repeated(tmp_path: Path) -> None:
+    """--loader: micro-batches from a DataLoader over ResumableSampler(DistributedSampler)
+    passed as Recovery(samplers=...). Rank 1 dies at step 7, mid-epoch (5 steps per epoch at 4
+    ranks: 3 micro-batches of 4 each); the survivors redo step 7 from where it began, the rest
+    of the epoch re-split over 3 ranks (4 micro-batches each). The completed steps' sample
+    indices hold each of the 240 samples exactly 3 times in 15 steps (720 samples)."""
+    from collections import Counter
+
+    from test_recovery_adopt import check_survivors
+
+    steps = 15
+    p = start_job(tmp_path, "--steps", str(steps), "--kill-rank", "1", "--kill-step", "7",
+                  "--user-loop", "--loader", "--global-batch", "48", "--micro-batch", "4")
+    code, log = finish(p, tmp_path, timeout=100)
+    assert code == 0, log
+    check_survivors(tmp_path, [0, 2, 3], {r: 0 for r in (0, 2, 3)}, steps=steps, params=False)
+    per_step: dict[int, int] = Counter()
+    seen: Counter = Counter()
+    for r in (0, 1, 2, 3):
+        for line in (tmp_path / f"rank{r}.samples").read_text().splitlines():
+            step, indices = json.loads(line)
+            per_step[step] += len(indices)
+            seen.update(indices)
+    assert sorted(per_step) == list(range(steps))
+    assert set(per_step.values()) == {48}  # the global batch kept on 3 ranks
+    assert seen == Counter({i: 3 for i in range(240)})
+
+
+@pytest.mark.timeout(150)
 def test_recovery_impossible_fails_the_job(tmp_path: Path) -> None:
     p = start_job(tmp_path, "--steps", "16", "--kill-rank", "2", "--kill-step", "4",
                   env={"RESILIENT_RECOVERY_MIN_WORLD": "4"})
@@ -175,8 +204,8 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     """--replacements 1: a new process for the killed rank joins at a step boundary, receives
     the state from a live peer and trains to the end; all four end with the failure-free
     parameters (keep_batch)."""
+    from ddp_reference import reference_params
     from resilient.recovery.join import JOIN_BASE
-    from test_recovery_adopt import reference_params
 
     steps = 20
     p = start_job(tmp_path, "--steps", str(steps), "--kill-rank", "1", "--kill-step", "6",
@@ -186,7 +215,7 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     assert "to replace rank 1" in log, log
     ranks = [0, 2, 3, JOIN_BASE]
     reps = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
-    ref = reference_params(steps)
+    ref = reference_params(EXAMPLE, steps)
     for rep in reps.values():
         assert rep["step"] == steps and rep["members"] == ranks, rep["step"]
         assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 
 from resilient.checkpoint import Checkpointer, ShardSpec
 from resilient.checkpoint.codec import is_stateful
+from resilient.checkpoint.sampler import ResumableSampler, samplers_in
 
 log = logging.getLogger("resilient.checkpoint.manager")
 
@@ -62,66 +62,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
-class ResumableSampler(Sampler):
-    """Wraps a sampler (e.g. DistributedSampler) and remembers the epoch and how many indices of
-    it were consumed, so that a resumed run continues mid-epoch with the same order. The epoch
-    advances by itself when an epoch is exhausted: do not call set_epoch() in the loop. Exact with
-    DataLoader(num_workers=0); with workers, prefetched indices count as consumed. A sampler with
-    its own ``generator`` (RandomSampler(generator=...)) has that generator saved too; one that
-    draws from the global RNG at each epoch's start is not exactly resumable."""
-
-    def __init__(self, sampler: Any, epoch: int = 0):
-        self.sampler = sampler
-        self.epoch = epoch
-        self.consumed = 0
-        self._gen_state: torch.Tensor | None = None  # the inner generator at this epoch's start
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
-
-    def _generator(self) -> torch.Generator | None:
-        gen = getattr(self.sampler, "generator", None)
-        return gen if isinstance(gen, torch.Generator) else None
-
-    def __iter__(self) -> Iterator[int]:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
-        gen = self._generator()
-        if gen is not None:
-            if self._gen_state is not None and self.consumed:
-                gen.set_state(self._gen_state)  # resuming: replay this epoch's permutation
-            self._gen_state = gen.get_state()
-        it = iter(self.sampler)
-        for _ in range(self.consumed):
-            next(it)
-        for index in it:
-            self.consumed += 1
-            yield index
-        self.epoch, self.consumed = self.epoch + 1, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed}
-        gen = self._generator()
-        if gen is not None:
-            # A sampler with its own generator (RandomSampler) draws each epoch's order from it:
-            # keep its state at the start of the current epoch (or now, between epochs).
-            state["generator"] = self._gen_state if self.consumed else gen.get_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        gen = self._generator()
-        if gen is not None and "generator" in state:
-            if self.consumed:
-                self._gen_state = state["generator"].clone()
-            else:
-                gen.set_state(state["generator"])
 
 
 def forever(loader: Any) -> Iterator[Any]:
@@ -211,10 +151,35 @@ class CheckpointManager:
         step, 0 for a fresh root. Raises like Checkpointer.load."""
         state = self._state()
         require_live(state, "CheckpointManager state")
+        samplers = samplers_in(self.rank_state)
+        for s in samplers:
+            s.restored = False
         got = self._ckpt.load(state, self.rank_state, step=step, strict=strict)
         if got is not None:
             log.info("resumed from checkpoint step %d", got)
+            if self.distributed:
+                self._sync_samplers(samplers)
         return got or 0
+
+    def _sync_samplers(self, samplers: list[ResumableSampler]) -> None:
+        """Collective. A rank whose per-rank state was not in the checkpoint (the world grew)
+        takes the epoch and global position of the ranks that restored theirs; restored ranks
+        that disagree (they consumed different numbers of indices) raise ValueError."""
+        mine = [s.position() if s.restored else None for s in samplers
+                if s._distributed() is not None]
+        everyone = self._ckpt._ranks.gather(mine)
+        if any(len(g) != len(mine) for g in everyone):
+            raise ValueError("ranks hold different numbers of ResumableSamplers in rank_state")
+        samplers = [s for s in samplers if s._distributed() is not None]
+        for i, s in enumerate(samplers):
+            known = {g[i] for g in everyone if g[i] is not None}
+            if len(known) > 1:
+                raise ValueError(
+                    f"the restored samplers are at different positions of the epoch "
+                    f"({sorted(known)}: (epoch, global position)); data-parallel ranks must "
+                    "consume the same number of indices")
+            if known and not s.restored:
+                s.set_position(*known.pop())
 
     def step(self, step: int) -> Any:
         """Call once per training step; saves (asynchronously) when step % every == 0."""

@@ -68,6 +68,7 @@ from resilient.recovery.environment import warn_about_launcher
 from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
 from resilient.recovery.loop import StepLoop
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
+from resilient.recovery.samplers import Samplers
 from resilient.recovery.timeline import Timeline
 
 log = logging.getLogger("resilient.recovery")
@@ -95,6 +96,9 @@ class Recovery(StepLoop):
         detector: a started or unstarted ``FailureDetector`` (default: one is created with
             ``detector_options``). job: the detector's job name.
         ddp_kwargs: passed to DistributedDataParallel.
+        samplers: the ResumableSampler(DistributedSampler(...)) objects of the user's
+            DataLoaders: a failed step rewinds them to where it began and a world change
+            re-splits the rest of the epoch over the new group (resilient.recovery.samplers).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, model: torch.nn.Module,
@@ -103,7 +107,7 @@ class Recovery(StepLoop):
                  checkpointer: Any = None, checkpoint_every: int = 0,
                  extra_state: dict | None = None, detector: Any = None,
                  detector_options: dict | None = None, job: str | None = None,
-                 ddp_kwargs: dict | None = None) -> None:
+                 ddp_kwargs: dict | None = None, samplers: list | None = None) -> None:
         self.config = config or RecoveryConfig.from_env()
         self.config.validate()
         self.store = store
@@ -123,6 +127,7 @@ class Recovery(StepLoop):
         self.checkpoint_every = checkpoint_every
         self.extra_state = extra_state if extra_state is not None else {}
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.samplers = Samplers(samplers)
         self.timeline = Timeline(rank)
         self.fault_hooks: dict[str, list[Callable[[Recovery], None]]] = {
             p: [] for p in FAULT_POINTS}
@@ -278,6 +283,7 @@ class Recovery(StepLoop):
         return self.step
 
     def _begin_step(self) -> None:
+        self.samplers.begin(self.step)
         self._run_hooks("step_start")
         if self._evicted.is_set():
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
@@ -474,10 +480,15 @@ class Recovery(StepLoop):
 
     def _restore(self) -> None:
         """Makes every survivor hold the same state (see the module docstring, step 5)."""
-        mine = torch.tensor([self.step], dtype=torch.int64, device=self._device)
+        starts = [x for pos in self.samplers.start_of(self.step) for x in pos]
+        mine = torch.tensor([self.step, *starts], dtype=torch.int64, device=self._device)
         steps = [torch.zeros_like(mine) for _ in range(self.world_size)]
         self._wait_work(dist.all_gather(steps, mine, group=self._group, async_op=True))
-        all_steps = [int(s.item()) for s in steps]
+        all_steps = [int(s[0].item()) for s in steps]
+        if len(set(all_steps)) == 1 and len({tuple(s.tolist()) for s in steps}) > 1:
+            raise RecoveryStopped(self._stop(
+                "the survivors' samplers are at different positions of the epoch (ranks must "
+                "draw the same number of samples per step); their data cannot be re-split"))
         source = "memory"
         if len(set(all_steps)) > 1:
             source = "peer"
@@ -502,9 +513,14 @@ class Recovery(StepLoop):
                 self._wait_work(dist.broadcast(t.data, group=self._group, group_src=src,
                                                 async_op=True))
         step = {"step": self.step}
-        broadcast_state({"optimizer": self.optimizer, "extra": self.extra_state, "step": step},
-                        src, group=self._group, device=self._device)
+        state = {"optimizer": self.optimizer, "extra": self.extra_state, "step": step}
+        samplers = self.samplers.state(self.step)
+        if samplers:
+            state["samplers"] = samplers
+        broadcast_state(state, src, group=self._group, device=self._device)
         self.step = int(step["step"])
+        if samplers:
+            self.samplers.set_state(samplers, self.step)
 
     def adopt_group(self, group: Any, members: list[int], rank: int) -> None:
         """Makes `group` this rank's process group (the old one is retired, not destroyed: a
@@ -530,6 +546,7 @@ class Recovery(StepLoop):
         return self._device
 
     def _apply(self, decision: Decision) -> None:
+        self.samplers.reshard(self.world_size, self.rank, self.step)
         self.plan = decision.plan  # type: ignore[assignment]
         self.lr_factor = decision.lr_factor
         for group, base in zip(self.optimizer.param_groups, self._base_lrs):

@@ -20,9 +20,10 @@ rebuilt group. The loop must use ``rec.model`` (the DDP wrapper changes with the
 
 Limits: gloo (CPU) only for now: with NCCL the all-reduce is asynchronous on the GPU stream and
 the user's ``opt.step()`` would be queued behind a collective that may never finish; ``run``
-polls a CUDA event before stepping, ``attempt`` raises NotImplementedError. A DataLoader with a
-DistributedSampler is not re-sharded on a world change (the batch plan's slices of a global batch
-are).
+polls a CUDA event before stepping, ``attempt`` raises NotImplementedError. A DataLoader over a
+``ResumableSampler(DistributedSampler(...))`` passed as ``Recovery(samplers=[...])`` is rewound to
+the failed step's start and re-split over the new group (docs/recovery.md, "The user's
+DataLoader").
 """
 
 from __future__ import annotations
