@@ -356,6 +356,7 @@ class Checkpointer:
                                         name="resilient-purge", daemon=True)
         self._purger.start()
         weakref.finalize(self, self._purge.put, None)
+        self._published: list[str] = []  # rank 0: outcomes not yet known read by every rank
         self._closed = False
         self._lock = roots.WriterLock(self.root)
         self._created = time.time() - 1.0  # older leftovers are a crashed writer's (mtime slack)
@@ -591,12 +592,52 @@ class Checkpointer:
         if self.rank == 0:
             result = self._coordinate(handle, prefix)
             store.set(f"{prefix}/result", result)
+            if self.world_size > 1 and result == "ok":  # a failure reads as one anyway
+                self._note_published(prefix)
         else:
             # Rank 0 gives every rank `timeout` from its own start, then publishes: wait for
             # that (a rank that gave up earlier could report a failure rank 0 then committed).
             wait_key(store, f"{prefix}/result", 2 * self.timeout + 60, poll_s=0.05)
             result = store.get(f"{prefix}/result").decode()
+            store.add(f"{prefix}/read", 1)  # rank 0's close() waits for every rank's read
         return None if result == "ok" else result.removeprefix("error: ")
+
+    def _note_published(self, prefix: str) -> None:
+        """Rank 0: remembers `prefix` until every rank read its outcome (earlier ones that all
+        ranks read by now are forgotten: one store call per save)."""
+        store = self._ranks.store
+        with self._lock_ids:
+            earlier = list(self._published)
+        pending = []
+        for p in earlier:
+            try:
+                if store.add(f"{p}/read", 0) < self.world_size - 1:
+                    pending.append(p)
+            except Exception:
+                pending.append(p)
+        with self._lock_ids:
+            self._published = [*pending, prefix]
+
+    def _wait_outcomes_read(self, timeout: float) -> None:
+        """Rank 0: waits (bounded) until every rank has read the published outcome of each save,
+        so that a rank 0 which also serves the job's store (init_process_group over tcp://)
+        and exits right after close() does not take an outcome with it: the others would
+        report a committed checkpoint as failed ("coordination failed")."""
+        with self._lock_ids:
+            published, self._published = self._published, []
+        deadline = time.monotonic() + timeout
+        store = self._ranks.store
+        for prefix in published:
+            try:
+                while store.add(f"{prefix}/read", 0) < self.world_size - 1:
+                    if time.monotonic() >= deadline:
+                        log.warning("closing: not every rank read the outcome of %s within "
+                                    "%g s (a rank is gone?)", prefix, timeout)
+                        return
+                    time.sleep(0.01)
+            except Exception as e:  # the store is gone: nobody can read it any more
+                log.warning("closing: cannot check that every rank read %s: %s", prefix, e)
+                return
 
     def _coordinate(self, handle: SaveHandle, prefix: str) -> str:
         store = self._ranks.store
@@ -968,6 +1009,8 @@ class Checkpointer:
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self.rank == 0 and self.world_size > 1:
+            self._wait_outcomes_read(30.0 if timeout is None else min(timeout, 30.0))
         self._purge.put(None)  # deleted steps' space is freed before close() returns
         if threading.current_thread() is not self._thread:
             self._purger.join(timeout)
