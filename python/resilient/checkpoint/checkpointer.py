@@ -152,6 +152,7 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    bytes_read: int = 0  #: read from storage by all ranks together (the step loaded)
 
 
 def tensor_descriptor(
@@ -266,9 +267,13 @@ class Checkpointer:
             (default 1 MiB, RESILIENT_DIST_SPLIT_BYTES).
         check_replicas: compare every rank's fingerprint of each replicated tensor at each save
             (default on, RESILIENT_CHECK_REPLICAS=0 turns it off).
-        restore: "direct" (default, RESILIENT_DIST_RESTORE): every rank reads the pieces it needs
-            from the shared directory; "redistribute": rank r reads the shards of saved ranks
-            s with s % world == r and broadcasts them over the gloo group (storage read once).
+        restore: "shared" (default, RESILIENT_DIST_RESTORE): each piece that several ranks of
+            a host need is read from storage once per host, into a /dev/shm buffer the host's
+            ranks share, split over them; a piece one rank needs is read straight into its
+            target (Reader.run_shared; without a usable /dev/shm every rank reads directly,
+            with a warning); "direct": every rank reads the pieces it needs from the shared
+            directory; "redistribute": rank r reads the shards of saved ranks s with
+            s % world == r and broadcasts them over the gloo group.
         options: engine options (zstd_level, chunk_bytes, pool_bytes, io_uring, o_direct,
             pin_memory, queue_depth, request_bytes ...: docs/SETTINGS.md).
     """
@@ -303,8 +308,9 @@ class Checkpointer:
         self.split_bytes = int(split_bytes)
         self.check_replicas = bool(check_replicas)
         self.restore = restore or settings.get("RESILIENT_DIST_RESTORE")
-        if self.restore not in ("direct", "redistribute"):
-            raise ValueError(f"restore must be 'direct' or 'redistribute', not {self.restore!r}")
+        if self.restore not in ("direct", "redistribute", "shared"):
+            raise ValueError("restore must be 'direct', 'redistribute' or 'shared', not "
+                             f"{self.restore!r}")
         self.create = bool(create)
         self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
@@ -880,17 +886,18 @@ class Checkpointer:
             prepared.finish()
         except Exception as e:  # e.g. a load_state_dict() that raises on this rank
             finish_error = e
-        finished = self._ranks.gather(None if finish_error is None else
-                                      f"rank {self.rank}: {type(finish_error).__name__}: "
-                                      f"{finish_error}")
+        finished = self._ranks.gather((None if finish_error is None else
+                                       f"rank {self.rank}: {type(finish_error).__name__}: "
+                                       f"{finish_error}", prepared.reader.bytes_read))
         if finish_error is not None:
             raise finish_error
-        if any(f is not None for f in finished):
+        if any(f is not None for f, _ in finished):
             raise ResilientError(f"loading step {step} failed on another rank while putting "
-                                 f"values in place: {[f for f in finished if f][0]}")
+                                 f"values in place: {[f for f, _ in finished if f][0]}")
         issues = prepared.issues
         self.last_load = LoadReport(step=step, missing=issues.missing,
-                                    unexpected=issues.unexpected, mismatched=issues.mismatched)
+                                    unexpected=issues.unexpected, mismatched=issues.mismatched,
+                                    bytes_read=sum(n for _, n in finished))
         if issues and self._dirty is not None:
             log.warning("entries left as they were may hold bytes of step %d, whose read failed "
                         "before this load", self._dirty)
@@ -1133,9 +1140,12 @@ class _Prepared:
         self.plans.append((plan, wanted, None))
 
     def read(self) -> None:
-        if self.ck.restore == "redistribute" and self.ck.world_size > 1:
-            self.reader.run_redistributed(self.ck._ranks.group, self.ck.rank,
-                                          self.ck.world_size, None)
+        ck = self.ck
+        if ck.restore == "redistribute" and ck.world_size > 1:
+            self.reader.run_redistributed(ck._ranks.group, ck.rank, ck.world_size, None)
+        elif ck.restore == "shared" and ck.world_size > 1:
+            tag = f"{ck._ranks.run_id}-{self.step}-{ck._ranks._seq}"
+            self.reader.run_shared(ck._ranks.group, ck.rank, ck.world_size, None, tag)
         else:
             self.reader.run()
 

@@ -4,6 +4,8 @@ as DDP ranks do. Compares, in one run:
 - ``sharded``: resilient's Checkpointer (collective), every rank writing ~1/N, one global commit;
   restore: every rank reads what it needs from the shared directory;
 - ``sharded_redist``: the same save; restore reads each shard once and broadcasts it (gloo);
+- ``sharded_shm``: the same save; restore reads each piece once per host into a /dev/shm
+  buffer the host's ranks share (restore="shared");
 - ``every_rank``: every rank writes the whole state with its own Checkpointer (N copies);
 - ``dcp``: torch.distributed.checkpoint save/load (deduplicated across ranks by its planner).
 
@@ -26,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-WORLD_METHODS = ["sharded", "sharded_redist", "every_rank", "dcp"]
+WORLD_METHODS = ["sharded", "sharded_redist", "sharded_shm", "every_rank", "dcp"]
+_RESTORE = {"sharded": "direct", "sharded_redist": "redistribute", "sharded_shm": "shared"}
 
 
 def dir_bytes(path: Path) -> int:
@@ -75,6 +78,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     )
     dtype = getattr(torch, args.dtype)
     shapes = synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
+    torch.manual_seed(0)  # replicated state: the same bytes on every rank (check_replicas)
     state = make_state(shapes, dtype, "cpu")
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(args.dir)
@@ -88,18 +92,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     for method in methods:
         d = root / method
-        saves, loads, written = [], [], 0
+        saves, loads, written, read = [], [], 0, 0
         for i in range(args.repeat):
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
             dist.barrier()
             if method.startswith("sharded"):
-                mode = "redistribute" if method == "sharded_redist" else "direct"
-                ck = Checkpointer(d, keep=1, restore=mode)
+                ck = Checkpointer(d, keep=1, restore=_RESTORE[method])
                 saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
                 loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
+                read = ck.last_load.bytes_read
                 ck.close()
             elif method == "every_rank":
                 ck = Checkpointer(d / f"rank{rank}", keep=1, distributed=False)
@@ -125,6 +129,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "restore_s": round(load_s, 4),
             "restore_gbps": round(world * nbytes / load_s / 1e9, 3),
         }
+        if read:  # resilient's own count of the bytes its restore read from storage
+            rows[method]["storage_read_bytes"] = read
+            rows[method]["storage_read_gbps"] = round(read / load_s / 1e9, 3)
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
@@ -171,11 +178,13 @@ def run_world_bench(args: argparse.Namespace) -> int:
     )
     print(
         f"{'method':<16}{'written MiB':>12}{'save s':>9}{'write GB/s':>12}"
-        f"{'restore s':>11}{'restore GB/s':>14}"
+        f"{'restore s':>11}{'restore GB/s':>14}{'read MiB':>10}"
     )
     for r in rows:
+        read = r.get("storage_read_bytes")
         print(
             f"{r['method']:<16}{r['written_bytes'] / 2**20:>12.1f}{r['save_s']:>9.3f}"
             f"{r['write_gbps']:>12.3f}{r['restore_s']:>11.3f}{r['restore_gbps']:>14.3f}"
+            f"{'-' if read is None else f'{read / 2**20:.1f}':>10}"
         )
     return 0
