@@ -1,0 +1,350 @@
+"""The job's store on an etcd v3 cluster: no single process whose loss ends the job.
+
+:class:`EtcdStore` is a ``torch.distributed.Store`` (so it serves ``init_process_group(store=)``,
+the checkpointer's agreement, the failure detector and recovery through the one native adapter,
+resilient.store) that talks to etcd's v3 JSON gateway (``POST /v3/kv/...``, keys and values
+base64) with the standard library's HTTP client: no gRPC stack in the training process, and etcd
+3.4 (Debian's ``etcd-server``) serves the gateway on its client port. Importing this module
+also makes ``init_process_group(init_method="etcd://h1:2379,h2:2379/job42", rank=r,
+world_size=n)`` rendezvous through etcd, so the default group's store, which Recovery.adopt,
+the Checkpointer and the detector use, is etcd. Why etcd and how to run it: docs/store.md.
+
+- Every request goes to one member; a member that refuses, resets or does not answer within a
+  quarter of ``timeout`` (0.5 to 1 s: a member holds a request through a leader election)
+  is left for the next one, round the list, until the call's deadline
+  (``timeout``): then ``TimeoutError`` (some member was reached but did not answer) or
+  ``ConnectionError`` (none could be reached). etcd answers only with a quorum, so a member cut
+  off with a minority times out instead of answering: the minority side cannot decide.
+- Reads are linearizable (etcd's default); ``compare_set`` is one transaction; ``add`` is a
+  compare-and-swap loop on the key's revision; ``wait`` polls (10 ms, then backing off to 100 ms).
+- Keys live under ``prefix`` (one run's keys apart from another's); TLS (``ca``, ``cert``,
+  ``key``) and etcd's user/password authentication (a token in each request's Authorization
+  header, renewed when etcd rejects it) are options; the password is never logged or put in an
+  error message.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import ssl
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import torch.distributed as dist
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+from resilient import settings
+
+_AUTH_ERRORS = ("invalid auth token", "user name is empty", "permission denied",
+                "authentication failed", "auth: ")
+_RETRYABLE = (ConnectionError, TimeoutError, OSError, http.client.HTTPException)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """A torch.distributed.Store on etcd v3 (module docstring).
+
+    Args:
+        endpoints: ``"host:port"`` of the cluster's members (their client URLs), tried in turn.
+        prefix: every key is stored as ``prefix + key``.
+        timeout: bound of every call (and the default of ``wait``).
+        ca, cert, key: TLS: the CA file that signed the members' certificates, and this
+            client's certificate and key (https when ``ca`` is given).
+        user, password: etcd authentication.
+    """
+
+    def __init__(self, endpoints: list[str], prefix: str = "", *,
+                 timeout: timedelta = timedelta(seconds=30), ca: str | None = None,
+                 cert: str | None = None, key: str | None = None, user: str | None = None,
+                 password: str | None = None) -> None:
+        super().__init__()
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint (host:port)")
+        self.endpoints = [self._split(e) for e in endpoints]
+        self.prefix = prefix.encode()
+        self._timeout = timeout.total_seconds()
+        self._ssl = None
+        if ca or cert:
+            self._ssl = ssl.create_default_context(cafile=ca)
+            if cert:
+                self._ssl.load_cert_chain(cert, key)
+        self._user, self._password = user, password
+        self._token: str | None = None
+        self._next = 0  # the member that answered last
+        self._lock = threading.Lock()
+        self._clones: list[EtcdStore] = []
+
+    @staticmethod
+    def _split(endpoint: str) -> tuple[str, int]:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
+        return host.strip("[]"), int(port)
+
+    # -- transport --------------------------------------------------------------------------
+    def _post(self, path: str, body: dict, deadline: float | None = None) -> dict:
+        """One request to the first member that answers before `deadline`."""
+        deadline = deadline if deadline is not None else time.monotonic() + self._timeout
+        errors: list[str] = []
+        answered = False
+        with self._lock:
+            start = self._next
+        n = len(self.endpoints)
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            i = (start + attempt) % n
+            attempt += 1
+            host, port = self.endpoints[i]
+            try:  # one member may hold a request through an election: try others in time
+                reply = self._request(host, port, path, body,
+                                      min(left, max(0.5, min(1.0, self._timeout / 4))))
+            except PermissionError:
+                raise
+            except _RETRYABLE as e:
+                answered = answered or isinstance(e, (TimeoutError, http.client.HTTPException))
+                errors.append(f"{host}:{port}: {type(e).__name__}: {e}")
+                if attempt % n == 0:  # every member failed once: pause before the next round
+                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                continue
+            with self._lock:
+                self._next = i
+            return reply
+        why = "; ".join(errors[-len(self.endpoints):]) or "no time left"
+        if answered or not errors:
+            raise TimeoutError(f"etcd did not answer {path} within {self._timeout:g} s ({why})")
+        raise ConnectionError(f"no etcd member reachable for {path} ({why})")
+
+    def _request(self, host: str, port: int, path: str, body: dict, left: float) -> dict:
+        if self._ssl is not None:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=left, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=left)
+        try:
+            for retry in (False, True):
+                headers = {"Content-Type": "application/json"}
+                if self._user is not None and path != "/v3/auth/authenticate":
+                    if self._token is None or retry:
+                        self._token = self._authenticate(conn)
+                    headers["Authorization"] = self._token
+                conn.request("POST", path, json.dumps(body), headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status == 200:
+                    return json.loads(data or b"{}")
+                text = data.decode(errors="replace")[:300]
+                if resp.status in (401, 403) or any(m in text for m in _AUTH_ERRORS):
+                    if retry or self._user is None or "invalid auth token" not in text:
+                        raise PermissionError(f"etcd refused {path}: {resp.status} {text}")
+                    continue  # an expired token: authenticate again, once
+                if resp.status >= 500:  # no leader, or the member lost its quorum
+                    raise http.client.HTTPException(f"{resp.status} {text}")
+                raise ValueError(f"etcd rejected {path}: {resp.status} {text}")
+            raise AssertionError("unreachable")
+        finally:
+            conn.close()
+
+    def _authenticate(self, conn: http.client.HTTPConnection) -> str:
+        conn.request("POST", "/v3/auth/authenticate",
+                     json.dumps({"name": self._user, "password": self._password}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise PermissionError(f"etcd authentication of user {self._user!r} failed: "
+                                  f"{resp.status}")  # never the password
+        return json.loads(data)["token"]
+
+    # -- key/value ----------------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return _b64(self.prefix + key.encode())
+
+    def _range(self, key: str, deadline: float | None = None) -> dict | None:
+        kvs = self._post("/v3/kv/range", {"key": self._key(key)}, deadline).get("kvs")
+        return kvs[0] if kvs else None
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._post("/v3/kv/put", {"key": self._key(key), "value": _b64(_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        """The value; waits for the key up to the store's timeout, as torch's stores do."""
+        self.wait([key])
+        kv = self._range(key)
+        if kv is None:
+            raise KeyError(key)
+        return base64.b64decode(kv.get("value", ""))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Sets `desired` when the key holds `expected` (or is absent and `expected` is empty);
+        returns the value after the call (torch's semantics: `expected` for an absent key and a
+        non-empty `expected`)."""
+        expected_b, desired_b = _bytes(expected), _bytes(desired)
+        k = self._key(key)
+        if expected_b:
+            cmp = {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
+        else:
+            cmp = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        reply = self._post("/v3/kv/txn", {
+            "compare": [cmp],
+            "success": [{"request_put": {"key": k, "value": _b64(desired_b)}}],
+            "failure": [{"request_range": {"key": k}}],
+        })
+        if reply.get("succeeded"):
+            return desired_b
+        kvs = reply["responses"][0].get("response_range", {}).get("kvs")
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else expected_b
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically adds `amount` to the integer in `key` (absent: 0); returns the sum.
+
+        A compare-and-swap on the key's revision that also writes a receipt key: a request
+        that timed out may still have been applied by etcd, and a retry of it (on another
+        member) then finds the revision changed; the receipt tells "my earlier try was applied"
+        from "another rank's add came first", so no add counts twice."""
+        deadline = time.monotonic() + self._timeout
+        k = self._key(key)
+        receipt = self._key(f"__resilient_add/{os.urandom(12).hex()}")
+        while True:
+            kv = self._range(key, deadline)
+            if kv is None:
+                current, cmp = 0, {"key": k, "target": "CREATE", "result": "EQUAL",
+                                   "create_revision": "0"}
+            else:
+                current = int(base64.b64decode(kv.get("value", "")) or b"0")
+                cmp = {"key": k, "target": "MOD", "result": "EQUAL",
+                       "mod_revision": kv["mod_revision"]}
+            total = str(current + int(amount)).encode()
+            reply = self._post("/v3/kv/txn", {
+                "compare": [cmp],
+                "success": [{"request_put": {"key": k, "value": _b64(total)}},
+                            {"request_put": {"key": receipt, "value": _b64(total)}}],
+                "failure": [{"request_range": {"key": receipt}}],
+            }, deadline)
+            done = reply.get("succeeded")
+            if not done:
+                kvs = reply["responses"][0].get("response_range", {}).get("kvs")
+                done = bool(kvs)  # an earlier try of this request was applied
+            if done:
+                try:
+                    self._post("/v3/kv/deleterange", {"key": receipt}, deadline)
+                except _RETRYABLE:
+                    pass  # a leftover receipt is harmless
+                return int(total)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"etcd add to {key!r} kept conflicting for {self._timeout:g} s")
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._range(k) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        delay = 0.01
+        while True:
+            if self.check(keys):
+                return
+            if time.monotonic() + delay > deadline:
+                raise TimeoutError(f"etcd keys {keys} not set within {limit:g} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+
+    def delete_key(self, key: str) -> bool:
+        reply = self._post("/v3/kv/deleterange", {"key": self._key(key)})
+        return int(reply.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        end = self.prefix[:-1] + bytes([self.prefix[-1] + 1]) if self.prefix else b"\0"
+        reply = self._post("/v3/kv/range", {"key": _b64(self.prefix or b"\0"),
+                                            "range_end": _b64(end), "count_only": True})
+        return int(reply.get("count", 0))
+
+    def clone(self) -> EtcdStore:
+        """A store on the same cluster and prefix (torch's gloo asks for one per connection)."""
+        other = EtcdStore.__new__(EtcdStore)
+        dist.Store.__init__(other)
+        other.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_lock"})
+        other._lock = threading.Lock()
+        self._clones.append(other)  # torch holds only its C++ half (see _rendezvous)
+        return other
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout)
+
+
+def from_url(url: str, *, timeout: timedelta = timedelta(seconds=30)) -> EtcdStore:
+    """``etcd://h1:2379,h2:2379/prefix`` (``etcds://`` for TLS) with options in the query
+    (``ca``, ``cert``, ``key``) and the user from the URL (``etcd://user@h1:2379``); the
+    password comes from ``RESILIENT_ETCD_PASSWORD`` (never from the URL, which gets logged)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("etcd", "etcds"):
+        raise ValueError(f"not an etcd URL: {url!r} (etcd://host:port,host:port/prefix)")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if ":" in userinfo:
+        raise ValueError("put the etcd password in RESILIENT_ETCD_PASSWORD, not in the URL")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"ca", "cert", "key"}
+    if unknown:
+        raise ValueError(f"unknown etcd URL options {sorted(unknown)} (ca, cert, key)")
+    if parts.scheme == "etcds" and "ca" not in query:
+        raise ValueError("etcds:// needs ?ca=<CA file>")
+    return EtcdStore([h for h in hosts.split(",") if h], parts.path.lstrip("/"), timeout=timeout,
+                     ca=query.get("ca"), cert=query.get("cert"), key=query.get("key"),
+                     user=userinfo or None,
+                     password=settings.get("RESILIENT_ETCD_PASSWORD") or None if userinfo else None)
+
+
+_RENDEZVOUS_STORES: list[EtcdStore] = []  # one per init_process_group(init_method="etcd://")
+
+
+def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any) -> Any:
+    """torch's rendezvous handler for ``init_process_group(init_method="etcd://...")``."""
+    parts = urlsplit(url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    if "rank" not in query or "world_size" not in query:
+        raise ValueError("etcd:// rendezvous needs rank and world_size (init_process_group's "
+                         "arguments)")
+    rank, world = int(query.pop("rank")), int(query.pop("world_size"))
+    query.pop("use_libuv", None)
+    clean = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
+    store = from_url(clean, timeout=timeout)
+    # torch keeps only the C++ half of a Python store: without a Python reference the object's
+    # methods are gone ("Not implemented" from c10d's trampoline) once it is collected
+    _RENDEZVOUS_STORES.append(store)
+    yield store, rank, world
+    raise RuntimeError("etcd:// rendezvous cannot re-rendezvous")
+
+
+for _scheme in ("etcd", "etcds"):
+    try:
+        register_rendezvous_handler(_scheme, _rendezvous)
+    except RuntimeError:  # registered already (a reload)
+        pass
+
+__all__ = ["EtcdStore", "from_url"]
