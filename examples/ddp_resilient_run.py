@@ -79,6 +79,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loader", action="store_true",
                    help="with --user-loop: micro-batches from a DataLoader + DistributedSampler")
     p.add_argument("--samples", type=int, default=240, help="--loader: samples per epoch")
+    p.add_argument("--init-method", default="env://",
+                   help="e.g. etcd://h1:2379,h2:2379/job42/ (the job's store on etcd: no rank "
+                        "hosts it; RANK and WORLD_SIZE from the environment)")
     return p.parse_args(argv)
 
 
@@ -108,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     torch.set_num_threads(1)
     init_env()  # resilient: RANK, MASTER_ADDR... from SLURM_* under srun (else nothing)
-    dist.init_process_group("gloo")
+    if a.init_method.startswith(("etcd://", "etcds://")):
+        import resilient.etcd  # noqa: F401 -- registers the etcd:// rendezvous
+
+        dist.init_process_group("gloo", init_method=a.init_method,
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo", init_method=a.init_method)
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     sampler = None

@@ -198,3 +198,19 @@ def test_agent_style_workers_survive_a_kill(tmp_path: Path, free_port: int) -> N
     assert codes[1] == -signal.SIGKILL
     check_survivors(tmp_path, [0, 2, 3], codes)
     del store
+
+
+@pytest.mark.timeout(180)
+def test_rank_zero_dies_and_the_job_goes_on_when_the_store_is_etcd(tmp_path: Path) -> None:
+    """The job's store on a 3-member etcd cluster (init_method="etcd://..."): SIGKILL rank 0,
+    which with a bare TCPStore would host the store and take the job with it; ranks 1-3 agree,
+    rebuild and finish with the failure-free parameters."""
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster(tmp_path, 3) as etcd:
+        url = f"etcd://{','.join(etcd.endpoints)}/adopt/"
+        envs = [{"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r)} for r in range(4)]
+        codes = run_ranks(envs, ["--steps", str(STEPS), "--kill-rank", "0", "--kill-step", "6",
+                                 "--init-method", url], tmp_path, timeout=120)
+    assert codes[0] == -signal.SIGKILL
+    check_survivors(tmp_path, [1, 2, 3], codes)
