@@ -200,6 +200,24 @@ def test_agent_style_workers_survive_a_kill(tmp_path: Path, free_port: int) -> N
     del store
 
 
+@pytest.mark.timeout(120)
+def test_rank_zero_serving_the_store_dies_and_the_others_stop_and_say_why(
+        tmp_path: Path, free_port: int) -> None:
+    """A bare init_process_group: rank 0's process serves the TCPStore. When it dies the
+    survivors cannot agree; they stop (exit code 3) within seconds, saying the store is gone
+    and where to host it, instead of waiting out the agreement timeout."""
+    envs = [{"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port)} for r in range(4)]
+    t0 = time.monotonic()
+    codes = run_ranks(envs, ["--steps", str(STEPS), "--kill-rank", "0", "--kill-step", "6"],
+                      tmp_path, timeout=90)
+    assert codes == {0: -signal.SIGKILL, 1: 3, 2: 3, 3: 3}
+    assert time.monotonic() - t0 < 60
+    for r in (1, 2, 3):
+        log = (tmp_path / f"proc{r}.log").read_text()
+        assert "the job's store is unreachable" in log and "etcd" in log, log[-2000:]
+
+
 @pytest.mark.timeout(180)
 def test_rank_zero_dies_and_the_job_goes_on_when_the_store_is_etcd(tmp_path: Path) -> None:
     """The job's store on a 3-member etcd cluster (init_method="etcd://..."): SIGKILL rank 0,

@@ -434,6 +434,7 @@ class Recovery(StepLoop):
 
     def _agree(self) -> tuple[int, list[int]]:
         """Waits for the detector's decided generation that removes a current member."""
+        self._stop_if_store_gone()
         deadline = self.clock() + self.config.agree_timeout_s
         while True:
             gen, live = self.detector.generation
@@ -447,10 +448,37 @@ class Recovery(StepLoop):
             if a.action == "evicted":
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
             if a.action == "timeout":
+                self._stop_if_store_gone()
                 raise RecoveryStopped(self._stop(
                     f"a collective failed but the detector removed no rank within "
                     f"{self.config.agree_timeout_s}s"))
             self.sleep(0.001)
+
+    def _stop_if_store_gone(self) -> None:
+        """RecoveryStopped with the reason when the job's store does not answer: agreeing
+        goes through it, so waiting for a verdict would only end in a timeout."""
+        unreachable = self._store_unreachable()
+        if unreachable:
+            raise RecoveryStopped(self._stop(
+                f"the job's store is unreachable ({unreachable}), so the survivors cannot "
+                "agree: it was probably served by a process that died (rank 0 with a bare "
+                "init_process_group). Host it outside the ranks: `resilient run`, or an etcd "
+                "cluster (init_method=\"etcd://...\", docs/store.md)"))
+
+    def _store_unreachable(self) -> str | None:
+        """Why the job's store does not answer (None when it does)."""
+        from resilient.store import as_store
+
+        if self.store is None:  # unit tests drive the decisions without one
+            return None
+        native = as_store(self.store)
+        try:
+            native.get(f"resilient/probe/{self.initial_rank}", 5.0, wait=False)
+        except KeyError:
+            return None  # it answered: no such key
+        except Exception as e:  # noqa: BLE001 -- any failure to answer is the answer
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None
 
     def _rebuild(self, gen: int, survivors: list[int]) -> None:
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
