@@ -112,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     init_env()  # resilient: RANK, MASTER_ADDR... from SLURM_* under srun (else nothing)
     if a.init_method.startswith(("etcd://", "etcds://")):
+        from datetime import timedelta
+
         import resilient.etcd  # noqa: F401 -- registers the etcd:// rendezvous
 
         dist.init_process_group("gloo", init_method=a.init_method,
                                 rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=30))  # also every store call's bound
     else:
         dist.init_process_group("gloo", init_method=a.init_method)
     model = DDP(make_model())

@@ -191,6 +191,8 @@ class Recovery(StepLoop):
             rec._join_on_start = True
             rec.initial_world = int(os.environ.get("RESILIENT_JOIN_WORLD", rec.initial_world))
         host, port = getattr(store, "host", None), getattr(store, "port", 0)
+        if not host and getattr(store, "endpoints", None):  # EtcdStore: its first member
+            host, port = store.endpoints[0]
         if host:
             from resilient.detect import local_address_towards
 

@@ -1,0 +1,122 @@
+"""Three emulated hosts (network namespaces on one bridge, root only), each with one etcd member
+and two ranks of examples/ddp_resilient_run.py whose store is that etcd cluster. Cutting one
+host's link splits the job 4 | 2: the majority side (two etcd members, a quorum) removes the cut
+ranks, rebuilds and finishes; the minority side cannot reach a quorum, so its ranks stop
+themselves (exit 3, "the job's store is unreachable") instead of going on alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from etcd_cluster import ETCD
+
+pytestmark = pytest.mark.netns
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"
+
+
+def _ip(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *cmd], check=check, capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def hosts():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    tag = os.getpid() % 10000
+    br, sub = f"rsbr{tag}", 100 + os.getpid() % 50
+    names = [f"rsh{tag}x{i}" for i in range(3)]
+    if _ip("link", "add", br, "type", "bridge", check=False).returncode != 0:
+        pytest.skip("cannot create a bridge")
+    try:
+        _ip("link", "set", br, "up")
+        for i, ns in enumerate(names):
+            _ip("netns", "add", ns)
+            _ip("link", "add", f"rsv{tag}x{i}", "type", "veth", "peer", "name", "eth0",
+                "netns", ns)
+            _ip("link", "set", f"rsv{tag}x{i}", "master", br)
+            _ip("link", "set", f"rsv{tag}x{i}", "up")
+            _ip("netns", "exec", ns, "ip", "addr", "add", f"10.{sub}.88.{i + 1}/24", "dev", "eth0")
+            _ip("netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield [(ns, f"10.{sub}.88.{i + 1}") for i, ns in enumerate(names)]
+    finally:
+        for i, ns in enumerate(names):
+            _ip("link", "del", f"rsv{tag}x{i}", check=False)
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", br, check=False)
+
+
+def _start(ns: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(["ip", "netns", "exec", ns, *args], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(240)
+def test_a_cut_host_stops_itself_and_the_majority_finishes(tmp_path, hosts):
+    cluster = ",".join(f"m{i}=http://{ip}:2380" for i, (_, ip) in enumerate(hosts))
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, (ns, ip) in enumerate(hosts):
+            procs.append(_start(ns, [
+                ETCD, "--name", f"m{i}", "--data-dir", str(tmp_path / f"etcd{i}"),
+                "--listen-client-urls", f"http://{ip}:2379",
+                "--advertise-client-urls", f"http://{ip}:2379",
+                "--listen-peer-urls", f"http://{ip}:2380",
+                "--initial-advertise-peer-urls", f"http://{ip}:2380",
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--heartbeat-interval", "50", "--election-timeout", "500"],
+                tmp_path / f"etcd{i}.log"))
+        url = "etcd://" + ",".join(f"{ip}:2379" for _, ip in hosts) + "/split/"
+        ranks = []
+        for r in range(6):
+            ns = hosts[r // 2][0]
+            ranks.append(_start(ns, [
+                sys.executable, str(EXAMPLE), "--steps", "60", "--step-sleep", "0.1",
+                "--global-batch", "24", "--micro-batch", "4", "--init-method", url,
+                "--out", str(tmp_path)], tmp_path / f"rank{r}.log",
+                {"RANK": str(r), "WORLD_SIZE": "6", "LOCAL_RANK": str(r % 2),
+                 "GLOO_SOCKET_IFNAME": "eth0", "RESILIENT_RECOVERY_MIN_WORLD": "2"}))
+        procs += ranks
+        deadline = time.monotonic() + 90  # everyone trains
+        while time.monotonic() < deadline:
+            try:
+                if int((tmp_path / "rank5.step").read_text() or 0) >= 10:
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            assert all(p.poll() is None for p in ranks), [p.poll() for p in ranks]
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the job did not reach step 10")
+        _ip("netns", "exec", hosts[2][0], "ip", "link", "set", "eth0", "down")  # cut host 2
+        t0 = time.monotonic()
+        for p in ranks:
+            p.wait(timeout=150)
+        codes = [p.returncode for p in ranks]
+        logs = {r: (tmp_path / f"rank{r}.log").read_text()[-1500:] for r in range(6)}
+        assert codes == [0, 0, 0, 0, 3, 3], (codes, logs)
+        for r in (4, 5):
+            assert "the job's store is unreachable" in logs[r], logs[r]
+        for r in range(4):
+            rep = json.loads((tmp_path / f"rank{r}.json").read_text())
+            assert rep["step"] == 60 and rep["members"] == [0, 1, 2, 3], rep["members"]
+        print(f"\n[etcd hosts] cut host 2: ranks 4-5 stopped, 0-3 finished "
+              f"{time.monotonic() - t0:.1f} s after the cut")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
