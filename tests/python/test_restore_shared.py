@@ -1,9 +1,10 @@
 """restore="shared": the pieces the ranks of a host need are read from storage once per host into
 a /dev/shm buffer they share. Saved by 4 ranks (replicated state split in row pieces, a
-ShardSpec-sharded tensor, per-rank state), loaded by 4, 3 and 2 ranks: bit-exact, the bytes read
-from storage equal what the job needs (all of it at world 4; "direct" reads the replicated
-pieces once per rank), a corrupted piece raises on every rank, a buffer that cannot be created
-falls back to direct reads, and no /dev/shm buffer is left behind."""
+ShardSpec-sharded tensor, DTensors sharded and replicated on a 1-D mesh, per-rank state), loaded
+by 4, 3 and 2 ranks: bit-exact, the bytes read from storage equal what the job needs (all of it
+at world 4; "direct" reads the replicated pieces once per rank), a corrupted piece raises on
+every rank, a buffer that cannot be created falls back to direct reads, and no /dev/shm buffer
+is left behind."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from procs import run_bounded
 ROWS = 24
 
 
-def _state(rank: int, world: int):
+def _state(rank: int, world: int, mesh):
     import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from resilient.checkpoint import ShardSpec
 
@@ -30,19 +32,33 @@ def _state(rank: int, world: int):
     full = torch.arange(ROWS * 8, dtype=torch.float64).reshape(ROWS, 8)
     n = ROWS // world
     specs = {"w": ShardSpec.split((ROWS, 8), 0, rank, world)}
-    return {"rep": rep, "w": full[rank * n:(rank + 1) * n].clone(), "i": 7}, specs
+    dt = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)  # uneven chunks at 3 and 4
+    dr = torch.arange(500, dtype=torch.bfloat16)
+    return {"rep": rep, "w": full[rank * n:(rank + 1) * n].clone(), "i": 7,
+            "dt": distribute_tensor(dt, mesh, [Shard(0)]),
+            "dr": distribute_tensor(dr, mesh, [Replicate()])}, specs
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    local = [x.to_local() if hasattr(x, "to_local") else x for x in (a, b)]
+    return torch.equal(*local)
 
 
 def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
 
     import resilient
     from resilient.checkpoint import shm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    expect, specs = _state(rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    expect, specs = _state(rank, world, mesh)
     result: dict = {}
     if phase == "save":
         with resilient.Checkpointer(root, keep=0, create=True, specs=specs) as ck:
@@ -54,17 +70,23 @@ def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -
         if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
             shm.DIR = out
         target = {"rep": torch.zeros(3000, 100), "w": torch.zeros_like(expect["w"]), "i": 0}
+        for k in ("dt", "dr"):
+            target[k] = distribute_tensor(torch.zeros_like(expect[k].full_tensor()), mesh,
+                                          expect[k].placements)
         mine = {"r": torch.tensor([-1])}
         with resilient.Checkpointer(root, specs=specs, restore=mode) as ck:
             try:
                 result["step"] = ck.load(target, mine)
-                result["same"] = all(torch.equal(target[k], expect[k]) for k in ("rep", "w"))
+                result["same"] = all(_same(target[k], expect[k])
+                                     for k in ("rep", "w", "dt", "dr"))
                 result["i"], result["r"] = target["i"], int(mine["r"])
                 result["bytes_read"] = ck.last_load.bytes_read
             except Exception as e:  # noqa: BLE001 -- reported to the test
                 result["error"] = f"{type(e).__name__}: {e}"
     dist.barrier()
-    result["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith("resilient-restore")]
+    # this job's buffers only (named after the creator's pid): other jobs may run at once
+    mine = f"resilient-restore-{os.getpid()}-"
+    result["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
     with open(os.path.join(out, f"{phase}-{world}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -74,7 +96,7 @@ def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -
 
 def _run(phase: str, world: int, root, out) -> list[dict]:
     rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root), str(out)],
-                             120, f"{phase} at {world}")
+                             240, f"{phase} at {world}")
     assert rc == 0, output[-4000:]
     return [json.load(open(out / f"{phase}-{world}-{r}.json")) for r in range(world)]
 
@@ -86,7 +108,7 @@ def _size(root) -> int:
         return sum(e["nbytes"] for e in ck._native.manifest(1).tensors())
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_shared_restore_reads_each_byte_once_per_host(tmp_path):
     root = tmp_path / "ckpt"
     _run("save", 4, root, tmp_path)

@@ -122,18 +122,8 @@ class Reader:
     ) -> None:
         """Collective: the shards of saved rank s are read by rank s % world into one flat
         buffer, broadcast over `group`, and every rank copies what it needs from them."""
-        skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
-        report: Any = sorted({c.entry for w in self._wanted for c in w.copies})
-        if failure is not None:
-            report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, report, group=group)
-        if failure is not None:
-            raise failure
-        bad = [g for g in gathered if isinstance(g, tuple)]
-        if bad:
-            error_type = CorruptCheckpointError if bad[0][0] else ValueError
-            raise error_type(f"loading failed on another rank: {bad[0][1]}")
+        gathered = _gather_needs(group, rank, world, failure,
+                                 sorted({c.entry for w in self._wanted for c in w.copies}))
         union = sorted(set().union(*gathered))
         where: dict[str, tuple[int, int]] = {}
         sizes = [0] * world
@@ -185,19 +175,9 @@ class Reader:
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
         with a warning. `tag` names this load (the same on every rank)."""
-        skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
         needed = sorted({c.entry for w in self._wanted for c in w.copies})
-        report: Any = {"host": socket.gethostname(), "pid": os.getpid(), "needed": needed}
-        if failure is not None:
-            report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, report, group=group)
-        if failure is not None:
-            raise failure
-        bad = [g for g in gathered if isinstance(g, tuple)]
-        if bad:
-            error_type = CorruptCheckpointError if bad[0][0] else ValueError
-            raise error_type(f"loading failed on another rank: {bad[0][1]}")
+        report = {"host": socket.gethostname(), "pid": os.getpid(), "needed": needed}
+        gathered = _gather_needs(group, rank, world, failure, report)
         local = [r for r in range(world) if gathered[r]["host"] == report["host"]]
         order = {name: i for i, name in enumerate(self._entries)}
         wanted_by = Counter(n for r in local for n in gathered[r]["needed"])
@@ -282,6 +262,25 @@ class Reader:
         whole_src = all(a == 0 and b == n for (a, b), n in zip(c.src, e["shape"]))
         full_rows = all(a == 0 and b == n for (a, b), n in zip(c.dst[1:], t.shape[1:]))
         return whole_src and full_rows
+
+
+def _gather_needs(group: Any, rank: int, world: int, failure: BaseException | None,
+                  report: Any) -> list[Any]:
+    """Collective: every rank's `report` (what it needs), or raises on every rank when one
+    rank's planning failed (`failure`): CorruptCheckpointError when that is skippable (an older
+    step may load), ValueError otherwise; so no rank waits in a later collective."""
+    skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
+    if failure is not None:
+        report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, report, group=group)
+    if failure is not None:
+        raise failure
+    bad = [g for g in gathered if isinstance(g, tuple)]
+    if bad:
+        error_type = CorruptCheckpointError if bad[0][0] else ValueError
+        raise error_type(f"loading failed on another rank: {bad[0][1]}")
+    return gathered
 
 
 def _layout(names: list[str], entries: dict[str, dict], readers: int,
