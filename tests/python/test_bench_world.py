@@ -1,6 +1,7 @@
 """`resilient bench --world-size N` runs every method end to end (it failed with
 ReplicaMismatchError once check_replicas was on: the ranks' synthetic state differed), and the
-shared restore reads the state from storage once while the direct one reads it once per rank."""
+shared restore reads the state from storage once while the direct one reads it once per rank; a
+raw single-reader row gives the storage limit in the same run."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def test_world_bench_two_ranks_every_method(tmp_path):
     assert rc == 0, err[-4000:]
     r = json.loads(out)
     rows = {row["method"]: row for row in r["rows"]}
-    assert set(rows) == {"sharded", "sharded_redist", "sharded_shm", "every_rank", "dcp"}
+    assert set(rows) == {"sharded", "sharded_redist", "sharded_shm", "every_rank", "dcp",
+                         "raw (1 reader)"}  # the storage limit of one reader, in the same run
     state = rows["sharded"]["state_bytes"]
     assert rows["sharded_shm"]["storage_read_bytes"] == state  # once
     assert rows["sharded"]["storage_read_bytes"] == 2 * state  # once per rank
+    assert rows["raw (1 reader)"]["storage_read_bytes"] == state
     assert all(row["restore_s"] > 0 and row["save_s"] > 0 for row in rows.values())
     assert not (tmp_path / "scratch").exists()
