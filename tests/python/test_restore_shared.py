@@ -64,17 +64,20 @@ def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -
         with resilient.Checkpointer(root, keep=0, create=True, specs=specs) as ck:
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
     else:
-        mode = {"nobuffer": "shared", "notshared": "shared"}.get(phase, phase)
+        mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared"}.get(phase, phase)
         if phase == "nobuffer":  # the buffer cannot be created
             shm.DIR = "/nonexistent-shm-dir"
         if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
             shm.DIR = out
+        if phase == "dies" and rank == 1:  # dies after the buffer exists, before the reads agree
+            shm.open_mapped = lambda *_: os._exit(0)
         target = {"rep": torch.zeros(3000, 100), "w": torch.zeros_like(expect["w"]), "i": 0}
         for k in ("dt", "dr"):
             target[k] = distribute_tensor(torch.zeros_like(expect[k].full_tensor()), mesh,
                                           expect[k].placements)
         mine = {"r": torch.tensor([-1])}
-        with resilient.Checkpointer(root, specs=specs, restore=mode) as ck:
+        with resilient.Checkpointer(root, specs=specs, restore=mode,
+                                    collective_timeout=10 if phase == "dies" else None) as ck:
             try:
                 result["step"] = ck.load(target, mine)
                 result["same"] = all(_same(target[k], expect[k])
@@ -83,22 +86,29 @@ def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -
                 result["bytes_read"] = ck.last_load.bytes_read
             except Exception as e:  # noqa: BLE001 -- reported to the test
                 result["error"] = f"{type(e).__name__}: {e}"
+            if phase == "dies":  # no barrier, no close: a rank is gone
+                _report(result, phase, world, rank, out)
     dist.barrier()
+    _report(result, phase, world, rank, out, barrier=dist.barrier)
+
+
+def _report(result: dict, phase: str, world: int, rank: int, out: str, barrier=None) -> None:
     # this job's buffers only (named after the creator's pid): other jobs may run at once
     mine = f"resilient-restore-{os.getpid()}-"
     result["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
     with open(os.path.join(out, f"{phase}-{world}-{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
+    if barrier is not None:
+        barrier()
     sys.stdout.flush()
     os._exit(0)
 
 
-def _run(phase: str, world: int, root, out) -> list[dict]:
+def _run(phase: str, world: int, root, out, ranks=None) -> list[dict]:
     rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root), str(out)],
                              240, f"{phase} at {world}")
     assert rc == 0, output[-4000:]
-    return [json.load(open(out / f"{phase}-{world}-{r}.json")) for r in range(world)]
+    return [json.load(open(out / f"{phase}-{world}-{r}.json")) for r in ranks or range(world)]
 
 
 def _size(root) -> int:
@@ -149,6 +159,16 @@ def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(tmp_path):
     for g in got:
         assert "error" in g and "Corrupt" in g["error"], g
         assert not g["leftovers"]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_mid_load_leaves_no_buffer(tmp_path):
+    root = tmp_path / "ckpt"
+    _run("save", 4, root, tmp_path)
+    got = _run("dies", 4, root, tmp_path, ranks=(0, 2, 3))  # rank 1 exits once the buffer exists
+    for g in got:
+        assert "error" in g, g
+        assert not g["leftovers"]  # rank 0 created it and unlinked it on the way out
 
 
 def test_shm_buffer_create_check_and_sweep(tmp_path):

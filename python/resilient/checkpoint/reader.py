@@ -196,36 +196,40 @@ class Reader:
                 shm.create(path, shm.HEADER + size, tag)
             except OSError as e:
                 problem = f"{path}: {e}"
-        created: list[Any] = [None] * world
-        dist.all_gather_object(created, problem, group=group)
-        if problem is None and size and rank != local[0] and created[local[0]] is None:
-            problem = shm.check(path, shm.HEADER + size, tag)
-        if any(p is not None for p in created):
-            self._fall_back(path, rank == local[0], rank, created)
-            return
-        error: BaseException | None = None
-        buffer = torch.empty(0, dtype=torch.uint8)
+        # The creator unlinks the buffer on every way out (a peer that dies mid-load makes the
+        # collectives raise, and a process that lives on must not keep the memory in /dev/shm).
         try:
-            if problem is not None:  # not the creator's buffer: nothing is read below
-                raise _NotShared(problem)
-            self.run(only=own)
-            read_own = self.bytes_read
-            buffer = shm.open_mapped(path, shm.HEADER + size)[shm.HEADER:]
-            me = local.index(rank)
-            targets = [{"name": n, "ptr": buffer.data_ptr() + where[n],
-                        "nbytes": self._entries[n]["nbytes"], "device": -1}
-                       for n in union if share[n] == me]
-            self._engine.read(self._manifest, targets)
-            self.bytes_read = read_own + sum(t["nbytes"] for t in targets)
-        except Exception as e:
-            error = e
-        status: list[Any] = [None] * world
-        mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        if isinstance(error, _NotShared):
-            mine = ("not shared", mine)
-        dist.all_gather_object(status, mine, group=group)
-        if rank == local[0]:
-            shm.unlink(path)  # every rank of the host has it mapped (or failed)
+            created: list[Any] = [None] * world
+            dist.all_gather_object(created, problem, group=group)
+            if problem is None and size and rank != local[0] and created[local[0]] is None:
+                problem = shm.check(path, shm.HEADER + size, tag)
+            if any(p is not None for p in created):
+                self._fall_back(path, rank == local[0], rank, created)
+                return
+            error: BaseException | None = None
+            buffer = torch.empty(0, dtype=torch.uint8)
+            try:
+                if problem is not None:  # not the creator's buffer: nothing is read below
+                    raise _NotShared(problem)
+                self.run(only=own)
+                read_own = self.bytes_read
+                buffer = shm.open_mapped(path, shm.HEADER + size)[shm.HEADER:]
+                me = local.index(rank)
+                targets = [{"name": n, "ptr": buffer.data_ptr() + where[n],
+                            "nbytes": self._entries[n]["nbytes"], "device": -1}
+                           for n in union if share[n] == me]
+                self._engine.read(self._manifest, targets)
+                self.bytes_read = read_own + sum(t["nbytes"] for t in targets)
+            except Exception as e:
+                error = e
+            status: list[Any] = [None] * world
+            mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+            if isinstance(error, _NotShared):
+                mine = ("not shared", mine)
+            dist.all_gather_object(status, mine, group=group)
+        finally:
+            if rank == local[0]:
+                shm.unlink(path)  # every rank of the host has it mapped (or failed)
         if any(isinstance(x, tuple) for x in status):
             self._fall_back(path, False, rank, [x[1] for x in status if isinstance(x, tuple)])
             return
