@@ -193,6 +193,24 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_shm_buffer_full_dev_shm_raises_enospc_and_leaves_nothing(tmp_path, monkeypatch):
+    """posix_fallocate reserves the space, so a full /dev/shm (a container's 64 MiB) is ENOSPC
+    at creation (run_shared then reads directly), not a SIGBUS when a rank writes the pages."""
+    import errno
+
+    from resilient.checkpoint import shm
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = str(tmp_path / f"resilient-restore-{os.getpid()}-t3")
+    with pytest.raises(OSError) as info:
+        shm.create(path, shm.HEADER + (1 << 30), "tag")
+    assert info.value.errno == errno.ENOSPC
+    assert not os.listdir(tmp_path)
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 10_000_000), max_size=40), readers=st.integers(1, 9))
 def test_layout_places_pieces_apart_aligned_and_balances_readers(sizes, readers):
