@@ -19,7 +19,8 @@ import pytest
 
 from etcd_cluster import ETCD
 
-pytestmark = pytest.mark.netns
+# slow: deselected in CI (80 s; it failed once there under load, docs/store.md "Not done yet")
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"
