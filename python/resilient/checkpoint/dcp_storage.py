@@ -194,8 +194,8 @@ class ResilientStorageWriter(StorageWriter):
         """Rank 0: the step, the save id, the root made and locked, a dead save's leftover of
         the step removed (before any rank writes: they write after this plan reaches them)."""
         root, step = locate(self.path)
-        roots.ensure_root(root)
-        with self._mutex:
+        with self._mutex:  # two async saves of this writer: one creates the root, then the other
+            roots.ensure_root(root)
             if self._lock is None or self._lock.root != os.path.realpath(root):
                 if self._pending:
                     raise ValueError("a save of this writer to another root is still in flight")
