@@ -97,21 +97,24 @@ for stage in "$@"; do
           PYTHONPATH=$pp bench "ab-$v-$RANDOM" --model gpt-1b --repeat 2 \
             --methods raw,resilient,resilient_overlap
         done ;;
-    fsdp) # FSDP2 example on every GPU (NCCL): uninterrupted vs kill -9 + resume, bit-exact
+    fsdp) # FSDP2 example on every GPU (NCCL): uninterrupted vs kill -9 + resume, bit-exact;
+          # with 2+ GPUs also FSDP x TP (--tp 2) and a resume of the TP run onto FSDP only.
         n=$(python -c "import torch; print(torch.cuda.device_count())")
-        common="--nproc $n --device cuda --steps 6 --save-every 3"
-        rm -rf /tmp/fsdp-a /tmp/fsdp-b
-        log "fsdp example on $n GPU(s)"
-        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-a --out "$OUT/fsdp-a.json" >"$OUT/fsdp.log" 2>&1; echo "uninterrupted rc=$?"
-        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --kill-at 4 >>"$OUT/fsdp.log" 2>&1; echo "killed rc=$? (expected non-zero)"
-        timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --out "$OUT/fsdp-b.json" >>"$OUT/fsdp.log" 2>&1; echo "resumed rc=$?"
-        python - "$OUT/fsdp-a.json" "$OUT/fsdp-b.json" <<'PY'
+        tps=1; [ "$n" -ge 2 ] && tps="1 2"
+        for tp in $tps; do
+          common="--nproc $n --device cuda --steps 6 --save-every 3 --tp $tp"
+          rm -rf /tmp/fsdp-a /tmp/fsdp-b
+          log "fsdp example on $n GPU(s), tp $tp"
+          timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-a --out "$OUT/fsdp-a$tp.json" >"$OUT/fsdp$tp.log" 2>&1; echo "uninterrupted rc=$?"
+          timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --kill-at 4 >>"$OUT/fsdp$tp.log" 2>&1; echo "killed rc=$? (expected non-zero)"
+          timeout 200 python examples/fsdp_train.py $common --ckpt /tmp/fsdp-b --out "$OUT/fsdp-b$tp.json" >>"$OUT/fsdp$tp.log" 2>&1; echo "resumed rc=$?"
+          python - "$OUT/fsdp-a$tp.json" "$OUT/fsdp-b$tp.json" <<'PY'
 import json, sys
 a, b = (json.load(open(f)) for f in sys.argv[1:3])
 print("fsdp resume bit-exact:", all(a["losses"][k] == v for k, v in b["losses"].items())
       and a["params"] == b["params"], sorted(b["losses"], key=int))
 PY
-        ;;
+        done ;;
     profile-load) # load() and overlapped-save timings, the carried baseline package and this tree
         for v in base new; do
           if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
