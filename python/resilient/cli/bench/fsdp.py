@@ -60,8 +60,13 @@ class _Resilient:
         self.mode, self.device = mode, device
         self.notes: dict[str, Any] = {"io": self.ck.io_backend}
 
+    def settle(self) -> None:
+        """Before the barrier that starts a timed save: the previous step's deletion (rank 0's
+        retention) is not timed, DCP's neither. Called after that barrier it would be: every
+        other rank would wait for rank 0 inside its save's first collective."""
+        self.ck.wait_cleanup()
+
     def save(self, step: int, model: Any, opt: Any) -> tuple[float, float, float, float | None]:
-        self.ck.wait_cleanup()  # the previous step's deletion is not timed (DCP's neither)
         t0 = _now()
         h = self.ck.save(step, {"model": model, "optim": opt}, mode=self.mode)
         ret = _now() - t0
@@ -105,6 +110,9 @@ class _Dcp:
 
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd}
+
+    def settle(self) -> None:
+        """Nothing to wait for: the bench deletes DCP's previous step itself, untimed."""
 
     def save(self, step: int, model: Any, opt: Any) -> tuple[float, float, float, float | None]:
         import torch.distributed.checkpoint as dcp
@@ -230,6 +238,7 @@ def _worker(rank: int, phase: str, world: int, port: int, args: argparse.Namespa
             if phase == "save":
                 m.save(0, model, opt)  # warm-up: pools and stagers are allocated once
                 for step in range(1, args.repeat + 1):
+                    m.settle()
                     barrier()
                     rec["saves"].append(m.save(step, model, opt))
                     rec["restores"].append(restore_checked(m, step))

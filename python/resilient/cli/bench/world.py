@@ -33,8 +33,12 @@ _RESTORE = {"sharded": "direct", "sharded_redist": "redistribute", "sharded_shm"
 
 
 def dir_bytes(path: Path) -> int:
-    """Bytes of the files under `path` (what a save put on storage)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes of the files under `path` (what a save put on storage), leaving out earlier steps
+    that retention is still deleting in the background (`.trash-*`)."""
+    def kept(f: Path) -> bool:
+        return f.is_file() and not any(p.startswith(".trash-") for p in f.relative_to(path).parts)
+
+    return sum(f.stat().st_size for f in path.rglob("*") if kept(f))
 
 
 def free_port() -> int:
