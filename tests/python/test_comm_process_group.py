@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
 import gloo_recovery_demo as gloo_demo  # noqa: E402
 from resilient.comm.process_group import (  # noqa: E402
     generation_store,
@@ -81,3 +84,58 @@ def test_four_gloo_ranks_survive_a_sigkill(capsys: pytest.CaptureFixture[str]) -
     with capsys.disabled():
         timings = {k: round(v, 4) for k, v in res.items() if isinstance(v, float)}
         print("\ngloo kill->first collective:", json.dumps(timings))
+
+
+_JOIN_AFTER_FAILED_ATTEMPT = r"""
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from resilient.comm.process_group import join_process_group, verify_group
+
+role, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+if role == "late":
+    # A survivor that entered generation 1, whose peer never came: its rendezvous times out.
+    try:
+        join_process_group(store, generation=1, rank=0, world_size=2, backend="gloo",
+                           timeout=timedelta(seconds=2))
+    except Exception as e:
+        print("generation 1 failed:", type(e).__name__, flush=True)
+    store.set("gen1-failed", "1")
+else:
+    store.wait(["gen1-failed"], timedelta(seconds=30))  # joins generation 2 directly
+rank = 0 if role == "late" else 1
+join_process_group(store, generation=2, rank=rank, world_size=2, backend="gloo",
+                   timeout=timedelta(seconds=20))
+verify_group()
+print("generation 2 ok", dist.distributed_c10d._get_default_group().group_name, flush=True)
+dist.barrier()
+import os
+os._exit(0)  # no gloo teardown at exit (tests/python/procs.py says why)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rendezvous_does_not_rename_the_next_generation(tmp_path: Path) -> None:
+    """One survivor's generation-1 rendezvous timed out (its peer went on to generation 2); both
+    then meet in generation 2 (torch's per-process group counter had named the first one's
+    group "1" and the other's "0": each waited for keys the other never wrote)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    script = tmp_path / "join.py"
+    script.write_text(_JOIN_AFTER_FAILED_ATTEMPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    procs = [subprocess.Popen([sys.executable, str(script), role, str(store.port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for role in ("late", "direct")]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "generation 1 failed" in outs[0], outs[0]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "generation 2 ok 0" in out, out[-2000:]

@@ -19,8 +19,7 @@ import pytest
 
 from etcd_cluster import ETCD
 
-# slow: deselected in CI (80 s; it failed once there under load, docs/store.md "Not done yet")
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = pytest.mark.netns
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_resilient_run.py"

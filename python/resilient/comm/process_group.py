@@ -185,6 +185,7 @@ def join_process_group(
         kwargs["device_id"] = device_id
     if backend == "nccl":
         prepare_nccl_env()
+    _reset_group_names()
     dist.init_process_group(
         backend,
         store=generation_store(store, generation),
@@ -194,6 +195,22 @@ def join_process_group(
         **kwargs,
     )
     return dist.group.WORLD
+
+
+def _reset_group_names() -> None:
+    """Names this process's next default group "0", as every joiner's is.
+
+    torch names a default group by a per-process counter (its store keys are
+    ``<name>/...``) and resets the counter only when a default group is destroyed. An
+    init_process_group that failed (a rendezvous that timed out because a peer died or is late)
+    still counted: the survivors of that attempt would name the next generation's group "1" and
+    wait on keys that ranks joining that generation directly never write (seen in CI: ranks 0-1
+    on ``gen2000/1/...``, ranks 2-3 on ``gen2000/0/...``, neither rebuild completed). The
+    generation prefix keeps generations apart; the name inside one must not depend on how many
+    attempts this process made.
+    """
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def verify_group(group: Any | None = None, device: torch.device | str = "cpu") -> float:

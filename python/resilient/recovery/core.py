@@ -64,7 +64,8 @@ from resilient.recovery.decisions import (
     member_failed,
     poll_collective,
 )
-from resilient.recovery.environment import warn_about_launcher
+from resilient.recovery.environment import may_be_served_by_a_rank, warn_about_launcher
+from resilient.recovery.gate import GateAbandoned, meet
 from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
 from resilient.recovery.loop import StepLoop
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
@@ -216,7 +217,8 @@ class Recovery(StepLoop):
                 log.warning("resilient recovery: the job finished (step %d) before this rank "
                             "was admitted; nothing to do", self.step)
             return self
-        warn_about_launcher(adopted=self._adopted_group is not None)
+        warn_about_launcher(adopted=self._adopted_group is not None
+                            and may_be_served_by_a_rank(self.store))
         if self.detector is None:
             from resilient.detect import FailureDetector
 
@@ -421,7 +423,11 @@ class Recovery(StepLoop):
                 raise
             except Exception as err:  # noqa: BLE001 -- a second failure: next generation
                 self.timeline.add("rebuild_failed", generation=gen, error=str(err)[:200])
-                log.warning("rebuild of generation %d failed (%s); waiting for the next", gen, err)
+                if isinstance(err, GateAbandoned):
+                    log.info("generation %d left before its group was built (%s)", gen, err)
+                else:
+                    log.warning("rebuild of generation %d failed (%s); waiting for the next",
+                                gen, err)
                 self._min_generation = gen + 1
         self._run_hooks("before_restore")
         try:
@@ -486,6 +492,11 @@ class Recovery(StepLoop):
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
         new_rank, new_size = survivors.index(self.initial_rank), len(survivors)
         t0 = time.monotonic()
+        if self.store is not None:  # every survivor of `gen` meets first (gate.py says why)
+            meet(self.store, f"gen{1000 * gen}", self.initial_rank, survivors,
+                 newer=lambda: member_failed(*self.detector.generation, min_generation=gen + 1,
+                                             watched=self._watched()),
+                 timeout_s=self.config.group_timeout_s)
         group, method = None, "reinit"
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
                 and supports_shrink(self._group)):

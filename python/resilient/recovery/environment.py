@@ -123,6 +123,17 @@ def default_group_store() -> Any:
     return store
 
 
+def may_be_served_by_a_rank(store: Any) -> bool:
+    """Whether `store` can be one that a rank's process serves: a torch TCPStore (its server
+    runs in whichever process created it, rank 0's under a bare init_process_group). An etcd
+    cluster, or any other store, is not."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore)
+
+
 def run_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The launch attempt's id: ``<TORCHELASTIC_RUN_ID>.<TORCHELASTIC_RESTART_COUNT>`` under an
     elastic agent, ``SLURM_JOB_ID.SLURM_STEP_ID`` under srun, else None."""
