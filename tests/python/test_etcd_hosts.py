@@ -1,8 +1,10 @@
 """Three emulated hosts (network namespaces on one bridge, root only), each with one etcd member
-and two ranks of examples/ddp_resilient_run.py whose store is that etcd cluster. Cutting one
-host's link splits the job 4 | 2: the majority side (two etcd members, a quorum) removes the cut
-ranks, rebuilds and finishes; the minority side cannot reach a quorum, so its ranks stop
-themselves (exit 3, "the job's store is unreachable") instead of going on alone."""
+and two ranks of examples/ddp_resilient_run.py whose store is that etcd cluster, and three host
+faults. Cutting one host's link splits the job 4 | 2: the majority side (two etcd members, a
+quorum) removes the cut ranks, rebuilds and finishes; the minority side cannot reach a quorum, so
+its ranks stop themselves (exit 3, "the job's store is unreachable") instead of going on alone.
+Killing every rank of a host at once, or one rank together with the etcd leader, leaves the
+others one agreed verdict and a finished run. Each prints when the verdict was agreed."""
 
 from __future__ import annotations
 
@@ -64,13 +66,44 @@ def _start(ns: str, args: list[str], log: Path, env: dict | None = None) -> subp
                                 env={**os.environ, **(env or {})})
 
 
+def _leader(hosts) -> int:
+    """Index of the etcd member that leads (asked through its JSON gateway, from its host)."""
+    code = ("import json, sys, urllib.request as u\n"
+            "ids = []\n"
+            "for ip in sys.argv[1:]:\n"
+            "    r = json.load(u.urlopen(u.Request(f'http://{ip}:2379/v3/maintenance/status',"
+            " data=b'{}'), timeout=5))\n"
+            "    ids.append((r['header']['member_id'], r['leader']))\n"
+            "print(json.dumps(ids))")
+    out = subprocess.run(["ip", "netns", "exec", hosts[0][0], sys.executable, "-c", code,
+                          *[ip for _, ip in hosts]], capture_output=True, text=True, timeout=30,
+                         check=True).stdout
+    ids = json.loads(out)
+    leader = ids[0][1]
+    return next(i for i, (member, _) in enumerate(ids) if member == leader)
+
+
+# scenario: (fault, exit codes of ranks 0-5, members that finish)
+SCENARIOS = {
+    # host 2's link goes down: ranks 4-5 cannot reach a quorum and stop themselves
+    "cut_host": ([0, 0, 0, 0, 3, 3], [0, 1, 2, 3]),
+    # every rank of host 2 is SIGKILLed at once (its etcd member lives on)
+    "kill_host": ([0, 0, 0, 0, -9, -9], [0, 1, 2, 3]),
+    # rank 5 and the etcd leader die together: the two other members elect a new leader
+    "kill_rank_and_etcd_leader": ([0, 0, 0, 0, 0, -9], [0, 1, 2, 3, 4]),
+}
+
+
 @pytest.mark.timeout(240)
-def test_a_cut_host_stops_itself_and_the_majority_finishes(tmp_path, hosts):
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_host_faults_leave_one_agreed_majority(tmp_path, hosts, scenario):
+    codes_expected, members_expected = SCENARIOS[scenario]
     cluster = ",".join(f"m{i}=http://{ip}:2380" for i, (_, ip) in enumerate(hosts))
     procs: list[subprocess.Popen] = []
     try:
+        etcds = []
         for i, (ns, ip) in enumerate(hosts):
-            procs.append(_start(ns, [
+            etcds.append(_start(ns, [
                 ETCD, "--name", f"m{i}", "--data-dir", str(tmp_path / f"etcd{i}"),
                 "--listen-client-urls", f"http://{ip}:2379",
                 "--advertise-client-urls", f"http://{ip}:2379",
@@ -79,6 +112,7 @@ def test_a_cut_host_stops_itself_and_the_majority_finishes(tmp_path, hosts):
                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
                 "--heartbeat-interval", "50", "--election-timeout", "500"],
                 tmp_path / f"etcd{i}.log"))
+        procs += etcds
         url = "etcd://" + ",".join(f"{ip}:2379" for _, ip in hosts) + "/split/"
         ranks = []
         for r in range(6):
@@ -101,20 +135,39 @@ def test_a_cut_host_stops_itself_and_the_majority_finishes(tmp_path, hosts):
             time.sleep(0.1)
         else:
             raise AssertionError("the job did not reach step 10")
-        _ip("netns", "exec", hosts[2][0], "ip", "link", "set", "eth0", "down")  # cut host 2
+        what = ""
+        if scenario == "cut_host":
+            _ip("netns", "exec", hosts[2][0], "ip", "link", "set", "eth0", "down")
+        elif scenario == "kill_host":
+            for p in ranks[4:]:
+                os.killpg(p.pid, signal.SIGKILL)
+        else:
+            leader = _leader(hosts)
+            os.killpg(ranks[5].pid, signal.SIGKILL)
+            os.killpg(etcds[leader].pid, signal.SIGKILL)
+            what = f" (etcd member {leader} was the leader)"
         t0 = time.monotonic()
         for p in ranks:
             p.wait(timeout=150)
         codes = [p.returncode for p in ranks]
         logs = {r: (tmp_path / f"rank{r}.log").read_text()[-1500:] for r in range(6)}
-        assert codes == [0, 0, 0, 0, 3, 3], (codes, logs)
-        for r in (4, 5):
-            assert "the job's store is unreachable" in logs[r], logs[r]
-        for r in range(4):
+        assert codes == codes_expected, (codes, logs)
+        if scenario == "cut_host":
+            for r in (4, 5):
+                assert "the job's store is unreachable" in logs[r], logs[r]
+        verdicts, detection = set(), []
+        for r in members_expected:
             rep = json.loads((tmp_path / f"rank{r}.json").read_text())
-            assert rep["step"] == 60 and rep["members"] == [0, 1, 2, 3], rep["members"]
-        print(f"\n[etcd hosts] cut host 2: ranks 4-5 stopped, 0-3 finished "
-              f"{time.monotonic() - t0:.1f} s after the cut")
+            assert rep["step"] == 60 and rep["members"] == members_expected, rep["members"]
+            agreed = [e for e in rep["timeline"] if e["kind"] == "agreed"]
+            assert agreed, rep["timeline"]
+            verdicts.add((agreed[-1]["generation"], tuple(agreed[-1]["members"])))
+            detection.append(agreed[-1]["time_mono"])
+        # one verdict: every survivor's last agreement is the same generation and membership
+        assert len(verdicts) == 1, verdicts
+        print(f"\n[etcd hosts] {scenario}{what}: verdict {verdicts.pop()} agreed on every "
+              f"survivor within {max(detection) - t0:.2f} s of the fault; finished "
+              f"{time.monotonic() - t0:.1f} s after it")
     finally:
         for p in procs:
             if p.poll() is None:
