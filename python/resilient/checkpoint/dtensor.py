@@ -27,18 +27,27 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+# Chunk lists by placement spec (mesh, placements, global shape and stride, dtype): the same for
+# every DTensor of that spec in this process. module.state_dict() hands out a new detached
+# DTensor per parameter per save, so a cache on the object missed for every parameter.
+_BY_SPEC: dict[Any, list] = {}
+
+
 def _chunk_list(t: Any) -> list:
-    """t.__create_chunk_list__(), kept on the DTensor with the placement spec it was computed
-    for: torch builds it in Python, milliseconds per save for hundreds of sharded tensors."""
+    """t.__create_chunk_list__() (torch builds it in Python: milliseconds per save for hundreds
+    of sharded tensors), computed once per placement spec."""
     spec = getattr(t, "_spec", None)
-    hit = getattr(t, "_resilient_chunks", None)
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    chunks = t.__create_chunk_list__()
     try:
-        t._resilient_chunks = (spec, chunks)
-    except (AttributeError, TypeError):
-        pass
+        hit = _BY_SPEC.get(spec) if spec is not None else None
+    except TypeError:  # an unhashable spec: no cache
+        spec, hit = None, None
+    if hit is not None:
+        return hit
+    chunks = t.__create_chunk_list__()
+    if spec is not None:
+        if len(_BY_SPEC) > 100_000:
+            _BY_SPEC.clear()
+        _BY_SPEC[spec] = chunks
     return chunks
 
 
