@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 apt_pkgs=(build-essential cmake ninja-build pkg-config liburing-dev libzstd-dev libxxhash-dev
           nlohmann-json3-dev libgtest-dev libgmock-dev libssl-dev clang libclang-rt-14-dev
-          clang-format iproute2 stress-ng etcd-server)
+          clang-format iproute2 stress-ng etcd-server libcurl4-openssl-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
