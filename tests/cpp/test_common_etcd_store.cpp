@@ -1,0 +1,412 @@
+// EtcdStore against real etcd servers the tests start and stop themselves (free ports on
+// 127.0.0.1, a temporary data directory, every wait bounded, killed in TearDown).
+// scripts/setup.sh installs etcd-server; without it these tests fail, saying so.
+#include "resilient/common/etcd_store.hpp"
+
+#include <curl/curl.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace resilient {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kEtcd = "/usr/bin/etcd";
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+size_t append(char* d, size_t s, size_t n, void* out) {
+  static_cast<std::string*>(out)->append(d, s * n);
+  return s * n;
+}
+
+// /v3/maintenance/status of the member at `port`; an empty object when it does not answer.
+nlohmann::json member_status(int port) {
+  std::string body;
+  CURL* h = curl_easy_init();
+  std::string url = "http://127.0.0.1:" + std::to_string(port) + "/v3/maintenance/status";
+  curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(h, CURLOPT_POSTFIELDS, "{}");
+  curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
+  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(h, CURLOPT_PROXY, "");
+  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, append);
+  curl_easy_setopt(h, CURLOPT_WRITEDATA, &body);
+  CURLcode rc = curl_easy_perform(h);
+  curl_easy_cleanup(h);
+  if (rc != CURLE_OK) return nlohmann::json::object();
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  return j.is_object() ? j : nlohmann::json::object();
+}
+
+// n etcd members on 127.0.0.1, each in its own process group.
+class EtcdCluster {
+ public:
+  explicit EtcdCluster(int n) : n_(n) {
+    char tmpl[] = "/tmp/resilient-etcd-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    for (int i = 0; i < n; ++i) {
+      client_.push_back(free_port());
+      peer_.push_back(free_port());
+    }
+    std::string cluster;
+    for (int i = 0; i < n; ++i) {
+      cluster += (i ? "," : "") + name(i) + "=" + url(peer_[i]);
+    }
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::string> args = {kEtcd,
+                                       "--name",
+                                       name(i),
+                                       "--data-dir",
+                                       (dir_ / name(i)).string(),
+                                       "--listen-client-urls",
+                                       url(client_[i]),
+                                       "--advertise-client-urls",
+                                       url(client_[i]),
+                                       "--listen-peer-urls",
+                                       url(peer_[i]),
+                                       "--initial-advertise-peer-urls",
+                                       url(peer_[i]),
+                                       "--initial-cluster",
+                                       cluster,
+                                       "--initial-cluster-state",
+                                       "new",
+                                       "--initial-cluster-token",
+                                       "t" + std::to_string(peer_[0]),
+                                       "--heartbeat-interval",
+                                       "50",
+                                       "--election-timeout",
+                                       "500"};
+      std::string log = (dir_ / (name(i) + ".log")).string();
+      pid_t pid = fork();
+      if (pid == 0) {
+        setpgid(0, 0);
+        int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        std::vector<char*> argv;
+        for (auto& a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        execv(kEtcd, argv.data());
+        _exit(127);
+      }
+      pids_.push_back(pid);
+    }
+  }
+  ~EtcdCluster() {
+    for (int i = 0; i < n_; ++i) kill_member(i);
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // The index of the leader, once every live member names the same one; -1 after `limit`.
+  int wait_leader(Duration limit = seconds(20)) {
+    auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+      std::set<std::string> leaders;
+      int leader = -1;
+      bool all = true;
+      for (int i = 0; i < n_; ++i) {
+        if (pids_[i] < 0) continue;
+        auto s = member_status(client_[i]);
+        std::string l = s.value("leader", std::string());
+        if (l.empty() || l == "0") {
+          all = false;
+          break;
+        }
+        leaders.insert(l);
+        if (s.contains("header") && s["header"].value("member_id", std::string()) == l) leader = i;
+      }
+      if (all && leaders.size() == 1 && leader >= 0) return leader;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return -1;
+  }
+
+  void kill_member(int i) {
+    if (pids_[i] < 0) return;
+    ::kill(-pids_[i], SIGCONT);
+    ::kill(-pids_[i], SIGKILL);
+    waitpid(pids_[i], nullptr, 0);
+    pids_[i] = -1;
+  }
+  void signal_member(int i, int sig) { ::kill(-pids_[i], sig); }
+
+  // The members' client endpoints, member `first` first (the one a new store asks first).
+  std::string store_url(const std::string& prefix, int first = 0) const {
+    std::string u = "etcd://";
+    for (int k = 0; k < n_; ++k) {
+      u += (k ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(client_[(first + k) % n_]);
+    }
+    return u + "/" + prefix;
+  }
+  std::unique_ptr<EtcdStore> store(const std::string& prefix, int first = 0) const {
+    auto o = EtcdOptions::from_url(store_url(prefix, first));
+    EXPECT_TRUE(o.ok()) << o.status().to_string();
+    auto s = EtcdStore::create(*o);
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    return std::move(s).value();
+  }
+
+ private:
+  static std::string name(int i) { return "m" + std::to_string(i); }
+  static std::string url(int port) { return "http://127.0.0.1:" + std::to_string(port); }
+
+  int n_;
+  fs::path dir_;
+  std::vector<int> client_, peer_;
+  std::vector<pid_t> pids_;
+};
+
+void require_etcd() {
+  ASSERT_EQ(access(kEtcd, X_OK), 0)
+      << kEtcd << " is missing: scripts/setup.sh installs it (apt-get install etcd-server)";
+}
+
+// One single-member cluster for the contract tests (each test uses its own prefix).
+class EtcdStoreTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (access(kEtcd, X_OK) != 0) return;
+    cluster_ = new EtcdCluster(1);
+    leader_ = cluster_->wait_leader();
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override {
+    require_etcd();
+    ASSERT_GE(leader_, 0) << "etcd did not start";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    store_ = cluster_->store(std::string(info->name()) + "/");
+  }
+
+  static EtcdCluster* cluster_;
+  static int leader_;
+  std::unique_ptr<EtcdStore> store_;
+};
+EtcdCluster* EtcdStoreTest::cluster_ = nullptr;
+int EtcdStoreTest::leader_ = -1;
+
+constexpr Duration kT = seconds(5);
+
+TEST_F(EtcdStoreTest, SetThenGetAndAbsentKeyIsNotFound) {
+  ASSERT_TRUE(store_->set("a", "1", kT).ok());
+  auto v = store_->get("a", kT, IfAbsent::kFail);
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  EXPECT_EQ(*v, "1");
+  ASSERT_TRUE(store_->set("a", "2", kT).ok());
+  EXPECT_EQ(*store_->get("a", kT, IfAbsent::kFail), "2");
+  auto missing = store_->get("nope", kT, IfAbsent::kFail);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(EtcdStoreTest, ValuesAreBytesWithNulsAndMayBeEmpty) {
+  std::string bytes("\0a\0\xff\x01", 5);
+  for (size_t n = 0; n < 7; ++n) {  // every base64 padding case
+    std::string v = bytes.substr(0, n % 6) + std::string(n, '\0');
+    ASSERT_TRUE(store_->set("k" + std::to_string(n), v, kT).ok());
+    EXPECT_EQ(*store_->get("k" + std::to_string(n), kT, IfAbsent::kFail), v);
+  }
+  ASSERT_TRUE(store_->set("empty", "", kT).ok());
+  auto e = store_->get("empty", kT, IfAbsent::kFail);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_EQ(*e, "");
+}
+
+TEST_F(EtcdStoreTest, PrefixesKeepRunsApart) {
+  auto other = cluster_->store("another-run/");
+  ASSERT_TRUE(store_->set("x", "mine", kT).ok());
+  EXPECT_EQ(other->get("x", kT, IfAbsent::kFail).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(EtcdStoreTest, WaitingGetIsSatisfiedByAnotherThreadsSet) {
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(200));
+    EXPECT_TRUE(store_->set("late", "here", kT).ok());
+  });
+  auto v = store_->get("late", kT, IfAbsent::kWait);
+  setter.join();
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  EXPECT_EQ(*v, "here");
+}
+
+TEST_F(EtcdStoreTest, WaitingGetTimesOut) {
+  auto t0 = Clock::now();
+  auto v = store_->get("never", milliseconds(300), IfAbsent::kWait);
+  auto took = Clock::now() - t0;
+  EXPECT_EQ(v.status().code(), StatusCode::kTimeout);
+  EXPECT_GE(took, milliseconds(290));
+  EXPECT_LT(took, milliseconds(800));
+}
+
+TEST_F(EtcdStoreTest, CompareSetFirstWriterWinsAcrossThreads) {
+  constexpr int kThreads = 8;
+  std::vector<std::string> got(kThreads);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < kThreads) std::this_thread::yield();
+      auto r = store_->compare_set("winner", "", "t" + std::to_string(i), kT);
+      got[i] = r.ok() ? *r : "error: " + r.status().to_string();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(got[i], got[0]);
+  EXPECT_EQ(got[0].rfind("t", 0), 0u) << got[0];
+  EXPECT_EQ(*store_->get("winner", kT, IfAbsent::kFail), got[0]);
+}
+
+TEST_F(EtcdStoreTest, CompareSetSwapsOnlyTheExpectedValue) {
+  EXPECT_EQ(store_->compare_set("absent", "x", "y", kT).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(*store_->compare_set("c", "", "1", kT), "1");
+  EXPECT_EQ(*store_->compare_set("c", "0", "2", kT), "1");  // lost: the value is 1
+  EXPECT_EQ(*store_->compare_set("c", "1", "2", kT), "2");
+  EXPECT_EQ(*store_->compare_set("c", "1", "2", kT), "2");  // a retry sees its own value
+  std::string nul("\0z", 2);
+  EXPECT_EQ(*store_->compare_set("c", "2", nul, kT), nul);
+  EXPECT_EQ(*store_->compare_set("c", nul, "3", kT), "3");
+}
+
+TEST_F(EtcdStoreTest, ConnectStoreSelectsByUrl) {
+  auto s = connect_store(cluster_->store_url("connect/"));
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_TRUE((*s)->set("k", "v", kT).ok());
+  auto direct = cluster_->store("connect/");
+  EXPECT_EQ(*direct->get("k", kT, IfAbsent::kFail), "v");
+  auto mem = connect_store("memory://");
+  ASSERT_TRUE(mem.ok());
+  EXPECT_EQ(connect_store("tcp://user:secret@h:1").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(connect_store("tcp://user:secret@h:1").status().message().find("secret"),
+            std::string::npos);
+}
+
+TEST(EtcdOptionsTest, ParsesUrlsAndValidates) {
+  auto o = EtcdOptions::from_url("etcds://alice@h1:2379,h2:2380/job42/?ca=/c%20a.pem&cert=c&key=k");
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_TRUE(o->tls);
+  EXPECT_EQ(o->endpoints, (std::vector<std::string>{"h1:2379", "h2:2380"}));
+  EXPECT_EQ(o->prefix, "job42/");
+  EXPECT_EQ(o->user, "alice");
+  EXPECT_EQ(o->ca_file, "/c a.pem");
+  EXPECT_EQ(o->validate().code(), StatusCode::kInvalidArgument);  // no password yet
+  o->password = "pw";
+  EXPECT_TRUE(o->validate().ok());
+
+  auto with_pw = EtcdOptions::from_url("etcd://alice:pw@h1:2379/");
+  EXPECT_EQ(with_pw.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(with_pw.status().message().find("pw@"), std::string::npos);
+  EXPECT_FALSE(EtcdOptions::from_env("etcds://h1:2379/").ok());         // TLS without a CA
+  EXPECT_FALSE(EtcdOptions::from_env("etcd://h1/").ok());               // no port
+  EXPECT_FALSE(EtcdOptions::from_env("etcd:///x").ok());                // no endpoint
+  EXPECT_FALSE(EtcdOptions::from_env("etcd://h1:2379/?bogus=1").ok());  // unknown option
+  EXPECT_FALSE(EtcdOptions::from_env("etcd://h:1/?cert=c").ok());       // cert without key
+
+  setenv("RESILIENT_ETCD_PASSWORD", "s3cret", 1);
+  auto env = EtcdOptions::from_env("etcd://bob@h1:2379/p/");
+  unsetenv("RESILIENT_ETCD_PASSWORD");
+  ASSERT_TRUE(env.ok()) << env.status().to_string();
+  EXPECT_EQ(env->password, "s3cret");
+  auto missing = EtcdOptions::from_env("etcd://bob@h1:2379/p/");
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(EtcdStoreFailureTest, KilledServerIsUnavailableWithinTheTimeout) {
+  require_etcd();
+  EtcdCluster c(1);
+  ASSERT_GE(c.wait_leader(), 0);
+  auto store = c.store("dead/");
+  ASSERT_TRUE(store->set("k", "v", kT).ok());
+  c.kill_member(0);
+  for (IfAbsent mode : {IfAbsent::kFail, IfAbsent::kWait}) {
+    auto t0 = Clock::now();
+    auto v = store->get("k", seconds(2), mode);
+    EXPECT_EQ(v.status().code(), StatusCode::kUnavailable) << v.status().to_string();
+    EXPECT_LT(Clock::now() - t0, milliseconds(2500));
+  }
+  EXPECT_EQ(store->set("k", "v", seconds(1)).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(store->compare_set("k", "", "v", seconds(1)).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(EtcdStoreFailureTest, FrozenServerTimesOut) {
+  require_etcd();
+  EtcdCluster c(1);
+  ASSERT_GE(c.wait_leader(), 0);
+  auto store = c.store("frozen/");
+  ASSERT_TRUE(store->set("k", "v", kT).ok());
+  c.signal_member(0, SIGSTOP);
+  auto t0 = Clock::now();
+  auto v = store->get("k", milliseconds(1500), IfAbsent::kFail);
+  auto took = Clock::now() - t0;
+  EXPECT_EQ(v.status().code(), StatusCode::kTimeout) << v.status().to_string();
+  EXPECT_GE(took, milliseconds(1400));
+  EXPECT_LT(took, milliseconds(2200));
+  auto cs = store->compare_set("k", "v", "w", milliseconds(600));
+  EXPECT_EQ(cs.status().code(), StatusCode::kTimeout) << cs.status().to_string();
+  c.signal_member(0, SIGCONT);
+  auto after = store->get("k", kT, IfAbsent::kFail);
+  ASSERT_TRUE(after.ok()) << after.status().to_string();
+  EXPECT_EQ(*after, "v");  // the timed-out compare_set may or may not have applied: never "w" half
+}
+
+TEST(EtcdStoreFailureTest, ThreeMembersSurviveTheLeadersDeathAndAMinorityDoesNotDecide) {
+  require_etcd();
+  EtcdCluster c(3);
+  int leader = c.wait_leader();
+  ASSERT_GE(leader, 0);
+  // The leader is the store's first endpoint, so its death is both a refused connection and an
+  // election.
+  auto store = c.store("cluster/", leader);
+  ASSERT_TRUE(store->set("before", "1", kT).ok());
+  c.kill_member(leader);
+  auto t0 = Clock::now();
+  auto v = store->get("before", kT, IfAbsent::kFail);
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  EXPECT_EQ(*v, "1");
+  ASSERT_TRUE(store->set("after", "2", kT).ok());
+  EXPECT_EQ(*store->compare_set("cas", "", "x", kT), "x");
+  EXPECT_LT(Clock::now() - t0, kT);
+  // One member left of three: no quorum, no answer (a minority does not decide).
+  int second = -1;
+  for (int i = 0; i < 3; ++i) {
+    if (i != leader) {
+      second = i;
+      break;
+    }
+  }
+  c.kill_member(second);
+  auto lost = store->compare_set("cas2", "", "y", milliseconds(1500));
+  EXPECT_EQ(lost.status().code(), StatusCode::kTimeout) << lost.status().to_string();
+}
+
+}  // namespace
+}  // namespace resilient
