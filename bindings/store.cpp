@@ -3,10 +3,15 @@
 // call_python(), which is safe at interpreter shutdown.
 #include "store.hpp"
 
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "errors.hpp"
+#include "resilient/common/etcd_store.hpp"
 
 namespace resilient::py {
 namespace pyb = pybind11;
@@ -78,6 +83,15 @@ Duration seconds_arg(double s) {
   return from_seconds(s);
 }
 
+// torch's Store takes str or bytes values.
+std::string bytes_arg(const pyb::handle& v) {
+  if (pyb::isinstance<pyb::str>(v)) return v.cast<std::string>();
+  return pyb::bytes(pyb::reinterpret_borrow<pyb::object>(v)).cast<std::string>();
+}
+
+// Without a timeout: torch's default store timeout.
+constexpr double kDefaultTimeoutS = 300.0;
+
 }  // namespace
 
 std::shared_ptr<Store> as_store(const pyb::object& obj) {
@@ -100,8 +114,8 @@ void register_store(pyb::module_& m) {
       "Anything that takes a store also takes a torch.distributed.Store.")
       .def(
           "set",
-          [](Store& s, const std::string& key, const pyb::bytes& value, double timeout_s) {
-            std::string v = value;
+          [](Store& s, const std::string& key, const pyb::object& value, double timeout_s) {
+            std::string v = bytes_arg(value);
             Duration t = seconds_arg(timeout_s);
             Status st = [&] {
               pyb::gil_scoped_release nogil;
@@ -120,14 +134,14 @@ void register_store(pyb::module_& m) {
             }();
             return pyb::bytes(unwrap(std::move(r)));
           },
-          pyb::arg("key"), pyb::arg("timeout_s"), pyb::arg("wait") = true,
+          pyb::arg("key"), pyb::arg("timeout_s") = kDefaultTimeoutS, pyb::arg("wait") = true,
           "The value; waits up to timeout_s for an absent key (TimeoutError), or with "
           "wait=False raises KeyError at once.")
       .def(
           "compare_set",
-          [](Store& s, const std::string& key, const pyb::bytes& expected,
-             const pyb::bytes& desired, double timeout_s) {
-            std::string e = expected, d = desired;
+          [](Store& s, const std::string& key, const pyb::object& expected,
+             const pyb::object& desired, double timeout_s) {
+            std::string e = bytes_arg(expected), d = bytes_arg(desired);
             Duration t = seconds_arg(timeout_s);
             Result<std::string> r = [&] {
               pyb::gil_scoped_release nogil;
@@ -135,7 +149,42 @@ void register_store(pyb::module_& m) {
             }();
             return pyb::bytes(unwrap(std::move(r)));
           },
-          pyb::arg("key"), pyb::arg("expected"), pyb::arg("desired"), pyb::arg("timeout_s") = 60.0);
+          pyb::arg("key"), pyb::arg("expected"), pyb::arg("desired"), pyb::arg("timeout_s") = 60.0)
+      // torch.distributed.Store's check and wait, so code written for a torch store (the
+      // detector's start-up, recovery) takes a native one as it is.
+      .def(
+          "check",
+          [](Store& s, const std::vector<std::string>& keys) {
+            Status st;
+            {
+              pyb::gil_scoped_release nogil;
+              for (const auto& key : keys) {
+                st = s.get(key, from_seconds(kDefaultTimeoutS), IfAbsent::kFail).status();
+                if (!st.ok()) break;
+              }
+            }
+            if (st.code() == StatusCode::kNotFound) return false;
+            throw_if_error(st);
+            return true;
+          },
+          pyb::arg("keys"), "Whether every key exists (torch.distributed.Store.check).")
+      .def(
+          "wait",
+          [](Store& s, const std::vector<std::string>& keys, Duration timeout) {
+            const TimePoint deadline = SteadyClock().now() + timeout;
+            for (const auto& key : keys) {
+              Status st;
+              {
+                pyb::gil_scoped_release nogil;
+                Duration left = std::max(Duration::zero(), deadline - SteadyClock().now());
+                st = s.get(key, left, IfAbsent::kWait).status();
+              }
+              throw_if_error(st);
+            }
+          },
+          pyb::arg("keys"), pyb::arg("timeout") = from_seconds(kDefaultTimeoutS),
+          "Waits until every key exists (torch.distributed.Store.wait; TimeoutError after "
+          "`timeout`, a datetime.timedelta).");
 
   pyb::class_<InMemoryStore, Store, std::shared_ptr<InMemoryStore>>(
       m, "InMemoryStore", "A process-local Store (tests, single-process use).")
@@ -143,6 +192,25 @@ void register_store(pyb::module_& m) {
       .def("set_unavailable", &InMemoryStore::set_unavailable, pyb::arg("unavailable"))
       .def_property_readonly("calls", &InMemoryStore::calls)
       .def("__len__", &InMemoryStore::size);
+
+  pyb::class_<EtcdStore, Store, std::shared_ptr<EtcdStore>>(
+      m, "EtcdStore",
+      "The Store on an etcd v3 cluster through its JSON gateway (see docs/store.md); made by "
+      "connect_store(\"etcd://...\").")
+      .def_property_readonly("endpoints", [](const EtcdStore& s) { return s.options().endpoints; })
+      .def_property_readonly("prefix", [](const EtcdStore& s) { return s.options().prefix; })
+      .def_property_readonly("requests", &EtcdStore::requests);
+
+  m.def(
+      "connect_store",
+      [](const std::string& url) -> std::shared_ptr<Store> {
+        Result<std::unique_ptr<Store>> r = connect_store(url);
+        return std::shared_ptr<Store>(unwrap(std::move(r)));
+      },
+      pyb::arg("url"),
+      "The store a URL names: etcd://[user@]h1:2379,h2:2379/prefix/ (etcds:// with ?ca=, "
+      "&cert=, &key= for TLS; the password from RESILIENT_ETCD_PASSWORD) is an EtcdStore, "
+      "memory:// an InMemoryStore. ValueError for a malformed URL. No I/O until the first call.");
 
   m.def(
       "as_store", [](const pyb::object& obj) { return as_store(obj); }, pyb::arg("store"),

@@ -7,15 +7,20 @@ any object with the ``torch.distributed.Store`` methods of :class:`StoreLike` (T
 PrefixStore, HashStore): one native adapter calls those methods, mapping ``TimeoutError`` and
 torch's ``DistStoreError`` to a timeout, ``KeyError`` to an absent key and any other exception to
 an unavailable store. :func:`as_store` returns that native view of a store (for tests and tools).
+
+:func:`connect_store` opens a native store by URL: ``etcd://h1:2379,h2:2379/<run prefix>/`` is
+an :class:`EtcdStore` (the native client of an etcd v3 cluster; docs/store.md), ``memory://`` an
+:class:`InMemoryStore`. A native store also has ``torch.distributed.Store``'s ``check`` and
+``wait``, so the detector and recovery take it as they take a TCPStore.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from resilient._C import InMemoryStore, Store, as_store
+from resilient._C import EtcdStore, InMemoryStore, Store, as_store, connect_store
 
-__all__ = ["InMemoryStore", "Store", "StoreLike", "as_store"]
+__all__ = ["EtcdStore", "InMemoryStore", "Store", "StoreLike", "as_store", "connect_store"]
 
 
 class StoreLike(Protocol):
