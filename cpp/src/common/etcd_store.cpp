@@ -382,10 +382,11 @@ Result<std::string> EtcdStore::post(const std::string& path, const std::string& 
         continue;
       }
       int code = j.ok() ? j->value("code", 0) : 0;
-      if (code == 3 || r.http == 400) return invalid(last_error);  // InvalidArgument
-      if (code == 7 || code == 16) {  // PermissionDenied, Unauthenticated
+      if (code == 7 || code == 16 || error.find("user name is empty") != std::string::npos) {
+        // PermissionDenied, Unauthenticated, or no user while auth is on: not worth a retry
         return Status(StatusCode::kFailedPrecondition, "etcd: " + last_error);
       }
+      if (code == 3 || r.http == 400) return invalid(last_error);  // InvalidArgument
       // anything else (no leader, leader changed, a member stopping): another member, then retry
     }
     if (refused == n) {

@@ -19,6 +19,9 @@
 // through a leader election) is left for the next too. When every member refused the connection
 // in one round the call fails with kUnavailable at once; when the deadline passes with some member
 // reached but no answer (a frozen server, no quorum, a partition) it fails with kTimeout.
+// A write that failed with kTimeout may still take effect later (a frozen or partitioned member
+// serves the requests it already received when it recovers): callers that must know read back,
+// as compare_set's return value does on a retry.
 //
 // Credentials: the password is read from RESILIENT_ETCD_PASSWORD (never from a URL, which ends
 // up in logs); it and the auth token never appear in a Status message or a log line.
