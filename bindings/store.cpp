@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "errors.hpp"
+#ifdef RESILIENT_HAVE_ETCD
 #include "resilient/common/etcd_store.hpp"
+#endif
 
 namespace resilient::py {
 namespace pyb = pybind11;
@@ -193,6 +195,7 @@ void register_store(pyb::module_& m) {
       .def_property_readonly("calls", &InMemoryStore::calls)
       .def("__len__", &InMemoryStore::size);
 
+#ifdef RESILIENT_HAVE_ETCD
   pyb::class_<EtcdStore, Store, std::shared_ptr<EtcdStore>>(
       m, "EtcdStore",
       "The Store on an etcd v3 cluster through its JSON gateway (see docs/store.md); made by "
@@ -211,6 +214,7 @@ void register_store(pyb::module_& m) {
       "The store a URL names: etcd://[user@]h1:2379,h2:2379/prefix/ (etcds:// with ?ca=, "
       "&cert=, &key= for TLS; the password from RESILIENT_ETCD_PASSWORD) is an EtcdStore, "
       "memory:// an InMemoryStore. ValueError for a malformed URL. No I/O until the first call.");
+#endif
 
   m.def(
       "as_store", [](const pyb::object& obj) { return as_store(obj); }, pyb::arg("store"),

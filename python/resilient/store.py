@@ -18,7 +18,18 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from resilient._C import EtcdStore, InMemoryStore, Store, as_store, connect_store
+from resilient._C import InMemoryStore, Store, as_store
+
+try:
+    from resilient._C import EtcdStore, connect_store
+except ImportError:  # built with -DRESILIENT_ETCD=OFF (no libcurl headers: scripts/gpu_run.sh)
+    EtcdStore = None  # type: ignore[assignment,misc]
+
+    def connect_store(url: str) -> Store:  # type: ignore[misc]
+        """Unavailable: this build has no native etcd client."""
+        raise RuntimeError(f"connect_store({url!r}): this build of resilient has no native etcd "
+                           "client (configured with RESILIENT_ETCD=OFF); rebuild with libcurl "
+                           "(scripts/setup.sh), or use resilient.etcd.EtcdStore")
 
 __all__ = ["EtcdStore", "InMemoryStore", "Store", "StoreLike", "as_store", "connect_store"]
 
