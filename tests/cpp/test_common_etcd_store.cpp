@@ -393,46 +393,52 @@ TEST(EtcdOptionsTest, ParsesUrlsAndValidates) {
   EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(EtcdStoreFailureTest, KilledServerIsUnavailableWithinTheTimeout) {
-  require_etcd();
-  EtcdCluster c(1);
-  ASSERT_GE(c.wait_leader(), 0);
-  auto store = c.store("dead/");
-  ASSERT_TRUE(store->set("k", "v", kT).ok());
-  c.kill_member(0);
+// A cluster of one member per test, holding k = v, for the tests that kill or freeze it.
+class EtcdOneMemberFailureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    require_etcd();
+    c_ = std::make_unique<EtcdCluster>(1);
+    ASSERT_GE(c_->wait_leader(), 0) << "etcd did not start";
+    store_ = c_->store(
+        std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "/");
+    ASSERT_TRUE(store_->set("k", "v", kT).ok());
+  }
+  std::unique_ptr<EtcdCluster> c_;
+  std::unique_ptr<EtcdStore> store_;
+};
+
+TEST_F(EtcdOneMemberFailureTest, KilledServerIsUnavailableWithinTheTimeout) {
+  c_->kill_member(0);
   for (IfAbsent mode : {IfAbsent::kFail, IfAbsent::kWait}) {
     auto t0 = Clock::now();
-    auto v = store->get("k", seconds(2), mode);
+    auto v = store_->get("k", seconds(2), mode);
     EXPECT_EQ(v.status().code(), StatusCode::kUnavailable) << v.status().to_string();
     EXPECT_LT(Clock::now() - t0, milliseconds(2500));
   }
-  EXPECT_EQ(store->set("k", "v", seconds(1)).code(), StatusCode::kUnavailable);
-  EXPECT_EQ(store->compare_set("k", "", "v", seconds(1)).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(store_->set("k", "v", seconds(1)).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(store_->compare_set("k", "", "v", seconds(1)).status().code(),
+            StatusCode::kUnavailable);
 }
 
-TEST(EtcdStoreFailureTest, FrozenServerTimesOut) {
-  require_etcd();
-  EtcdCluster c(1);
-  ASSERT_GE(c.wait_leader(), 0);
-  auto store = c.store("frozen/");
-  ASSERT_TRUE(store->set("k", "v", kT).ok());
-  ASSERT_TRUE(c.freeze_member(0));
+TEST_F(EtcdOneMemberFailureTest, FrozenServerTimesOut) {
+  ASSERT_TRUE(c_->freeze_member(0));
   auto t0 = Clock::now();
-  auto v = store->get("k", milliseconds(1500), IfAbsent::kFail);
+  auto v = store_->get("k", milliseconds(1500), IfAbsent::kFail);
   auto took = Clock::now() - t0;
   EXPECT_EQ(v.status().code(), StatusCode::kTimeout) << v.status().to_string();
   EXPECT_GE(took, milliseconds(1400));
   EXPECT_LT(took, milliseconds(2200));
-  auto cs = store->compare_set("k", "v", "w", milliseconds(600));
+  auto cs = store_->compare_set("k", "v", "w", milliseconds(600));
   EXPECT_EQ(cs.status().code(), StatusCode::kTimeout) << cs.status().to_string();
-  c.signal_member(0, SIGCONT);
-  auto after = store->get("k", kT, IfAbsent::kFail);
+  c_->signal_member(0, SIGCONT);
+  auto after = store_->get("k", kT, IfAbsent::kFail);
   ASSERT_TRUE(after.ok()) << after.status().to_string();
   // A timed-out compare_set may still apply: the frozen server reads the requests queued on its
   // socket when it resumes, possibly after this read. Either way the swap is whole.
   EXPECT_TRUE(*after == "v" || *after == "w") << *after;
   std::string now = *after;
-  for (int i = 0; i < 3 && now != "x"; ++i) now = *store->compare_set("k", now, "x", kT);
+  for (int i = 0; i < 3 && now != "x"; ++i) now = *store_->compare_set("k", now, "x", kT);
   EXPECT_EQ(now, "x");
 }
 

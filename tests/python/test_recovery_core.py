@@ -133,3 +133,39 @@ def test_max_recoveries() -> None:
     rec.recoveries = 1
     with pytest.raises(RecoveryStopped, match="more than 1 recoveries"):
         rec._recover("verdict", PeerFailure("verdict"))
+
+
+@pytest.mark.parametrize("policy", ["none", "scale_lr", "keep_batch"])
+def test_a_world_change_keeps_the_schedulers_learning_rate(policy: str) -> None:
+    """The policy's factor multiplies the rates as the schedule left them (a recovery used to
+    reset them to the rates at construction), and a scheduler does not undo it at its next
+    step."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    rec = Recovery(None, 0, 4, model, opt, global_batch=32, micro_batch=8,
+                   config=RecoveryConfig(policy=policy), extra_state={"sched": sched})
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    factor = 0.75 if policy == "scale_lr" else 1.0
+    rec.apply_world(3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3 * factor)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4 * factor)
+    rec.apply_world(4)  # a joiner brought the world back
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+    assert rec.lr_factor == 1.0
+
+
+def test_without_a_global_batch_a_step_is_one_loader_batch_per_rank() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recovery(None, 0, 4, model, opt, config=RecoveryConfig(policy="keep_batch"))
+    assert rec.config.policy == "none" and rec.plan.global_batch == 4
+    rec.apply_world(3)
+    assert rec.plan.global_batch == 3 and rec.plan.micro_batches(0)[0].loss_scale == 1.0
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="both global_batch and micro_batch"):
+        Recovery(None, 0, 4, model, opt, global_batch=32)

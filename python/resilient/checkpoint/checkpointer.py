@@ -63,6 +63,7 @@ from resilient.checkpoint.ranks import Ranks, wait_key
 from resilient.checkpoint.reader import Reader
 from resilient.errors import (
     CheckpointNotFoundError,
+    CollectiveError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     ReplicaMismatchError,
@@ -603,7 +604,8 @@ class Checkpointer:
         else:
             # Rank 0 gives every rank `timeout` from its own start, then publishes: wait for
             # that (a rank that gave up earlier could report a failure rank 0 then committed).
-            wait_key(store, f"{prefix}/result", 2 * self.timeout + 60, poll_s=0.05)
+            wait_key(store, f"{prefix}/result", 2 * self.timeout + 60, poll_s=0.05,
+                     abort=f"{prefix}/abandoned")
             result = store.get(f"{prefix}/result").decode()
             store.add(f"{prefix}/read", 1)  # rank 0's close() waits for every rank's read
         return None if result == "ok" else result.removeprefix("error: ")
@@ -652,8 +654,10 @@ class Checkpointer:
         for r in range(self.world_size):
             try:
                 wait_key(store, f"{prefix}/rank{r}", max(0.0, deadline - time.monotonic()),
-                         poll_s=0.05)
+                         poll_s=0.05, abort=f"{prefix}/abandoned")
                 report = store.get(f"{prefix}/rank{r}").decode()
+            except CollectiveError as e:  # abandon(): the group lost a rank
+                report = f"error: abandoned: {e}"
             except Exception as e:
                 report = (
                     f"error: rank {r} did not report within {self.timeout} s ({type(e).__name__})"
@@ -1026,6 +1030,34 @@ class Checkpointer:
         finally:
             self._lock.release()
             _OPEN.discard(self)
+
+    def abandon(self, reason: str, timeout: float = 60.0) -> list[int]:
+        """Closes this checkpointer after its group lost a rank (in-process recovery): saves
+        not yet committed are given up at once instead of waiting ``timeout`` for the lost
+        rank's report, nothing waits for the lost rank to read an outcome, and the root's
+        writer lock is released, so a checkpointer over the survivors' group can take over.
+        Every survivor calls it. A save whose every rank had reported may still commit (rank 0
+        was already committing it); either way the root holds only whole checkpoints. Returns
+        the steps whose saves did not commit; raises nothing for them."""
+        if self._closed:
+            return []
+        pending = [h for h in self._in_flight if not h.done()]
+        for h in pending:
+            try:
+                self._ranks.store.set(f"resilient/ckpt/{h.save_id}/abandoned", reason)
+            except Exception as e:  # the store is gone too: the waits end by their timeouts
+                log.warning("cannot mark the save of step %d abandoned: %s", h.step, e)
+        with self._lock_ids:
+            self._published = []  # the lost rank will never read them
+        if not self._wait_in_flight(timeout):
+            log.warning("saves of steps %s still running after %g s while abandoned",
+                        [h.step for h in pending if not h.done()], timeout)
+        lost = [h.step for h in pending if not h.done() or h._error is not None]
+        with self._lock_ids:
+            for h in pending:
+                h._observed = True
+        self._shutdown(timeout)
+        return lost
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -136,8 +136,41 @@ class CheckpointManager:
         if rng:
             self.rank_state.setdefault("rng", RNGState())
         self.every = every
-        self._ckpt = Checkpointer(root, keep=keep, create=create, specs=specs, **options)
+        self._args = (root, dict(keep=keep, create=create, specs=specs, **options))
+        self._ckpt = Checkpointer(root, **self._args[1])
         self.distributed = self._ckpt.world_size > 1
+
+    def abort(self, reason: str) -> None:
+        """A save entering now (or already waiting for its peers) raises CollectiveError at
+        once on every rank (Ranks.abort); for in-process recovery, on the detector's verdict."""
+        try:
+            self._ckpt._ranks.abort(reason)
+        except Exception as e:  # noqa: BLE001 -- the store is gone: the timeout ends the wait
+            log.warning("cannot abort the checkpoint's collective: %s", e)
+
+    def regroup(self, lost_rank: bool) -> list[int]:
+        """Collective over the new group. Moves the manager onto the current default process
+        group after in-process recovery rebuilt it (resilient.recovery.Recovery calls this;
+        users do not): with ``lost_rank`` the saves in flight are abandoned, since the lost
+        rank's shard will never arrive (Checkpointer.abandon); without (a rank joined), they are
+        first waited for. The root keeps every committed checkpoint; the next save is written
+        by the new group's ranks. Returns the steps whose saves did not commit."""
+        old = self._ckpt
+        if lost_rank:
+            lost = old.abandon("a rank of the group was lost")
+        else:
+            try:
+                old.close()
+            except Exception as e:  # noqa: BLE001 -- reported; the new group saves anew
+                log.error("a save before the group grew did not commit: %s", e)
+            lost = [h.step for h in old._in_flight if h._error is not None]
+        root, kwargs = self._args
+        self._ckpt = Checkpointer(root, **{**kwargs, "create": True})
+        self.distributed = self._ckpt.world_size > 1
+        if lost:
+            log.warning("checkpoint saves of steps %s were not committed (the group changed); "
+                        "the next save writes a complete checkpoint", lost)
+        return lost
 
     @property
     def checkpointer(self) -> Checkpointer:

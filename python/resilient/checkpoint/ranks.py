@@ -101,6 +101,15 @@ class Ranks:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def abort(self, reason: str) -> None:
+        """Makes the collective entry in progress (or the next one) raise CollectiveError on
+        every rank at once instead of after ``collective_timeout``: for in-process recovery,
+        whose detector knows a peer is gone. Safe from another thread."""
+        if not self.distributed:
+            return
+        for seq in (self._seq, self._seq + 1):
+            self.store.set(f"resilient/ckpt/{self.run_id}/enter/{seq}/broken", reason)
+
     def enter(self, op: str, arg: Any) -> None:
         """Collective entry check (module docstring). Raises CollectiveError on every rank that
         entered when some rank did not come within collective_timeout, or came with another

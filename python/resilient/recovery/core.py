@@ -55,6 +55,7 @@ from resilient.comm.process_group import (
     shrink_abort_flag,
     supports_shrink,
 )
+from resilient.errors import CollectiveError
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.decisions import (
     PeerFailure,
@@ -88,11 +89,20 @@ class Recovery(StepLoop):
         model: the module (not yet wrapped); on GPU, already on its device.
         optimizer: its optimizer (its learning rates are the base of the ``scale_lr`` policy).
         global_batch, micro_batch: samples per step in the initial job, and the most one
-            forward pass takes (the batch plan is derived from these).
+            forward pass takes (the batch plan is derived from these; ``rec.micro_batches()``
+            gives each rank its share). Leave both out when the loop draws one batch per rank
+            and step from its own DataLoader: a step is then one batch per rank, the global
+            batch shrinks with the world, and the ``keep_batch`` policy (which needs the loop
+            over ``rec.micro_batches()``) becomes ``none`` (``scale_lr`` still scales the
+            learning rate).
         backend: "gloo" or "nccl".
         config: settings (default ``RecoveryConfig.from_env()``).
-        checkpointer: optional ``resilient.Checkpointer`` (rank 0 saves every
-            ``checkpoint_every`` steps; survivors load it when their steps differ).
+        checkpointer: optional. A ``resilient.CheckpointManager`` (the usual one, collective):
+            every rank saves its part at the manager's ``every``, and after a rebuild the
+            manager moves onto the survivors' group (saves that needed the lost rank are
+            abandoned; committed checkpoints stay). Or a ``Checkpointer(root,
+            distributed=False)``: rank 0 saves every ``checkpoint_every`` steps. Survivors whose
+            steps differ load the newest checkpoint (``mismatch_source="storage"``).
         extra_state: a dict of further state (e.g. a scheduler) broadcast/saved with the model.
         detector: a started or unstarted ``FailureDetector`` (default: one is created with
             ``detector_options``). job: the detector's job name.
@@ -103,7 +113,8 @@ class Recovery(StepLoop):
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, *, global_batch: int, micro_batch: int,
+                 optimizer: torch.optim.Optimizer, *, global_batch: int | None = None,
+                 micro_batch: int | None = None,
                  backend: str = "gloo", config: RecoveryConfig | None = None,
                  checkpointer: Any = None, checkpoint_every: int = 0,
                  extra_state: dict | None = None, detector: Any = None,
@@ -120,13 +131,32 @@ class Recovery(StepLoop):
         self.model: Any = None
         self.optimizer = optimizer
         self.backend = backend
+        if (global_batch is None) != (micro_batch is None):
+            raise ValueError("give both global_batch and micro_batch, or neither (one batch "
+                             "per rank and step from the loop's own DataLoader)")
+        self.loader_batches = global_batch is None  # a step is one loader batch per rank
+        if global_batch is None:
+            global_batch, micro_batch = world_size, 1
+            if self.config.policy == "keep_batch":
+                log.info("resilient recovery: no global_batch given, so a step is one batch "
+                         "per rank; after a rank is lost the global batch shrinks (policy "
+                         "'none'). keep_batch needs global_batch, micro_batch and the loop "
+                         "over rec.micro_batches()")
+                self.config.policy = "none"
         self.global_batch, self.micro_batch = global_batch, micro_batch
-        if checkpointer is not None and getattr(checkpointer, "world_size", 1) != 1:
-            raise ValueError("Recovery saves from rank 0 alone and its group changes on a "
-                             "failure: pass Checkpointer(root, distributed=False)")
-        self.checkpointer = checkpointer
+        from resilient.checkpoint.manager import CheckpointManager
+
+        self.manager = checkpointer if isinstance(checkpointer, CheckpointManager) else None
+        if self.manager is None and checkpointer is not None and getattr(
+                checkpointer, "world_size", 1) != 1:
+            raise ValueError("a distributed Checkpointer is bound to the group that a failure "
+                             "replaces: pass a CheckpointManager (it follows the group) or "
+                             "Checkpointer(root, distributed=False) (rank 0 saves)")
+        self.checkpointer = None if self.manager is not None else checkpointer
         self.checkpoint_every = checkpoint_every
         self.extra_state = extra_state if extra_state is not None else {}
+        if self.manager is not None:
+            self._share_manager_state(model, optimizer)
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.samplers = Samplers(samplers)
         self.timeline = Timeline(rank)
@@ -136,8 +166,7 @@ class Recovery(StepLoop):
         self.generation = 0  #: the detector generation of the current group
         self.recoveries = 0
         self.plan: BatchPlan = self._decide(world_size).plan  # type: ignore[assignment]
-        self.lr_factor = 1.0
-        self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.lr_factor = 1.0  #: the policy's learning-rate factor now applied (scale_lr)
         self._device = self._comm_device()
         self._group: Any = None
         self._retired: list[Any] = []  # failed groups and DDP wrappers (see resilient.comm)
@@ -159,6 +188,7 @@ class Recovery(StepLoop):
         self._detector_host: str | None = None
         self._join_on_start = False  # a replacement started by `resilient run` (adopt)
         self.joined = False  #: this process joined a running job (start(join=True))
+        self.started = False  #: start() ran (close() ends it)
 
     @classmethod
     def adopt(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -169,7 +199,7 @@ class Recovery(StepLoop):
         size, and the model, unwrapped if the user already wrapped it in DDP (Recovery wraps
         it again over its own groups: the loss function uses ``rec.model``). A rebuild after a
         failure replaces the default group, as without adoption. ``kwargs`` are the
-        constructor's (``global_batch`` and ``micro_batch`` are required; ``backend`` defaults
+        constructor's (``global_batch`` and ``micro_batch``: see there; ``backend`` defaults
         to the group's).
 
         Raises:
@@ -191,6 +221,8 @@ class Recovery(StepLoop):
             # script's init_process_group from waiting for the job's old group; it joins.
             rec._join_on_start = True
             rec.initial_world = int(os.environ.get("RESILIENT_JOIN_WORLD", rec.initial_world))
+            if rec.loader_batches:  # one batch per rank of the job it joins
+                rec.global_batch = rec.initial_world
         host, port = getattr(store, "host", None), getattr(store, "port", 0)
         if not host and getattr(store, "endpoints", None):  # EtcdStore: its first member
             host, port = store.endpoints[0]
@@ -208,6 +240,9 @@ class Recovery(StepLoop):
         ``join_timeout_s``) until the running job admits it, then receives the state from a
         live peer (see resilient.recovery.join); ``self.step`` is then the job's step.
         """
+        if self.started:
+            raise RuntimeError("this Recovery is already started")
+        self.started = True
         if join or self._join_on_start:
             warn_about_launcher()
             self.joined = join_as_spare(self, self.config.join_timeout_s)
@@ -247,11 +282,15 @@ class Recovery(StepLoop):
     def close(self) -> None:
         """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
         referenced: their destructors could block until the group timeout (see comm docs)."""
+        self.started = False
         if self.detector is not None:
             self.detector.stop()
         if self.checkpointer is not None:
             with contextlib.suppress(Exception):
                 self.checkpointer.wait(self.config.group_timeout_s)
+        if self.manager is not None:  # the user closes it; its failures are raised there
+            with contextlib.suppress(Exception):
+                self.manager.wait(self.config.group_timeout_s)
 
     def __enter__(self) -> Recovery:
         return self.start()
@@ -297,8 +336,15 @@ class Recovery(StepLoop):
     def _end_step(self) -> None:
         self.step += 1
         self.detector.step(self.step)
-        self._maybe_checkpoint()
-        maybe_admit(self)
+        try:  # collectives of their own (the manager's save, an admission): a peer may die
+            self._maybe_checkpoint()
+            maybe_admit(self)
+        except RecoveryStopped:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- classified there, re-raised if not ours
+            if isinstance(exc, CollectiveError) and self._pending_cause is None:
+                self._pending_cause = "collective_error"  # a save that a peer never entered
+            self._recover_until_done(exc)  # the step is done: recover, then the next one
 
     def _finished(self) -> None:
         if self.config.join_check_every > 0:
@@ -380,6 +426,8 @@ class Recovery(StepLoop):
     def _on_failure(self, ranks: list, generation: int) -> None:
         self.timeline.add("verdict", removed=list(ranks), generation=generation)
         self._verdict.set()
+        if self.manager is not None and set(ranks) & self._watched():
+            self.manager.abort(f"rank(s) {sorted(ranks)} failed")  # a save waiting for them
 
     def _on_evicted(self, generation: int) -> None:
         self.timeline.add("evicted", generation=generation)
@@ -431,6 +479,7 @@ class Recovery(StepLoop):
                 self._min_generation = gen + 1
         self._run_hooks("before_restore")
         try:
+            self.follow_group(lost_rank=True)
             self._restore()
         except (PeerFailure, RecoveryStopped):
             raise
@@ -498,8 +547,9 @@ class Recovery(StepLoop):
                                              watched=self._watched()),
                  timeout_s=self.config.group_timeout_s)
         group, method = None, "reinit"
+        # A CheckpointManager follows the default group, which a shrink does not replace.
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
-                and supports_shrink(self._group)):
+                and self.manager is None and supports_shrink(self._group)):
             self._retired.append(self._group)
             group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
             method = "shrink"
@@ -533,7 +583,11 @@ class Recovery(StepLoop):
         source = "memory"
         if len(set(all_steps)) > 1:
             source = "peer"
-            if self.config.mismatch_source == "storage" and self.checkpointer is not None:
+            if self.config.mismatch_source == "storage" and self.manager is not None:
+                loaded = self.manager.restore() or None
+                if loaded is not None:
+                    self.step, source = loaded, "storage"
+            elif self.config.mismatch_source == "storage" and self.checkpointer is not None:
                 loaded = self.checkpointer.load(self._state())
                 if loaded is not None:
                     self.step, source = loaded, "storage"
@@ -553,13 +607,14 @@ class Recovery(StepLoop):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 self._wait_work(dist.broadcast(t.data, group=self._group, group_src=src,
                                                 async_op=True))
-        step = {"step": self.step}
+        step = {"step": self.step, "lr_factor": self.lr_factor}
         state = {"optimizer": self.optimizer, "extra": self.extra_state, "step": step}
         samplers = self.samplers.state(self.step)
         if samplers:
             state["samplers"] = samplers
         broadcast_state(state, src, group=self._group, device=self._device)
         self.step = int(step["step"])
+        self.lr_factor = float(step["lr_factor"])  # the optimizer's rates came scaled by it
         if samplers:
             self.samplers.set_state(samplers, self.step)
 
@@ -571,6 +626,34 @@ class Recovery(StepLoop):
         self.model = None  # the old DDP wrapper's hooks go with it
         self._group, self.members, self.rank, self.world_size = (
             group, list(members), rank, len(members))
+
+    def _share_manager_state(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """The CheckpointManager's further objects (a scheduler, a GradScaler, counters) travel
+        with model and optimizer when a joiner or a lagging survivor receives a peer's state:
+        a replica with its own scheduler would train on with another learning rate."""
+        from resilient.checkpoint.codec import is_stateful
+
+        state = self.manager.state
+        if callable(state) and not is_stateful(state):
+            state = state()
+        if not isinstance(state, dict):
+            return
+        self.extra_state = dict(self.extra_state)  # the caller's dict stays as it was
+        for key, obj in state.items():
+            inner = obj.module if isinstance(obj, DDP) else obj
+            if inner is model or inner is self.module or obj is optimizer:
+                continue
+            self.extra_state.setdefault(f"checkpoint/{key}", obj)
+
+    def follow_group(self, lost_rank: bool) -> None:
+        """Moves the CheckpointManager (if any) onto the current group: collective over it,
+        after a rebuild (``lost_rank``) or an admission. For join.py and the rebuild."""
+        if self.manager is None:
+            return
+        t0 = time.monotonic()
+        lost = self.manager.regroup(lost_rank)
+        self.timeline.add("checkpointer_regrouped", abandoned=lost, world_size=self.world_size,
+                          seconds=time.monotonic() - t0)
 
     def rewrap(self) -> None:
         """Wraps the module in DDP over the current group (after a rebuild or a join)."""
@@ -589,11 +672,24 @@ class Recovery(StepLoop):
     def _apply(self, decision: Decision) -> None:
         self.samplers.reshard(self.world_size, self.rank, self.step)
         self.plan = decision.plan  # type: ignore[assignment]
+        self._scale_lr(decision.lr_factor / self.lr_factor)
         self.lr_factor = decision.lr_factor
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-            group["lr"] = base * decision.lr_factor
         self.timeline.add("policy", message=decision.message, accum_steps=self.plan.accum_steps,
                           global_batch=self.plan.global_batch, lr_factor=decision.lr_factor)
+
+    def _scale_lr(self, ratio: float) -> None:
+        """Multiplies the learning rates by ``ratio``: the optimizer's (as the schedule left
+        them, not as they were at the start) and the base rates of the LR schedulers among the
+        state, which would otherwise undo the factor at their next step."""
+        if ratio == 1.0:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        for obj in self.extra_state.values():
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                obj.base_lrs = [lr * ratio for lr in obj.base_lrs]
 
     def _decide(self, world: int) -> Decision:
         return decide(self.config.policy, initial_world=self.initial_world, world=world,
@@ -627,6 +723,8 @@ class Recovery(StepLoop):
         return {"model": self.module, "optimizer": self.optimizer, "extra": self.extra_state}
 
     def _maybe_checkpoint(self) -> None:
+        if self.manager is not None:
+            self.manager.step(self.step)
         if (self.checkpointer is not None and self.checkpoint_every > 0 and self.rank == 0
                 and self.step % self.checkpoint_every == 0):
             self.checkpointer.save(self.step, self._state())

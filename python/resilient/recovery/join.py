@@ -167,6 +167,7 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
     rec.adopt_group(group, members, rank)
     rec.timeline.add("rebuilt", method="join", generation=rec.generation, rank=rank,
                      world_size=len(members), seconds=time.monotonic() - t0)
+    rec.follow_group(lost_rank=False)
     rec.broadcast_state(0)
     rec.rewrap()
     rec.timeline.add("restored", source="peer", step=rec.step)

@@ -48,12 +48,20 @@ class StepLoop:
     def steps(self, start: int | None, end: int) -> Iterator[int]:
         """Yields the step to run, from ``start`` (None: ``self.step``; a rank that joined a
         running job continues from the job's step) to ``end - 1``; a step whose ``attempt``
-        recovered from a failure is yielded again."""
+        recovered from a failure is yielded again. Starts the Recovery if no ``with rec:``
+        did, and then closes it when the loop ends (or is left by an exception)."""
+        own = not self.started  # type: ignore[attr-defined]
         if start is not None and not (self.joined or self._join_on_start):  # type: ignore[attr-defined]
             self.step = start
-        while self.step < end:
-            yield self.step
-        self._finished()  # type: ignore[attr-defined]
+        if own:
+            self.start()  # type: ignore[attr-defined]
+        try:
+            while self.step < end:
+                yield self.step
+            self._finished()  # type: ignore[attr-defined]
+        finally:
+            if own:
+                self.close()  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def attempt(self) -> Iterator[None]:
