@@ -51,10 +51,11 @@ def broadcast_state(state: Any, src: int, group: Any = None,
             dtype, shape = shapes[name]
             if live is None and like is not None and type(like) is torch.Tensor:
                 live = torch.empty(shape, dtype=codec.dtype_from_name(dtype), device=like.device)
-            if live is not None and (codec.dtype_name(live.dtype) != dtype
-                                     or tuple(live.shape) != shape):
-                return (f"the source has {dtype}{list(shape)}, this rank "
-                        f"{codec.dtype_name(live.dtype)}{list(live.shape)}")
+            why = live is not None and contract.layout_mismatch(
+                (dtype, shape), (codec.dtype_name(live.dtype), live.shape), "the source",
+                "this rank")
+            if why:
+                return why
             into[name] = live if live is not None else torch.empty(
                 shape, dtype=codec.dtype_from_name(dtype))
             return None

@@ -1099,16 +1099,18 @@ class _Prepared:
                 dtensor = live
                 live, spec = local_chunk(live)  # contract.unwritable checked it has one
                 shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
-                if pieces[0].dtype != dtype or pieces[0].global_shape != spec.global_shape:
-                    return (f"checkpoint has {pieces[0].dtype}{list(pieces[0].global_shape)}, "
-                            f"the target has {dtype}{list(spec.global_shape)}")
+                why = contract.layout_mismatch((pieces[0].dtype, pieces[0].global_shape),
+                                               (dtype, spec.global_shape))
+                if why:
+                    return why
             elif live is not None:
                 shape, dtype = tuple(live.shape), codec.dtype_name(live.dtype)
                 spec = self.ck.spec_for(name, shape, None)
                 gshape = tuple(spec.global_shape) if spec else shape
-                if pieces[0].dtype != dtype or pieces[0].global_shape != gshape:
-                    return (f"checkpoint has {pieces[0].dtype}{list(pieces[0].global_shape)}, "
-                            f"the target has {dtype}{list(gshape)}")
+                why = contract.layout_mismatch((pieces[0].dtype, pieces[0].global_shape),
+                                               (dtype, gshape))
+                if why:
+                    return why
             else:
                 spec = self.ck.spec_for(name, None, pieces[0].global_shape)
                 shape = tuple(spec.shape) if spec else pieces[0].global_shape
@@ -1153,10 +1155,10 @@ class _Prepared:
                     f"step {self.step}: per-rank tensor {name!r} of rank {rank} has no data")
             shape = tuple(e["shape"])
             s = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
-            if live is not None and (e["dtype"] != codec.dtype_name(live.dtype)
-                                     or shape != tuple(live.shape)):
-                return (f"checkpoint has {e['dtype']}{list(shape)}, the target has "
-                        f"{codec.dtype_name(live.dtype)}{list(live.shape)}")
+            why = live is not None and contract.layout_mismatch(
+                (e["dtype"], shape), (codec.dtype_name(live.dtype), live.shape))
+            if why:
+                return why
             try:
                 wanted[name] = self.reader.want(
                     name, live, e["dtype"] if live is None else codec.dtype_name(live.dtype),

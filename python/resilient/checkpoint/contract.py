@@ -39,6 +39,15 @@ Check = Callable[..., "str | None"]  # (name, live tensor or None, path, like=No
 _PLAIN = (bool, int, float, str, bytes, bytearray, np.generic)
 
 
+def layout_mismatch(have: tuple[str, tuple], want: tuple[str, tuple],
+                    source: str = "checkpoint", target: str = "the target") -> str | None:
+    """For a Check: why a saved tensor of (dtype name, shape) `have` cannot be read into a
+    target of `want`, or None when they are the same."""
+    if have[0] == want[0] and tuple(have[1]) == tuple(want[1]):
+        return None
+    return (f"{source} has {have[0]}{list(have[1])}, {target} has {want[0]}{list(want[1])}")
+
+
 @dataclass
 class Issues:
     """Differences between a checkpoint and a target, by '/'-joined key path."""

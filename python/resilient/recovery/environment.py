@@ -117,7 +117,13 @@ def default_group_store() -> Any:
     if not dist.is_initialized():
         raise RuntimeError("no default process group: call torch.distributed.init_process_group "
                            "first, or pass Recovery a store, rank and world size")
-    store = distributed_c10d._get_default_store()
+    return _unprefixed(distributed_c10d._get_default_store())
+
+
+def _unprefixed(store: Any) -> Any:
+    """The store under any PrefixStores around `store`."""
+    import torch.distributed as dist
+
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
@@ -129,9 +135,7 @@ def may_be_served_by_a_rank(store: Any) -> bool:
     cluster, or any other store, is not."""
     import torch.distributed as dist
 
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return isinstance(store, dist.TCPStore)
+    return isinstance(_unprefixed(store), dist.TCPStore)
 
 
 def run_id(environ: Mapping[str, str] | None = None) -> str | None:
