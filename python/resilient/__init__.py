@@ -33,6 +33,19 @@ __all__ = [
     "__version__",
 ]
 
+def _follow_store_setting() -> None:
+    """With RESILIENT_STORE=etcd://... (``resilient run --store``) the job's default process
+    group rendezvouses on etcd, also for ``init_process_group()`` with torch's default env://."""
+    import os
+
+    if os.environ.get("RESILIENT_STORE", "").startswith(("etcd://", "etcds://")):
+        from resilient.etcd import install_env_rendezvous
+
+        install_env_rendezvous()
+
+
+_follow_store_setting()
+
 # Lazily imported so that `import resilient` (detector agents, the CLI) does not import torch.
 _LAZY = {
     "Checkpointer": "resilient.checkpoint",

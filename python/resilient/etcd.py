@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import ssl
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -341,10 +342,56 @@ def _rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: 
     raise RuntimeError("etcd:// rendezvous cannot re-rendezvous")
 
 
+def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
+                    **kwargs: Any) -> Any:
+    """``env://`` (init_process_group's default) with ``RESILIENT_STORE=etcd://...`` (set by
+    ``resilient run --store``): rank and world size come from the URL or RANK/WORLD_SIZE as
+    torch's env:// takes them, the store is the etcd cluster under the URL's prefix plus this
+    launch attempt's id. A replacement rank's one-rank group (RESILIENT_JOIN=1) gets a prefix
+    of its own inside it, so its keys stay apart from the job's group."""
+    from resilient.recovery import environment
+
+    target = os.environ.get(environment.STORE_ENV, "")
+    if not target.startswith(("etcd://", "etcds://")):
+        yield from _TORCH_ENV(url, timeout=timeout, **kwargs)
+        return
+    query = {k: v[-1] for k, v in parse_qs(urlsplit(url).query).items()}
+    try:
+        rank = int(query.get("rank", os.environ["RANK"]))
+        world = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+    except KeyError as e:
+        raise ValueError(f"env:// rendezvous on etcd needs {e.args[0]} (set by the launcher) "
+                         "or init_process_group's rank and world_size") from None
+    parts = urlsplit(target)
+    attempt = environment.run_id() or "default"
+    path = f"{parts.path.strip('/')}/{attempt}/".lstrip("/")
+    store: Any = from_url(urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")),
+                          timeout=timeout)
+    _RENDEZVOUS_STORES.append(store)  # see _rendezvous
+    if os.environ.get(environment.JOIN_ENV) == "1":
+        store = dist.PrefixStore(f"resilient/join/{os.getpid()}", store)
+    yield store, rank, world
+    raise RuntimeError("env:// rendezvous on etcd cannot re-rendezvous")
+
+
+def install_env_rendezvous() -> None:
+    """Makes env:// follow RESILIENT_STORE (``_env_rendezvous``); ``import resilient`` calls it
+    when that names an etcd cluster, so an unmodified ``init_process_group("gloo")`` uses it."""
+    global _TORCH_ENV
+    from torch.distributed import rendezvous as _  # noqa: F401 -- the module, not the function
+
+    handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
+    if handlers.get("env") is not _env_rendezvous:
+        _TORCH_ENV = handlers["env"]
+        handlers["env"] = _env_rendezvous
+
+
+_TORCH_ENV: Any = None  # torch's own env:// handler, once install_env_rendezvous() replaced it
+
 for _scheme in ("etcd", "etcds"):
     try:
         register_rendezvous_handler(_scheme, _rendezvous)
     except RuntimeError:  # registered already (a reload)
         pass
 
-__all__ = ["EtcdStore", "from_url"]
+__all__ = ["EtcdStore", "from_url", "install_env_rendezvous"]

@@ -38,6 +38,13 @@ def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
         help="start a new worker for a lost one, at most this many times per node; it joins "
              "the running job through Recovery's join path (default 0)")
     parser.add_argument(
+        "--store", default=None, metavar="URL",
+        help="etcd://h1:2379,h2:2379,h3:2379/prefix (etcds:// for TLS): the workers' default "
+             "process group, and so the failure detector, recovery and checkpoint commits, use "
+             "this etcd cluster as their store instead of one served by an agent (no single "
+             "point of failure; an unmodified init_process_group() takes it once the script "
+             "has imported resilient). Sets RESILIENT_STORE for the workers")
+    parser.add_argument(
         "--finish-grace-s", type=float, default=30.0,
         help="kill workers still running this long after another finished cleanly (ranks "
              "the survivors removed, e.g. frozen ones) without failing the job (default 30)")
@@ -51,7 +58,22 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
 
     from resilient.recovery.agent import launch
 
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.store:
+        import os
+
+        from resilient.recovery.environment import STORE_ENV
+
+        if not args.store.startswith(("etcd://", "etcds://")):
+            parser.error(f"--store takes an etcd:// or etcds:// URL, not {args.store!r}")
+        try:
+            from resilient.etcd import from_url
+
+            from_url(args.store)  # checks the URL's form; connects to nothing
+        except ValueError as e:
+            parser.error(f"--store: {e}")
+        os.environ[STORE_ENV] = args.store
     if args.standalone:  # as torch.distributed.run.run does
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
         args.rdzv_id = str(uuid.uuid4())

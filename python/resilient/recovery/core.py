@@ -208,6 +208,12 @@ class Recovery(StepLoop):
         from resilient.recovery import environment
 
         store = environment.default_group_store()
+        wanted = os.environ.get(environment.STORE_ENV, "")
+        if wanted.startswith(("etcd://", "etcds://")) and not hasattr(store, "endpoints"):
+            log.warning("resilient: RESILIENT_STORE names an etcd cluster, but the default "
+                        "process group's store is a %s: import resilient before "
+                        "init_process_group() so that env:// rendezvouses on etcd",
+                        type(store).__name__)
         module = model.module if isinstance(model, DDP) else model
         if "backend" not in kwargs:
             name = str(dist.get_backend())

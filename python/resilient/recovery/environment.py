@@ -37,7 +37,9 @@ LAUNCHER_ENV = "RESILIENT_LAUNCHER"
 IN_PROCESS_ENV = "RESILIENT_IN_PROCESS_RECOVERY"
 #: "1" in a worker that ``resilient run`` started to replace a lost one: Recovery.adopt joins
 JOIN_ENV = "RESILIENT_JOIN"
-#: ``host:port`` of a store hosted outside the ranks (Slurm without ``resilient run``)
+#: the job's store outside the ranks: ``host:port`` of a TCPStore (Slurm without ``resilient
+#: run``), or ``etcd://h1:2379,h2:2379/prefix`` (``resilient run --store``: env:// rendezvous
+#: on etcd, resilient.etcd)
 STORE_ENV = "RESILIENT_STORE"
 DEFAULT_SLURM_PORT = 29500
 
@@ -183,7 +185,7 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
     if per_node.isdigit():
         out["LOCAL_WORLD_SIZE"] = per_node
-    if env.get(STORE_ENV):
+    if env.get(STORE_ENV) and "://" not in env[STORE_ENV]:  # etcd:// needs no MASTER_*
         host, _, port = env[STORE_ENV].rpartition(":")
         out.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
     else:
