@@ -6,8 +6,17 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from resilient.recovery import RecoveryConfig, Timeline, decide, phases, plan_batch
+from resilient.recovery import (
+    RecoveryConfig,
+    Timeline,
+    decide,
+    phases,
+    plan_batch,
+    plan_whole_batches,
+)
 
 
 @pytest.mark.parametrize(("global_batch", "micro", "world"), list(itertools.product(
@@ -163,3 +172,32 @@ def test_persistent_straggler_policy_removes_only_the_named_rank():
         policy(2, "compute 1.6x median since step 100")
     assert exits == [STRAGGLER_EXIT_CODE]  # only rank 2 leaves; the others carry on
     assert "rank 2" in logs[0] and "compute 1.6x" in logs[0]
+
+
+@given(st.integers(1, 512), st.integers(1, 32), st.integers(1, 16))
+def test_whole_batch_plans_keep_every_rank_at_one_position(global_batch: int, micro: int,
+                                                           world: int) -> None:
+    """Recovery(samplers=...): every rank draws the same number of whole loader batches (the
+    samplers' global position stays shared), each sample weighs 1/B of the plan's own global
+    batch, and that batch is the nearest whole multiple of world * micro to the one asked."""
+    plan = plan_whole_batches(global_batch, micro, world)
+    per_rank = {tuple(plan.sizes[r]) for r in range(world)}
+    assert len(per_rank) == 1 and set(next(iter(per_rank))) == {micro}
+    k = plan.accum_steps
+    assert plan.global_batch == k * world * micro
+    for r in range(world):
+        for mb in plan.micro_batches(r):
+            assert mb.loss_scale / world / mb.size == pytest.approx(1 / plan.global_batch)
+    unit = world * micro
+    assert k >= 1 and (k == 1 or abs(global_batch - k * unit) <= abs(global_batch - (k - 1) * unit))
+    assert abs(global_batch - k * unit) <= abs(global_batch - (k + 1) * unit)
+
+
+def test_keep_batch_with_a_loader_says_which_batch_it_kept() -> None:
+    d = decide("keep_batch", initial_world=4, world=3, min_world_size=1, global_batch=32,
+               micro_batch=8, whole_batches=True)
+    assert d.plan.global_batch == 24 and d.plan.accum_steps == 1
+    assert "32 -> 24 (the nearest whole number of batches of 8 per rank)" in d.message
+    d = decide("keep_batch", initial_world=4, world=3, min_world_size=1, global_batch=48,
+               micro_batch=4, whole_batches=True)
+    assert d.plan.global_batch == 48 and "kept" in d.message

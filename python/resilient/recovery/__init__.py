@@ -18,6 +18,7 @@ from resilient.recovery.policy import (
     decide,
     exclude_persistent_straggler,
     plan_batch,
+    plan_whole_batches,
 )
 from resilient.recovery.timeline import PHASES, Timeline, phases
 
@@ -48,4 +49,5 @@ __all__ = [
     "decide",
     "phases",
     "plan_batch",
+    "plan_whole_batches",
 ]

@@ -700,7 +700,7 @@ class Recovery(StepLoop):
     def _decide(self, world: int) -> Decision:
         return decide(self.config.policy, initial_world=self.initial_world, world=world,
                       min_world_size=self.config.min_world, global_batch=self.global_batch,
-                      micro_batch=self.micro_batch)
+                      micro_batch=self.micro_batch, whole_batches=bool(self.samplers.items))
 
     def _stop(self, message: str) -> str:
         self.timeline.add("stopped", reason=message, step=self.step)

@@ -81,6 +81,26 @@ def _split(n: int, parts: int) -> tuple:
     return tuple(base + (1 if k < extra else 0) for k in range(parts))
 
 
+def plan_whole_batches(global_batch: int, micro_batch: int, world: int) -> BatchPlan:
+    """A plan for a loop that draws whole batches of ``micro_batch`` samples from its own
+    DataLoader (``Recovery(samplers=...)``): every rank runs the same number k of full
+    micro-batches (so the samplers stay at one global position), k the whole number of batches
+    per rank nearest to ``global_batch / (world * micro_batch)`` (at least 1, halves up). The
+    global batch is then ``k * world * micro_batch``: ``global_batch`` itself when it divides.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    if global_batch <= 0 or micro_batch <= 0 or world <= 0:
+        raise ValueError(
+            f"need positive sizes, got global_batch={global_batch} "
+            f"micro_batch={micro_batch} world={world}"
+        )
+    k = max(1, (2 * global_batch + world * micro_batch) // (2 * world * micro_batch))
+    return BatchPlan(world, k * world * micro_batch, tuple((micro_batch,) * k
+                                                           for _ in range(world)))
+
+
 def plan_batch(global_batch: int, micro_batch: int, world: int) -> BatchPlan:
     """Spreads ``global_batch`` samples over ``world`` ranks in micro-batches of at most
     ``micro_batch`` samples (see :class:`BatchPlan`).
@@ -118,9 +138,12 @@ def decide(
     min_world_size: int,
     global_batch: int,
     micro_batch: int,
+    whole_batches: bool = False,
 ) -> Decision:
     """The policy's answer for a world of ``world`` ranks (the job started with
-    ``initial_world``; ``global_batch`` is the initial global batch per step).
+    ``initial_world``; ``global_batch`` is the initial global batch per step). With
+    ``whole_batches`` (a loop drawing batches of ``micro_batch`` from samplers) every plan is
+    :func:`plan_whole_batches`, and keep_batch keeps the nearest global batch it can.
 
     Raises:
         ValueError: unknown policy or bad sizes.
@@ -135,12 +158,16 @@ def decide(
             f"only {world} of {initial_world} ranks remain, fewer than the "
             f"minimum world size {min_world_size}: stopping",
         )
+    plan_for = plan_whole_batches if whole_batches else plan_batch
     if policy == "keep_batch":
-        plan = plan_batch(global_batch, micro_batch, world)
+        plan = plan_for(global_batch, micro_batch, world)
+        kept = ("kept" if plan.global_batch == global_batch else
+                f"-> {plan.global_batch} (the nearest whole number of batches of "
+                f"{micro_batch} per rank)")
         return Decision(
             False,
             f"world {initial_world} -> {world}: global batch {global_batch} "
-            f"kept with {plan.accum_steps} accumulation step(s)",
+            f"{kept} with {plan.accum_steps} accumulation step(s)",
             plan,
         )
     if global_batch % initial_world:
@@ -149,7 +176,7 @@ def decide(
             f"the initial world ({initial_world})"
         )
     # Each rank keeps its share (and so its micro-batches and accumulation steps).
-    plan = plan_batch(global_batch // initial_world * world, micro_batch, world)
+    plan = plan_for(global_batch // initial_world * world, micro_batch, world)
     factor = world / initial_world if policy == "scale_lr" else 1.0
     return Decision(
         False,
@@ -160,7 +187,8 @@ def decide(
     )
 
 
-__all__ = ["POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide", "plan_batch"]
+__all__ = ["POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide", "plan_batch",
+           "plan_whole_batches"]
 
 
 # Exit status of a rank that removed itself as a persistent straggler.
