@@ -35,10 +35,15 @@ __all__ = [
 
 def _follow_store_setting() -> None:
     """With RESILIENT_STORE=etcd://... (``resilient run --store``) the job's default process
-    group rendezvouses on etcd, also for ``init_process_group()`` with torch's default env://."""
+    group rendezvouses on etcd, also for ``init_process_group()`` with torch's default env://.
+    Done here once torch is imported (a training script), and again by resilient's torch-side
+    packages (checkpoint, recovery), so ``import resilient`` alone (detector agents, the CLI)
+    still does not import torch."""
     import os
+    import sys
 
-    if os.environ.get("RESILIENT_STORE", "").startswith(("etcd://", "etcds://")):
+    if "torch" in sys.modules and os.environ.get("RESILIENT_STORE", "").startswith(
+            ("etcd://", "etcds://")):
         from resilient.etcd import install_env_rendezvous
 
         install_env_rendezvous()

@@ -29,6 +29,7 @@ import base64
 import http.client
 import json
 import os
+import socket
 import ssl
 import sys
 import threading
@@ -369,7 +370,7 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
                           timeout=timeout)
     _RENDEZVOUS_STORES.append(store)  # see _rendezvous
     if os.environ.get(environment.JOIN_ENV) == "1":
-        store = dist.PrefixStore(f"resilient/join/{os.getpid()}", store)
+        store = dist.PrefixStore(f"resilient/join/{socket.gethostname()}/{os.getpid()}", store)
     yield store, rank, world
     raise RuntimeError("env:// rendezvous on etcd cannot re-rendezvous")
 

@@ -206,3 +206,84 @@ def test_abandon_gives_up_a_save_that_waits_for_a_lost_rank(tmp_path: Path) -> N
     ck2.save(3, state).wait()  # the writer lock was released
     assert ck2.steps() == [1, 3]
     ck2.close()
+
+
+def test_abandon_keeps_the_root_while_a_save_still_runs(tmp_path: Path) -> None:
+    """A save that does not end within abandon's timeout (here: its abandonment cannot be
+    marked) is not handed over: TimeoutError, and the root stays this checkpointer's."""
+    import resilient
+
+    ck = resilient.Checkpointer(tmp_path / "ck", create=True, distributed=False, timeout=60)
+    state = {"w": torch.arange(1000.0)}
+    ck.save(1, state).wait()
+    ck.world_size = ck._ranks.world_size = 2
+    ck.save(2, state)
+    ck.abandon_in_flight = lambda reason: []  # the store did not take the mark
+    with pytest.raises(TimeoutError, match="root stays locked"):
+        ck.abandon("rank 1 was lost", timeout=0.5)
+    other = resilient.Checkpointer(tmp_path / "ck", create=True, distributed=False)
+    with pytest.raises(resilient.RootInUseError):
+        other.save(3, state).wait()
+    del ck.abandon_in_flight
+    assert ck.abandon("rank 1 was lost", timeout=10) == [2]
+    other.close()
+
+
+def test_recovery_close_leaves_a_failed_save_to_the_managers_close(tmp_path: Path) -> None:
+    """rec.steps() closes the Recovery when the loop ends; a last save that failed must still
+    raise from the user's ckpt.close() (the job must not exit 0 without its checkpoint)."""
+    import resilient
+    from resilient.recovery import Recovery
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = resilient.CheckpointManager(str(tmp_path / "ck"), {"model": model, "optim": opt},
+                                       every=1, create=True, distributed=False)
+    rec = Recovery(None, 0, 1, model, opt, checkpointer=ckpt)
+    handle = ckpt.save(1)
+    handle.wait()
+    handle._error = resilient.CheckpointCommitError("injected: the disk filled up")
+    ckpt.checkpointer._failed.append(handle)
+    rec.close()
+    with pytest.raises(resilient.CheckpointCommitError, match="injected"):
+        ckpt.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_while_saves_are_in_flight(tmp_path: Path) -> None:
+    """Every step saves 32 MiB, so the killed rank leaves saves that wait for its shard: the
+    survivors abandon them at once (no commit timeout), go on saving from their group, and every
+    committed checkpoint verifies."""
+    from resilient.checkpoint.catalog import list_root
+
+    steps = 40
+    script = Path(__file__).parent / "ddp_saving_every_step.py"
+    with open(tmp_path / "launcher.log", "w") as log:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "4",
+             str(script), str(tmp_path / "ckpt"), str(tmp_path), str(steps)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if int((tmp_path / "rank1.step").read_text() or 0) >= 6:
+                    os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.01)
+        else:
+            raise AssertionError("rank 1 never reached step 6")
+    finally:
+        code = _wait(p, 180)
+    log_text = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log_text[-6000:]
+    assert log_text.count("done at step 40, world 3") == 3, log_text[-3000:]
+    root = str(tmp_path / "ckpt")
+    info = list_root(root)
+    by_step = {s.step: s for s in info.steps}
+    assert max(by_step) == steps and by_step[steps].world_size == 3, by_step
+    r = subprocess.run([sys.executable, "-m", "resilient", "ckpt", "verify", root, "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -13,6 +13,7 @@ state against the live one), plan (which rank writes and reads which piece), rea
 
 from __future__ import annotations
 
+from resilient import _follow_store_setting
 from resilient.checkpoint.checkpointer import (
     CheckpointCommitError,
     Checkpointer,
@@ -30,6 +31,8 @@ def read_global(root: str, step: int | None = None) -> dict:
     with Checkpointer(root, keep=0, distributed=False) as ck:
         return ck.read_global(step)
 
+
+_follow_store_setting()  # RESILIENT_STORE=etcd:// (torch is imported now)
 
 __all__ = [
     "CheckpointCommitError",

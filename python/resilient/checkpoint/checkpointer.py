@@ -1031,31 +1031,46 @@ class Checkpointer:
             self._lock.release()
             _OPEN.discard(self)
 
-    def abandon(self, reason: str, timeout: float = 60.0) -> list[int]:
-        """Closes this checkpointer after its group lost a rank (in-process recovery): saves
-        not yet committed are given up at once instead of waiting ``timeout`` for the lost
-        rank's report, nothing waits for the lost rank to read an outcome, and the root's
-        writer lock is released, so a checkpointer over the survivors' group can take over.
-        Every survivor calls it. A save whose every rank had reported may still commit (rank 0
-        was already committing it); either way the root holds only whole checkpoints. Returns
-        the steps whose saves did not commit; raises nothing for them."""
-        if self._closed:
-            return []
-        pending = [h for h in self._in_flight if not h.done()]
+    def abandon_in_flight(self, reason: str) -> list[SaveHandle]:
+        """Marks every save not yet committed as abandoned in the job's store: each rank's
+        commit stops waiting for a peer's report or for rank 0's outcome (what a lost rank
+        leaves waiting) and fails at once. Safe from another thread. Returns those saves."""
+        pending = [h for h in list(self._in_flight) if not h.done()]
         for h in pending:
             try:
                 self._ranks.store.set(f"resilient/ckpt/{h.save_id}/abandoned", reason)
             except Exception as e:  # the store is gone too: the waits end by their timeouts
                 log.warning("cannot mark the save of step %d abandoned: %s", h.step, e)
-        with self._lock_ids:
-            self._published = []  # the lost rank will never read them
+        return pending
+
+    def abandon(self, reason: str, timeout: float | None = None) -> list[int]:
+        """Closes this checkpointer after its group lost a rank (in-process recovery): saves
+        not yet committed are given up at once (abandon_in_flight) instead of waiting for the
+        lost rank, nothing waits for the lost rank to read an outcome, and the root's writer
+        lock is released, so a checkpointer over the survivors' group can take over. Every
+        survivor calls it. A save whose every rank had reported may still commit (rank 0 was
+        already committing it); either way the root holds only whole checkpoints. This rank's
+        own writes still finish first (``timeout``, default the checkpointer's). Returns the
+        steps whose saves did not commit; raises nothing for them.
+
+        Raises:
+            TimeoutError: a save was still running after ``timeout``; the checkpointer stays
+                open and keeps the root locked (handing the root over could let two writers
+                commit into it).
+        """
+        if self._closed:
+            return []
+        timeout = self.timeout if timeout is None else timeout
+        pending = self.abandon_in_flight(reason)
         if not self._wait_in_flight(timeout):
-            log.warning("saves of steps %s still running after %g s while abandoned",
-                        [h.step for h in pending if not h.done()], timeout)
-        lost = [h.step for h in pending if not h.done() or h._error is not None]
+            raise TimeoutError(
+                f"saves of steps {[h.step for h in pending if not h.done()]} still running "
+                f"{timeout:g} s after they were abandoned; the root stays locked")
         with self._lock_ids:
+            self._published = []  # the lost rank will never read them (after the wait)
             for h in pending:
                 h._observed = True
+        lost = [h.step for h in pending if h._error is not None]
         self._shutdown(timeout)
         return lost
 

@@ -141,29 +141,41 @@ class CheckpointManager:
         self.distributed = self._ckpt.world_size > 1
 
     def abort(self, reason: str) -> None:
-        """A save entering now (or already waiting for its peers) raises CollectiveError at
-        once on every rank (Ranks.abort); for in-process recovery, on the detector's verdict."""
+        """For in-process recovery, on the detector's verdict (safe from its thread): a save
+        entering now or waiting for its peers raises CollectiveError at once on every rank
+        (Ranks.abort), and the saves in flight stop waiting for the lost rank
+        (Checkpointer.abandon_in_flight)."""
         try:
             self._ckpt._ranks.abort(reason)
-        except Exception as e:  # noqa: BLE001 -- the store is gone: the timeout ends the wait
-            log.warning("cannot abort the checkpoint's collective: %s", e)
+            self._ckpt.abandon_in_flight(reason)
+        except Exception as e:  # noqa: BLE001 -- the store is gone: the timeouts end the waits
+            log.warning("cannot abort the checkpoint's collectives: %s", e)
 
-    def regroup(self, lost_rank: bool) -> list[int]:
+    def regroup(self, lost_rank: bool, timeout: float | None = None) -> list[int]:
         """Collective over the new group. Moves the manager onto the current default process
         group after in-process recovery rebuilt it (resilient.recovery.Recovery calls this;
         users do not): with ``lost_rank`` the saves in flight are abandoned, since the lost
         rank's shard will never arrive (Checkpointer.abandon); without (a rank joined), they are
-        first waited for. The root keeps every committed checkpoint; the next save is written
-        by the new group's ranks. Returns the steps whose saves did not commit."""
+        first waited for (up to ``timeout``, default the checkpointer's). The root keeps every
+        committed checkpoint; the next save is written by the new group's ranks. Returns the
+        steps whose saves did not commit.
+
+        Raises:
+            TimeoutError: a save still running after ``timeout`` (the old checkpointer keeps
+                the root; see Checkpointer.abandon).
+        """
         old = self._ckpt
         if lost_rank:
-            lost = old.abandon("a rank of the group was lost")
+            lost = old.abandon("a rank of the group was lost", timeout)
         else:
+            handles = list(old._in_flight)
             try:
-                old.close()
+                old.close(old.timeout if timeout is None else timeout)
+            except TimeoutError:
+                raise
             except Exception as e:  # noqa: BLE001 -- reported; the new group saves anew
                 log.error("a save before the group grew did not commit: %s", e)
-            lost = [h.step for h in old._in_flight if h._error is not None]
+            lost = [h.step for h in handles if h._error is not None]
         root, kwargs = self._args
         self._ckpt = Checkpointer(root, **{**kwargs, "create": True})
         self.distributed = self._ckpt.world_size > 1

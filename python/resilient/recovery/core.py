@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from resilient import _follow_store_setting
 from resilient.checkpoint.broadcast import broadcast_state
 from resilient.comm.process_group import (
     abort_process_group,
@@ -69,11 +70,13 @@ from resilient.recovery.environment import may_be_served_by_a_rank, warn_about_l
 from resilient.recovery.gate import GateAbandoned, meet
 from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
 from resilient.recovery.loop import StepLoop
+from resilient.recovery.lr import scale_learning_rates
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
 from resilient.recovery.samplers import Samplers
 from resilient.recovery.timeline import Timeline
 
 log = logging.getLogger("resilient.recovery")
+_follow_store_setting()  # RESILIENT_STORE=etcd:// (torch is imported now)
 
 LossFn = Callable[[int, MicroBatch], torch.Tensor]
 FAULT_POINTS = ("step_start", "before_rebuild", "before_restore", "after_recovery")
@@ -167,6 +170,7 @@ class Recovery(StepLoop):
         self.recoveries = 0
         self.plan: BatchPlan = self._decide(world_size).plan  # type: ignore[assignment]
         self.lr_factor = 1.0  #: the policy's learning-rate factor now applied (scale_lr)
+        self._warned_lr = False
         self._device = self._comm_device()
         self._group: Any = None
         self._retired: list[Any] = []  # failed groups and DDP wrappers (see resilient.comm)
@@ -294,9 +298,6 @@ class Recovery(StepLoop):
         if self.checkpointer is not None:
             with contextlib.suppress(Exception):
                 self.checkpointer.wait(self.config.group_timeout_s)
-        if self.manager is not None:  # the user closes it; its failures are raised there
-            with contextlib.suppress(Exception):
-                self.manager.wait(self.config.group_timeout_s)
 
     def __enter__(self) -> Recovery:
         return self.start()
@@ -645,9 +646,10 @@ class Recovery(StepLoop):
         if not isinstance(state, dict):
             return
         self.extra_state = dict(self.extra_state)  # the caller's dict stays as it was
+        held = {id(v) for v in self.extra_state.values()}
         for key, obj in state.items():
             inner = obj.module if isinstance(obj, DDP) else obj
-            if inner is model or inner is self.module or obj is optimizer:
+            if inner is model or inner is self.module or obj is optimizer or id(obj) in held:
                 continue
             self.extra_state.setdefault(f"checkpoint/{key}", obj)
 
@@ -684,18 +686,15 @@ class Recovery(StepLoop):
                           global_batch=self.plan.global_batch, lr_factor=decision.lr_factor)
 
     def _scale_lr(self, ratio: float) -> None:
-        """Multiplies the learning rates by ``ratio``: the optimizer's (as the schedule left
-        them, not as they were at the start) and the base rates of the LR schedulers among the
-        state, which would otherwise undo the factor at their next step."""
-        if ratio == 1.0:
-            return
-        for group in self.optimizer.param_groups:
-            group["lr"] *= ratio
-            if "initial_lr" in group:
-                group["initial_lr"] *= ratio
-        for obj in self.extra_state.values():
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                obj.base_lrs = [lr * ratio for lr in obj.base_lrs]
+        """The policy's factor changed by ``ratio``: resilient.recovery.lr scales the rates as
+        the schedule left them, and the schedulers' own, each scheduler once."""
+        scale_learning_rates(self.optimizer, list(self.extra_state.values()), ratio)
+        if ratio != 1.0 and self.lr_factor * ratio != 1.0 and not self._warned_lr:
+            self._warned_lr = True
+            log.warning("resilient recovery: learning rates x%.4g (scale_lr) while the world is "
+                        "smaller; checkpoints saved meanwhile hold the scaled rates, and a job "
+                        "restarted from one at another world size does not undo the factor",
+                        self.lr_factor * ratio)
 
     def _decide(self, world: int) -> Decision:
         return decide(self.config.policy, initial_world=self.initial_world, world=world,
