@@ -258,6 +258,8 @@ void register_detect(pyb::module_& root) {
     d["false_suspicions"] = r.false_suspicions;
     d["messages_per_rank_per_s"] = r.messages_per_rank_per_s;
     d["store_ops"] = r.store_ops;
+    d["store_ops_per_s"] = r.store_ops_per_s;
+    d["store_peak_ops_per_s"] = r.store_peak_ops_per_s;
     d["generations"] = r.generations;
     d["agreed"] = r.agreed;
     return d;

@@ -131,6 +131,7 @@ class Sim {
     }
     for (auto& req : cores_[r]->take_store_requests()) {
       ++store_ops_;  // the agent reads every generation it learns of from the store
+      ++store_ops_by_100ms_[static_cast<int64_t>(to_seconds(now - t0_) * 10)];
       GenerationPtr g;
       auto it = decided_.find(req.number);
       if (req.kind == StoreRequest::Kind::kPropose) {
@@ -199,6 +200,9 @@ class Sim {
     rep.false_suspicions = false_suspicions_;
     rep.messages_per_rank_per_s = static_cast<double>(messages_) / o_.ranks / o_.duration_s;
     rep.store_ops = store_ops_;
+    rep.store_ops_per_s = static_cast<double>(store_ops_) / o_.duration_s;
+    for (const auto& [bucket, ops] : store_ops_by_100ms_)
+      rep.store_peak_ops_per_s = std::max(rep.store_peak_ops_per_s, 10.0 * ops);
     rep.generations = decided_.rbegin()->first;
     int survivors = 0;
     GenerationPtr final_gen;
@@ -245,6 +249,7 @@ class Sim {
   size_t next_fault_ = 0;
   std::priority_queue<Ev, std::vector<Ev>, std::greater<Ev>> heap_;
   uint64_t seq_ = 0, messages_ = 0, store_ops_ = 0, false_suspicions_ = 0;
+  std::map<int64_t, uint64_t> store_ops_by_100ms_;  // simulated time / 100 ms -> store ops
   std::map<uint64_t, GenerationPtr> decided_;
   std::map<int32_t, TimePoint> failed_at_;
   std::map<int32_t, int> failed_kind_;

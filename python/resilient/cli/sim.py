@@ -43,7 +43,8 @@ def _detector(args: argparse.Namespace) -> int:
             ("rank p50", "per_rank_p50_ms", "{:.0f}"), ("rank p99", "per_rank_p99_ms", "{:.0f}"),
             ("FP", "false_positives", "{:d}"), ("false susp", "false_suspicions", "{:d}"),
             ("msg/s/rank", "messages_per_rank_per_s", "{:.1f}"),
-            ("store ops", "store_ops", "{:d}"), ("agreed", "agreed", "{}"),
+            ("store ops", "store_ops", "{:d}"), ("store/s", "store_ops_per_s", "{:.0f}"),
+            ("store peak/s", "store_peak_ops_per_s", "{:.0f}"), ("agreed", "agreed", "{}"),
             ("wall s", "wall_seconds", "{:.1f}")]
     print(" | ".join(h for h, _, _ in cols))
     for r in rows:

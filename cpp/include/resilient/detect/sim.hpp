@@ -41,6 +41,8 @@ struct SimReport {
   uint64_t false_suspicions = 0;  ///< suspect events about ranks that had not failed
   double messages_per_rank_per_s = 0;
   uint64_t store_ops = 0;
+  double store_ops_per_s = 0;       ///< store_ops / sim_seconds
+  double store_peak_ops_per_s = 0;  ///< the busiest 100 ms of simulated time, per second
   uint64_t generations = 0;
   bool agreed = false;  ///< all survivors end on the same generation and live set
 };
