@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,7 +17,14 @@ import pytest
 pytest.importorskip("torch")
 
 from etcd_cluster import EtcdCluster  # noqa: E402
-from test_quickstart_recovery import RECOVERABLE, ROOT, _samples, _wait  # noqa: E402
+from test_quickstart_recovery import (  # noqa: E402
+    RECOVERABLE,
+    ROOT,
+    _launch,
+    _samples,
+    _wait,
+    kill_rank1_after,
+)
 
 
 def _keys(endpoint: str, prefix: str) -> list[str]:
@@ -41,23 +45,10 @@ def test_an_unmodified_script_recovers_through_etcd(tmp_path: Path) -> None:
     with EtcdCluster(tmp_path / "etcd", 3) as cluster:
         cluster.wait_leader(30)
         url = "etcd://" + ",".join(cluster.endpoints) + "/job42"
-        with open(tmp_path / "launcher.log", "w") as log:
-            p = subprocess.Popen(
-                [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "4",
-                 "--store", url, str(RECOVERABLE), "--ckpt", str(tmp_path / "ckpt"),
-                 "--sample-log", str(tmp_path / "samples"), "--steps", str(steps)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        victim = tmp_path / "samples" / "rank1.samples"
+        p = _launch(tmp_path, RECOVERABLE, ["-m", "resilient.run", "--standalone",
+                                            "--nproc-per-node", "4", "--store", url], steps)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                lines = victim.read_text().splitlines() if victim.exists() else []
-                if len(lines) >= 6:
-                    os.kill(json.loads(lines[0])[1], signal.SIGKILL)
-                    break
-                time.sleep(0.005)
-            else:
-                raise AssertionError("rank 1 never reached the kill step")
+            kill_rank1_after(tmp_path, 6)
         finally:
             code = _wait(p, 150)
         log_text = (tmp_path / "launcher.log").read_text()
