@@ -31,3 +31,17 @@ def run_bounded(args: list[str], timeout: float, what: str) -> tuple[int, str]:
 def run_separate(args: list[str], timeout: float, what: str) -> tuple[int, str, str]:
     """run_bounded with stdout and stderr apart: (exit code, stdout, stderr)."""
     return _communicate(args, timeout, what, subprocess.PIPE)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Waits up to `timeout` s for `proc` (started with start_new_session=True); whatever
+    happens, its whole session is SIGKILLed if it is still running. Returns its exit code."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    return proc.returncode

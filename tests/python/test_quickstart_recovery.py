@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import wait_or_kill
+
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,18 +59,6 @@ def _launch(out: Path, script: Path, launcher: list[str], steps: int,
         env={**os.environ, **(env or {})})
     log.close()
     return p
-
-
-def _wait(p: subprocess.Popen, timeout: float) -> int | None:
-    try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-    return p.returncode
 
 
 def kill_rank1_after(out: Path, steps: int, timeout: float = 120) -> None:
@@ -110,7 +100,7 @@ def test_a_killed_rank_the_quickstart_finishes_and_keeps_checkpointing(tmp_path:
     try:
         kill_rank1_after(tmp_path, kill_after)
     finally:
-        code = _wait(p, 150)
+        code = wait_or_kill(p, 150)
     log = (tmp_path / "launcher.log").read_text()[-6000:]
     assert code == 0, log
     assert "exited with -9" in log, log
@@ -138,7 +128,7 @@ def test_a_killed_rank_the_quickstart_finishes_and_keeps_checkpointing(tmp_path:
     more = steps + 6
     q = _launch(tmp_path, PLAIN, ["-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node", "2"], more)
-    assert _wait(q, 120) == 0, (tmp_path / "launcher.log").read_text()[-6000:]
+    assert wait_or_kill(q, 120) == 0, (tmp_path / "launcher.log").read_text()[-6000:]
     per_step2, seen2, ran2 = _samples(tmp_path)
     assert sorted(per_step2) == list(range(steps, more)), per_step2
     assert set(per_step2.values()) == {16}
@@ -166,7 +156,7 @@ def test_a_replacement_joins_the_quickstart_with_the_same_state(tmp_path: Path) 
     try:
         kill_rank1_after(tmp_path, 5)
     finally:
-        code = _wait(p, 200)
+        code = wait_or_kill(p, 200)
     log = (tmp_path / "launcher.log").read_text()[-6000:]
     assert code == 0, log
     full = (tmp_path / "launcher.log").read_text()
@@ -273,7 +263,7 @@ def test_a_rank_killed_while_saves_are_in_flight(tmp_path: Path) -> None:
         else:
             raise AssertionError("rank 1 never reached step 6")
     finally:
-        code = _wait(p, 180)
+        code = wait_or_kill(p, 180)
     log_text = (tmp_path / "launcher.log").read_text()
     assert code == 0, log_text[-6000:]
     assert log_text.count("done at step 40, world 3") == 3, log_text[-3000:]

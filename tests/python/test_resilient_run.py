@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import wait_or_kill
 from resilient.recovery.agent import Exit, judge
 
 torch = pytest.importorskip("torch")
@@ -85,13 +86,8 @@ def finish(p: subprocess.Popen, out: Path, timeout: float) -> tuple[int | None, 
     """Waits for the launcher; on timeout kills its session (the workers are in it, and die
     with the launcher anyway: torch's agent signals them). Returns (exit code, its log)."""
     try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
+        wait_or_kill(p, timeout)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
         for pid_file in out.glob("rank*.pid"):  # workers run in the launcher's session
             try:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("torch")
 
 from etcd_cluster import EtcdCluster  # noqa: E402
+from procs import wait_or_kill  # noqa: E402
 from test_quickstart_recovery import (  # noqa: E402
     RECOVERABLE,
     ROOT,
     _launch,
     _samples,
-    _wait,
     kill_rank1_after,
 )
 
@@ -50,7 +50,7 @@ def test_an_unmodified_script_recovers_through_etcd(tmp_path: Path) -> None:
         try:
             kill_rank1_after(tmp_path, 6)
         finally:
-            code = _wait(p, 150)
+            code = wait_or_kill(p, 150)
         log_text = (tmp_path / "launcher.log").read_text()
         assert code == 0, log_text[-6000:]
         assert "default process group's store is a" not in log_text, log_text[-6000:]

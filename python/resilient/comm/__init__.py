@@ -20,7 +20,8 @@ from resilient.comm.native import (
     torch_nccl_dir,
 )
 
-_TORCH_NAMES = {
+# What resilient.comm.process_group defines (it imports torch: loaded on first use).
+TORCH_NAMES = frozenset({
     "RebuildResult",
     "RebuildTimings",
     "abort_process_group",
@@ -32,34 +33,24 @@ _TORCH_NAMES = {
     "supports_shrink",
     "survivor_rank",
     "verify_group",
-}
+})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
+    if name in TORCH_NAMES:
         from resilient.comm import process_group
 
         return getattr(process_group, name)
     raise AttributeError(f"module 'resilient.comm' has no attribute {name!r}")
 
 
-__all__ = [
+__all__ = [  # the torch names resolve through __getattr__
     "CommManager",
     "CommOptions",
     "InMemoryStore",
     "NcclLibrary",
-    "RebuildResult",
-    "RebuildTimings",
     "Store",
-    "abort_process_group",
-    "generation_store",
-    "join_process_group",
     "load_nccl",
-    "rebuild_process_group",
-    "release_retired_groups",
-    "rewrap_ddp",
-    "supports_shrink",
-    "survivor_rank",
     "torch_nccl_dir",
-    "verify_group",
+    *sorted(TORCH_NAMES),
 ]

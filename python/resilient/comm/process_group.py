@@ -29,21 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.comm import TORCH_NAMES
 from resilient.comm.nccl_env import prepare_nccl_env
 
-__all__ = [
-    "RebuildResult",
-    "RebuildTimings",
-    "abort_process_group",
-    "generation_store",
-    "join_process_group",
-    "rebuild_process_group",
-    "release_retired_groups",
-    "rewrap_ddp",
-    "supports_shrink",
-    "survivor_rank",
-    "verify_group",
-]
+__all__ = sorted(TORCH_NAMES)  # resilient.comm names them without importing torch
 
 
 def shrink_abort_flag() -> int:
