@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ab fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling ab fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,9 +88,17 @@ for stage in "$@"; do
                  python benchmarks/train_attribution.py --batch 64 --every 16 --rounds 8 \
                    --json "$OUT/attribution.json" --dir /tmp 2>&1 | tail -n 8 ;;
     gpt) bench gpt1b --model gpt-1b --repeat 3 --train ;;  # every row and goal in one run
-    contract) log "load contract on the GPU (idiom matrix, overlap mode)"
-              python -m pytest -q -p no:cacheprovider tests/python/test_gpu_checkpoint.py \
-                tests/python/test_load_contract.py >"$OUT/contract.log" 2>&1; tail -n 15 "$OUT/contract.log" ;;
+    contract) log "load contract on the GPU (idiom matrix, overlap mode; the DCP backend's CUDA case)"
+              python -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_checkpoint.py \
+                tests/python/test_load_contract.py "tests/python/test_dcp_backend.py::test_cuda_state_through_the_writer_and_a_pinned_stager" \
+                >"$OUT/contract.log" 2>&1; tail -n 15 "$OUT/contract.log" ;;
+    ceiling) # Issue 17: the per-process pipeline ceiling with /dev/shm as the sink, then the
+             # engine against raw on the local disk (GPU state), in one run.
+             log "pipeline ceiling (sink /dev/shm)"
+             timeout 420 python benchmarks/pipeline_ceiling.py --dir /dev/shm/ceiling --size ${CEIL_SIZE:-4GiB} \
+               --tensors 128 --repeat 3 ${CEIL_ARGS:-} --json "$OUT/ceiling.json" >"$OUT/ceiling.log" 2>&1
+             echo "rc=$?"; cat "$OUT/ceiling.log" | cut -c1-400
+             bench disk --size 4GiB --tensors 128 --repeat 2 --methods raw,resilient ;;
     ab) # The checkpoint rows of a carried baseline package (.baseline) and of this tree,
         # alternated in one run (ABAB), so the comparison shares the machine's disk and day.
         for v in base new base new; do
@@ -130,6 +138,13 @@ PY
           >"$OUT/bench-fsdp.json" 2>"$OUT/bench-fsdp.err"; echo "rc=$?"; tail -n 5 "$OUT/bench-fsdp.err"
         python -c "import json, sys; from resilient.cli.bench.fsdp import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/bench-fsdp.json" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
+    profile-fsdp) # Issue 15: per-save Python of FSDP2 state, one rank per GPU (timings + cProfile)
+        n=$(python -c "import torch; print(torch.cuda.device_count())")
+        log "profile FSDP2 saves (gpt-1b, $n GPU(s), overlap)"
+        timeout 300 python benchmarks/profile_fsdp_save.py --device cuda --world "$n" --model ${PROFILE_MODEL:-gpt-1b} \
+          --mode overlap --dir /tmp >"$OUT/profile-fsdp.log" 2>&1; echo "rc=$?"
+        grep -E "^rank|tottime|cumtime" "$OUT/profile-fsdp.log" | head -12
+        grep -A 30 "profile of one save" "$OUT/profile-fsdp.log" | head -40 | cut -c1-160 ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"
                python benchmarks/straggler_overhead.py --device cuda >"$OUT/straggler.log" 2>&1; tail -n 15 "$OUT/straggler.log" ;;

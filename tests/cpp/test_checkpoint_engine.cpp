@@ -446,5 +446,22 @@ TEST_F(EngineTest, SymlinkedTemporaryDirectoryIsNeverWrittenThrough) {
   fs::remove_all(victim);
 }
 
+TEST(CheckpointOptionsTest, RestoreThreadsAreTheProcessShareOfTheHostByDefault) {
+  EXPECT_EQ(auto_restore_threads(16, 1), 16);
+  EXPECT_EQ(auto_restore_threads(128, 1), 16);  // at most 16
+  EXPECT_EQ(auto_restore_threads(128, 8), 16);
+  EXPECT_EQ(auto_restore_threads(64, 8), 8);
+  EXPECT_EQ(auto_restore_threads(2, 1), 4);  // at least 4
+  EXPECT_EQ(auto_restore_threads(16, 0), 16);
+  CheckpointOptions o;
+  o.root = "/ckpt";
+  EXPECT_EQ(o.restore_threads, 0);
+  EXPECT_TRUE(o.validate().ok());
+  o.restore_threads = -1;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o.restore_threads = 257;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace resilient::checkpoint

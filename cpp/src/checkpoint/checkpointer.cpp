@@ -1,11 +1,41 @@
 #include "resilient/checkpoint/checkpointer.hpp"
 
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
 #include "resilient/checkpoint/commit.hpp"
 #include "resilient/checkpoint/persist.hpp"
 #include "resilient/common/logging.hpp"
 #include "resilient/io/file.hpp"
 
 namespace resilient::checkpoint {
+
+int auto_restore_threads(int usable_cpus, int local_ranks) {
+  return std::clamp(usable_cpus / std::max(local_ranks, 1), 4, 16);
+}
+
+namespace {
+
+// The reader threads of a restore: `configured`, or with 0 this process's share of the CPUs it
+// may run on (torchrun's LOCAL_WORLD_SIZE ranks share the host).
+int restore_threads(int configured) {
+  if (configured > 0) return configured;
+  cpu_set_t set;
+  int cpus = ::sched_getaffinity(0, sizeof set, &set) == 0
+                 ? CPU_COUNT(&set)
+                 : static_cast<int>(std::thread::hardware_concurrency());
+  int64_t local = 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {
+    auto parsed = parse_int(v);
+    if (parsed.ok() && *parsed > 0 && *parsed < (1 << 20)) local = *parsed;
+  }
+  return auto_restore_threads(cpus, static_cast<int>(local));
+}
+
+}  // namespace
 
 Result<CheckpointOptions> CheckpointOptions::from_env(std::string root) {
   CheckpointOptions o;
@@ -42,8 +72,8 @@ Status CheckpointOptions::validate() const {
     return bad("chunk_bytes must be a positive multiple of 4096");
   if (zstd_level < 0 || zstd_level > 22) return bad("zstd_level must be in [0, 22]");
   if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
-  if (restore_threads < 1 || restore_threads > 256)
-    return bad("restore_threads must be in [1, 256]");
+  if (restore_threads < 0 || restore_threads > 256)
+    return bad("restore_threads must be in [0, 256] (0: automatic)");
   if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
   if (auto cpus = parse_cpu_list(background_cpus); !cpus.ok()) {
     return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
@@ -270,7 +300,7 @@ Result<Manifest> Checkpointer::manifest(int64_t step) const {
 
 Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets) {
   RestoreOptions ro;
-  ro.threads = options_.restore_threads;
+  ro.threads = restore_threads(options_.restore_threads);
   ro.io = options_.io;
   ro.timeout = options_.timeout;
   ro.cuda = streams_->cuda();
@@ -279,7 +309,7 @@ Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets
 
 Status Checkpointer::verify(const Manifest& m) {
   RestoreOptions ro;
-  ro.threads = options_.restore_threads;
+  ro.threads = restore_threads(options_.restore_threads);
   ro.io = options_.io;
   ro.timeout = options_.timeout;
   return verify_step(step_dir_path(options_.root, m.step), m, ro, *pool_);

@@ -33,7 +33,7 @@ struct CheckpointOptions {
   uint64_t chunk_bytes = 16ull << 20;  // RESILIENT_CHUNK_BYTES: checksum/compression unit
   int zstd_level = 0;                  // RESILIENT_ZSTD_LEVEL: 0 = no compression
   int copy_threads = 4;         // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
-  int restore_threads = 4;      // RESILIENT_RESTORE_THREADS
+  int restore_threads = 0;      // RESILIENT_RESTORE_THREADS; 0: auto_restore_threads()
   int background_nice = 10;     // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
   std::string background_cpus;  // RESILIENT_BACKGROUND_CPUS: e.g. "8-15"; empty = unpinned
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
@@ -45,6 +45,11 @@ struct CheckpointOptions {
   static Result<CheckpointOptions> from_env(std::string root);
   Status validate() const;
 };
+
+/// The automatic restore_threads: `usable_cpus` shared by `local_ranks` processes of the host,
+/// at least 4 and at most 16 (on a 16-core host one rank reads tmpfs at 10.7 GB/s with 16
+/// threads against 4.7 with 4: benchmarks/RESULTS.md, "pipeline ceiling").
+int auto_restore_threads(int usable_cpus, int local_ranks);
 
 /// When save() returns for device tensors. Host tensors are always copied before it returns.
 enum class SaveMode {
