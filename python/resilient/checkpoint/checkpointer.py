@@ -1085,6 +1085,11 @@ class Checkpointer:
         """ "io_uring" or "threads"."""
         return self._native.io_backend
 
+    @property
+    def pool_pinned(self) -> bool:
+        """Whether the host buffer pool is pinned (page-locked for device copies)."""
+        return self._native.pool_pinned
+
 
 class _Prepared:
     """One rank's plan to load one step: what to read where, and how to finish."""

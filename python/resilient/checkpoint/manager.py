@@ -211,11 +211,11 @@ class CheckpointManager:
         takes the epoch and global position of the ranks that restored theirs; restored ranks
         that disagree (they consumed different numbers of indices) raise ValueError."""
         mine = [s.position() if s.restored else None for s in samplers
-                if s._distributed() is not None]
+                if s.distributed is not None]
         everyone = self._ckpt._ranks.gather(mine)
         if any(len(g) != len(mine) for g in everyone):
             raise ValueError("ranks hold different numbers of ResumableSamplers in rank_state")
-        samplers = [s for s in samplers if s._distributed() is not None]
+        samplers = [s for s in samplers if s.distributed is not None]
         for i, s in enumerate(samplers):
             known = {g[i] for g in everyone if g[i] is not None}
             if len(known) > 1:

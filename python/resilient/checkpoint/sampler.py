@@ -56,11 +56,13 @@ class ResumableSampler(Sampler):
             self.epoch, self.consumed, self.offset = epoch, 0, 0
 
     # -- the global position ---------------------------------------------------------------
-    def _distributed(self) -> DistributedSampler | None:
+    @property
+    def distributed(self) -> DistributedSampler | None:
+        """The wrapped DistributedSampler, or None when it wraps another sampler."""
         return self.sampler if isinstance(self.sampler, DistributedSampler) else None
 
     def _world(self) -> int:
-        d = self._distributed()
+        d = self.distributed
         return 1 if d is None else d.num_replicas
 
     def position(self) -> tuple[int, int]:
@@ -69,7 +71,7 @@ class ResumableSampler(Sampler):
 
     def set_position(self, epoch: int, position: int) -> None:
         """Continues from global `position` of `epoch` on this rank's current split."""
-        if position and self._distributed() is None:
+        if position and self.distributed is None:
             raise ValueError("a global position needs a DistributedSampler inside")
         self._check_splittable(position)
         self.epoch, self.offset, self.consumed = int(epoch), int(position), 0
@@ -79,7 +81,7 @@ class ResumableSampler(Sampler):
         """Moves this rank to a world of `num_replicas` ranks mid-epoch: the rest of the epoch is
         split again over the new ranks from the global position reached so far (every rank must
         have consumed the same number of indices, as data-parallel ranks do)."""
-        d = self._distributed()
+        d = self.distributed
         if d is None:
             raise ValueError("reshard needs a DistributedSampler inside the ResumableSampler")
         if not 0 <= rank < num_replicas:
@@ -96,7 +98,7 @@ class ResumableSampler(Sampler):
         self.set_position(epoch, position)
 
     def _check_splittable(self, position: int) -> None:
-        d = self._distributed()
+        d = self.distributed
         if position and d is not None and type(d).__iter__ is not DistributedSampler.__iter__:
             raise ValueError(
                 f"{type(d).__name__} has its own __iter__: the rest of an epoch cannot be split "
@@ -106,7 +108,7 @@ class ResumableSampler(Sampler):
     def _rest_of_epoch(self) -> list[int]:
         """This rank's indices of the epoch from global position `offset` on, split over the
         current ranks as DistributedSampler splits a whole epoch."""
-        d = self._distributed()
+        d = self.distributed
         assert d is not None
         order = DistributedSampler(d.dataset, num_replicas=1, rank=0, shuffle=d.shuffle,
                                    seed=d.seed, drop_last=False)
@@ -155,7 +157,7 @@ class ResumableSampler(Sampler):
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed}
-        if self._distributed() is not None:
+        if self.distributed is not None:
             state["world"], state["offset"] = self._world(), self.offset
         gen = self._generator()
         if gen is not None:

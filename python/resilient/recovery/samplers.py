@@ -16,7 +16,7 @@ class Samplers:
     def __init__(self, samplers: list[Any] | None) -> None:
         self.items: list[ResumableSampler] = list(samplers or [])
         for s in self.items:
-            if not isinstance(s, ResumableSampler) or s._distributed() is None:
+            if not isinstance(s, ResumableSampler) or s.distributed is None:
                 raise TypeError("Recovery(samplers=...) takes ResumableSampler(DistributedSampler"
                                 f"(...)) objects, not {type(s).__name__}")
         self._start: list[tuple[int, int]] = []

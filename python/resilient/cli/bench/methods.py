@@ -211,7 +211,7 @@ def resilient_row(
                     notes={
                         "io": ckpt.io_backend,
                         "cache": how,
-                        "pinned": ckpt._native.pool_pinned,
+                        "pinned": ckpt.pool_pinned,
                         "native_issue_s": st["issue_s"],
                         "python_s": ret - st["snapshot_s"],
                     },
