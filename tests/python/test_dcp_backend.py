@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 
+from full_state import full_values
 from procs import run_bounded
 
 torch = pytest.importorskip("torch")
@@ -478,16 +479,7 @@ def test_kill_9_during_a_save_leaves_the_previous_step_loadable(tmp_path, point)
 # -- FSDP2 on 2 gloo ranks ------------------------------------------------------------------
 
 def _full(state: dict) -> dict:
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in _full(v).items()})
-        elif isinstance(v, torch.Tensor):
-            t = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = t.detach().double().flatten().tolist()
-        else:
-            out[k] = json.loads(json.dumps(v))  # as the workers report it (tuples as lists)
-    return out
+    return full_values(state, with_values=True)  # as the workers report it
 
 
 def _fsdp(seed: int, world: int):

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from full_state import full_values
 from procs import run_bounded
 
 torch = pytest.importorskip("torch")
@@ -67,16 +68,7 @@ def _train(model, opt, steps: int) -> None:
         opt.zero_grad()
 
 
-def _full(state: dict) -> dict:
-    """name -> full tensor as a list (DTensors gathered)."""
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in _full(v).items()})
-        elif isinstance(v, torch.Tensor):
-            t = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = t.detach().double().flatten().tolist()
-    return out
+_full = full_values  # name -> full tensor as a list (DTensors gathered)
 
 
 def _optim_full(opt) -> dict:
