@@ -35,8 +35,10 @@ CONFIGS = [
     ("restore_threads=8", {"RESILIENT_RESTORE_THREADS": "8"}),
     ("restore_threads=16", {"RESILIENT_RESTORE_THREADS": "16"}),
     ("slab 256MiB", {"RESILIENT_POOL_SLAB_BYTES": "256MiB"}),
+    ("files_per_rank=4", {"RESILIENT_FILES_PER_RANK": "4"}),
+    ("files_per_rank=8", {"RESILIENT_FILES_PER_RANK": "8"}),
     ("all of the above", {"RESILIENT_COPY_THREADS": "16", "RESILIENT_IO_QUEUE_DEPTH": "32",
-                          "RESILIENT_RESTORE_THREADS": "16"}),
+                          "RESILIENT_RESTORE_THREADS": "16", "RESILIENT_FILES_PER_RANK": "8"}),
 ]
 
 

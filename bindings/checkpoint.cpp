@@ -83,6 +83,7 @@ void register_checkpoint(pyb::module_& m) {
       .def_readwrite("zstd_level", &CheckpointOptions::zstd_level)
       .def_readwrite("copy_threads", &CheckpointOptions::copy_threads)
       .def_readwrite("restore_threads", &CheckpointOptions::restore_threads)
+      .def_readwrite("files_per_rank", &CheckpointOptions::files_per_rank)
       .def_readwrite("background_nice", &CheckpointOptions::background_nice)
       .def_readwrite("background_cpus", &CheckpointOptions::background_cpus)
       .def_property(

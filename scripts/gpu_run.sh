@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling ab fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files ab fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -138,6 +138,14 @@ PY
           >"$OUT/bench-fsdp.json" 2>"$OUT/bench-fsdp.err"; echo "rc=$?"; tail -n 5 "$OUT/bench-fsdp.err"
         python -c "import json, sys; from resilient.cli.bench.fsdp import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/bench-fsdp.json" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
+    files) # Issue 17: several data files per rank (RESILIENT_FILES_PER_RANK) against one, tmpfs
+           # and the local disk, with raw in the same runs.
+           log "pipeline ceiling, files per rank"
+           timeout 300 python benchmarks/pipeline_ceiling.py --dir /dev/shm/ceiling --size 4GiB --tensors 128 \
+             --repeat 3 --configs default,files_per_rank=4,files_per_rank=8 --json "$OUT/files.json" >"$OUT/files.log" 2>&1
+           echo "rc=$?"; cut -c1-400 "$OUT/files.log"
+           bench disk1 --size 4GiB --tensors 128 --repeat 2 --methods raw,resilient
+           RESILIENT_FILES_PER_RANK=8 bench disk8 --size 4GiB --tensors 128 --repeat 2 --methods raw,resilient ;;
     profile-fsdp) # Issue 15: per-save Python of FSDP2 state, one rank per GPU (timings + cProfile)
         n=$(python -c "import torch; print(torch.cuda.device_count())")
         log "profile FSDP2 saves (gpt-1b, $n GPU(s), overlap)"

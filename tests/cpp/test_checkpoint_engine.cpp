@@ -11,6 +11,7 @@
 #include "io_test_util.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
 #include "resilient/checkpoint/commit.hpp"
+#include "resilient/checkpoint/persist.hpp"
 #include "resilient/io/file_hooks.hpp"
 
 namespace resilient::checkpoint {
@@ -446,6 +447,177 @@ TEST_F(EngineTest, SymlinkedTemporaryDirectoryIsNeverWrittenThrough) {
   fs::remove_all(victim);
 }
 
+// files_per_rank > 1: the image is cut at large tensors into several data files written at once;
+// loads (by a reader of any files_per_rank) are bit-exact; a flipped byte or a truncation in a
+// further file is an error naming that file; a rank's files merge in commit_shards.
+class MultiFileTest : public EngineTest {
+ protected:
+  std::unique_ptr<Checkpointer> make_files(int files, int rank = 0, int world = 1) {
+    auto o = CheckpointOptions::from_env(root_.string()).value();
+    o.files_per_rank = files;
+    o.rank = rank;
+    o.world_size = world;
+    o.chunk_bytes = 64 << 10;
+    o.pool.slab_bytes = 256 << 10;
+    o.pool.budget_bytes = 64 << 20;
+    o.timeout = 30s;
+    auto c = Checkpointer::create(o);
+    EXPECT_TRUE(c.ok()) << c.status().to_string();
+    return std::move(c).value();
+  }
+  // Large tensors of several sizes (one spans slabs) between small ones, rank-dependent names.
+  void fill_many(uint32_t seed, int rank = 0) {
+    const size_t sizes[] = {5, 200'000, 7, 50'000, 100'000, 3, 70'000, 120'000};
+    data_.clear();
+    specs_.clear();
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      std::vector<float> v(sizes[i]);
+      std::iota(v.begin(), v.end(), static_cast<float>(seed + 1000 * i));
+      data_.push_back(std::move(v));
+    }
+    for (size_t i = 0; i < data_.size(); ++i) {
+      specs_.push_back(TensorSpec{"r" + std::to_string(rank) + "/t" + std::to_string(i),
+                                  "float32",
+                                  {static_cast<int64_t>(data_[i].size())},
+                                  data_[i].data(),
+                                  data_[i].size() * 4});
+    }
+  }
+  Status load_all(Checkpointer& c, int64_t step, std::vector<std::vector<float>>& out) {
+    RESILIENT_ASSIGN_OR_RETURN(Manifest m, c.manifest(step));
+    out.clear();
+    std::vector<ReadTarget> targets;
+    for (const auto& s : specs_) out.emplace_back(s.nbytes / 4, -1.0f);
+    for (size_t i = 0; i < specs_.size(); ++i)
+      targets.push_back({specs_[i].name, out[i].data(), specs_[i].nbytes});
+    return c.read(m, targets);
+  }
+  std::vector<std::vector<float>> data_;
+  std::vector<TensorSpec> specs_;
+};
+
+TEST_F(MultiFileTest, PlanCutsAtLargeTensorsNearEvenShares) {
+  fill_many(0);
+  auto layout = plan_layout(specs_, 256 << 10, 64 << 10);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  for (size_t files : {1, 2, 3, 4, 8, 20}) {
+    auto cuts = plan_file_cuts(*layout, files);
+    ASSERT_GE(cuts.size(), 2u);
+    EXPECT_LE(cuts.size() - 1, files);
+    EXPECT_EQ(cuts.front(), 0u);
+    EXPECT_EQ(cuts.back(), layout->bytes);
+    for (size_t i = 1; i + 1 < cuts.size(); ++i) {
+      EXPECT_GT(cuts[i], cuts[i - 1]);
+      EXPECT_EQ(cuts[i] % 4096, 0u);
+      EXPECT_GE(cuts[i], layout->bytes / files * i);
+      bool starts_a_tensor = false;
+      for (const auto& t : layout->tensors)
+        starts_a_tensor |= !t.chunks.empty() && t.chunks.front().offset == cuts[i];
+      EXPECT_TRUE(starts_a_tensor) << cuts[i];
+    }
+  }
+  EXPECT_EQ(plan_file_cuts(*layout, 1).size(), 2u);
+  EXPECT_EQ(plan_file_cuts(*layout, 4).size(), 5u);   // five large tensors: four files
+  EXPECT_EQ(plan_file_cuts(*layout, 20).size(), 6u);  // at most one file per large tensor
+}
+
+TEST_F(MultiFileTest, SavesSeveralFilesAndLoadsBitExact) {
+  auto c = make_files(4);
+  fill_many(3);
+  auto h = c->save(1, specs_, {{"step", 1}});
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*h)->wait(30s).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  ASSERT_EQ(m->shards.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(m->shards[i].file, shard_file_name(0, i));
+    EXPECT_EQ(fs::file_size(root_ / step_dir_name(1) / shard_file_name(0, i)), m->shards[i].bytes);
+  }
+  std::vector<std::vector<float>> got;
+  ASSERT_TRUE(load_all(*c, 1, got).ok());
+  EXPECT_EQ(got, data_);
+  auto single = make_files(1);  // a reader's own files_per_rank does not matter
+  ASSERT_TRUE(load_all(*single, 1, got).ok());
+  EXPECT_EQ(got, data_);
+  EXPECT_TRUE(c->verify(*m).ok());
+  // A later save into the same pool (slabs released by several writers) is bit-exact too.
+  fill_many(9);
+  ASSERT_TRUE((*c->save(2, specs_, {}))->wait(30s).ok());
+  ASSERT_TRUE(load_all(*c, 2, got).ok());
+  EXPECT_EQ(got, data_);
+}
+
+TEST_F(MultiFileTest, DamageInAFurtherFileNamesIt) {
+  auto c = make_files(4);
+  fill_many(5);
+  ASSERT_TRUE((*c->save(1, specs_, {}))->wait(30s).ok());
+  const fs::path third = root_ / step_dir_name(1) / shard_file_name(0, 2);
+  io::testing::flip_byte(third.string(), 4096 + 10);
+  std::vector<std::vector<float>> got;
+  Status s = load_all(*c, 1, got);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_EQ(s.path(), third.string());
+  fs::resize_file(third, 4096);
+  s = load_all(*c, 1, got);
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_NE(s.message().find("truncated"), std::string::npos) << s.to_string();
+}
+
+TEST_F(MultiFileTest, AFailedWriteOfOneFileFailsTheSaveAndKeepsThePrevious) {
+  for (int err : {ENOSPC, EIO}) {
+    fs::remove_all(root_);
+    auto c = make_files(4);
+    fill_many(1);
+    ASSERT_TRUE((*c->save(1, specs_, {}))->wait(30s).ok());
+    const std::string victim = shard_file_name(0, 3);
+    {
+      io::ScopedFileHook hook([&](io::FileOp op, const std::string& path) {
+        return (op == io::FileOp::kWrite && path.find(victim) != std::string::npos) ? err : 0;
+      });
+      fill_many(2);
+      Status s = (*c->save(2, specs_, {}))->wait(30s);
+      EXPECT_EQ(s.sys_errno(), err) << s.to_string();
+      EXPECT_NE(s.to_string().find(victim), std::string::npos) << s.to_string();
+    }
+    EXPECT_EQ(*c->steps(), std::vector<int64_t>{1});
+    EXPECT_FALSE(fs::exists(tmp_dir_path(root_.string(), 2)));
+    fill_many(1);
+    std::vector<std::vector<float>> got;
+    ASSERT_TRUE(load_all(*c, 1, got).ok());
+    EXPECT_EQ(got, data_);
+    fill_many(3);  // the pool still serves the next save
+    ASSERT_TRUE((*c->save(3, specs_, {}))->wait(30s).ok());
+    ASSERT_TRUE(load_all(*c, 3, got).ok());
+    EXPECT_EQ(got, data_);
+  }
+}
+
+TEST_F(MultiFileTest, ARanksFilesMergeInTheDistributedCommit) {
+  std::vector<std::vector<std::vector<float>>> saved;
+  std::vector<std::vector<TensorSpec>> all_specs;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto c = make_files(rank == 0 ? 3 : 2, rank, 2);
+    fill_many(10 * rank, rank);
+    auto h = c->save(4, specs_, {{"save_id", "s1"}}, /*commit=*/false);
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE((*h)->wait(30s).ok());
+    saved.push_back(data_);
+    all_specs.push_back(specs_);
+  }
+  ASSERT_TRUE(commit_shards(root_.string(), 4, 2, "s1").ok());
+  auto reader = make_files(1);
+  auto m = reader->manifest(4);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->shards.size(), 5u);
+  for (int rank = 0; rank < 2; ++rank) {
+    specs_ = all_specs[rank];
+    std::vector<std::vector<float>> got;
+    ASSERT_TRUE(load_all(*reader, 4, got).ok()) << rank;
+    EXPECT_EQ(got, saved[rank]) << rank;
+  }
+}
+
 TEST(CheckpointOptionsTest, RestoreThreadsAreTheProcessShareOfTheHostByDefault) {
   EXPECT_EQ(auto_restore_threads(16, 1), 16);
   EXPECT_EQ(auto_restore_threads(128, 1), 16);  // at most 16
@@ -460,6 +632,11 @@ TEST(CheckpointOptionsTest, RestoreThreadsAreTheProcessShareOfTheHostByDefault) 
   o.restore_threads = -1;
   EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
   o.restore_threads = 257;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o.restore_threads = 0;
+  o.files_per_rank = 0;
+  EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
+  o.files_per_rank = 65;
   EXPECT_EQ(o.validate().code(), StatusCode::kInvalidArgument);
 }
 

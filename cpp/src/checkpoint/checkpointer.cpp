@@ -53,6 +53,7 @@ Result<CheckpointOptions> CheckpointOptions::from_env(std::string root) {
   RESILIENT_RETURN_IF_ERROR(small("RESILIENT_ZSTD_LEVEL", &o.zstd_level));
   RESILIENT_RETURN_IF_ERROR(small("RESILIENT_COPY_THREADS", &o.copy_threads));
   RESILIENT_RETURN_IF_ERROR(small("RESILIENT_RESTORE_THREADS", &o.restore_threads));
+  RESILIENT_RETURN_IF_ERROR(small("RESILIENT_FILES_PER_RANK", &o.files_per_rank));
   RESILIENT_RETURN_IF_ERROR(small("RESILIENT_BACKGROUND_NICE", &o.background_nice));
   if (auto cpus = env_string("RESILIENT_BACKGROUND_CPUS")) o.background_cpus = *cpus;
   RESILIENT_ASSIGN_OR_RETURN(
@@ -74,6 +75,7 @@ Status CheckpointOptions::validate() const {
   if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
   if (restore_threads < 0 || restore_threads > 256)
     return bad("restore_threads must be in [0, 256] (0: automatic)");
+  if (files_per_rank < 1 || files_per_rank > 64) return bad("files_per_rank must be in [1, 64]");
   if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
   if (auto cpus = parse_cpu_list(background_cpus); !cpus.ok()) {
     return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
@@ -146,6 +148,12 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
       c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
       static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
+  if (c->options_.zstd_level == 0) {  // compressed images are one file (persist_files)
+    for (int i = 1; i < c->options_.files_per_rank; ++i) {
+      RESILIENT_ASSIGN_OR_RETURN(auto e, io::IoEngine::create(c->options_.io));
+      c->file_engines_.push_back(std::move(e));
+    }
+  }
   c->writer_ = std::thread([p = c.get(), cpus] {
     // io-wq workers that io_uring creates for the writer's submissions inherit its CPUs.
     apply_thread_setup({"rs-ckpt-writer", p->options_.background_nice, cpus});
@@ -230,10 +238,12 @@ void Checkpointer::writer_loop() {
       job.staging.release_slabs();  // those with copies still pending stay out of the pool
       if (job.commit) (void)io::remove_tree(tmp_dir_path(options_.root, job.step));
     }
-    job.handle->finish(s, stats);
     {
+      // Atomically for wait_all(): once a caller sees this save end, wait_all() no longer
+      // reports it (close() raised a failure the caller had already seen from wait()).
       std::lock_guard<std::mutex> lock(mu_);
       std::erase(pending_, job.handle);
+      job.handle->finish(s, stats);
     }
     if (s.ok() && job.commit) {
       auto deleted = apply_retention(options_.root, options_.keep);
@@ -260,20 +270,32 @@ Status Checkpointer::write_job(Job& job, SaveStats& stats) {
     if (!r.ok())
       log_once("ckpt-register-buffers", LogLevel::kInfo,
                "fixed buffers not registered: " + r.to_string());
+    for (auto& e : file_engines_) (void)e->register_buffers(iov);  // logged once above if refused
     registered_epoch_ = pool_->epoch();
   }
-  const std::string file = shard_file_name(options_.rank);
   PersistOptions po;
   po.zstd_level = options_.zstd_level;
   po.direct = options_.io.direct;
   po.timeout = options_.timeout;
-  RESILIENT_ASSIGN_OR_RETURN(uint64_t size,
-                             persist_shard(job.staging, dir, file, po, *engine_, *hashers_));
-  stats.written_s = to_seconds(SteadyClock::instance().now() - job.started);
   Manifest m;
+  if (file_engines_.empty()) {
+    const std::string file = shard_file_name(options_.rank);
+    RESILIENT_ASSIGN_OR_RETURN(uint64_t size,
+                               persist_shard(job.staging, dir, file, po, *engine_, *hashers_));
+    m.shards.push_back(ShardEntry{options_.rank, file, size});
+  } else {
+    std::vector<std::string> names;
+    std::vector<io::IoEngine*> engines{engine_.get()};
+    for (auto& e : file_engines_) engines.push_back(e.get());
+    for (size_t i = 0; i < engines.size(); ++i)
+      names.push_back(shard_file_name(options_.rank, static_cast<int>(i)));
+    RESILIENT_ASSIGN_OR_RETURN(auto files,
+                               persist_files(job.staging, dir, names, po, engines, *hashers_));
+    for (auto& f : files) m.shards.push_back(ShardEntry{options_.rank, f.name, f.bytes});
+  }
+  stats.written_s = to_seconds(SteadyClock::instance().now() - job.started);
   m.step = job.step;
   m.world_size = options_.world_size;
-  m.shards.push_back(ShardEntry{options_.rank, file, size});
   m.tensors = std::move(job.staging.layout.tensors);
   for (const auto& t : m.tensors) {
     stats.bytes += t.nbytes;

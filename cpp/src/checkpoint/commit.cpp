@@ -151,35 +151,39 @@ Status commit_shards(const std::string& root, int64_t step, int world_size,
     RESILIENT_ASSIGN_OR_RETURN(Manifest m, parse_manifest(*text, path));
     const nlohmann::json* id =
         m.values.is_object() && m.values.contains("save_id") ? &m.values["save_id"] : nullptr;
-    if (m.step != step || m.shards.size() != 1 || m.shards[0].rank != r || id == nullptr ||
-        *id != save_id) {
+    const bool own_shards =
+        !m.shards.empty() && std::all_of(m.shards.begin(), m.shards.end(),
+                                         [r](const ShardEntry& e) { return e.rank == r; });
+    if (m.step != step || !own_shards || id == nullptr || *id != save_id) {
       return Status(StatusCode::kFailedPrecondition, "shard manifest of rank " + std::to_string(r) +
                                                          " belongs to another save of step " +
                                                          std::to_string(step))
           .with_path(path);
     }
-    struct stat st;
-    const std::string data = dir.child(m.shards[0].file);
-    if (::fstatat(dir.fd(), m.shards[0].file.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
-      return Status::from_errno(errno, "stat", data);
+    const auto base = static_cast<uint32_t>(merged.shards.size());
+    for (const ShardEntry& e : m.shards) {  // the rank's data files (files_per_rank of them)
+      struct stat st;
+      const std::string data = dir.child(e.file);
+      if (::fstatat(dir.fd(), e.file.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        return Status::from_errno(errno, "stat", data);
+      }
+      if (!S_ISREG(st.st_mode)) {
+        return Status(StatusCode::kCorrupt, "not a regular file").with_path(data);
+      }
+      if (static_cast<uint64_t>(st.st_size) != e.bytes) {
+        return Status(StatusCode::kCorrupt, "shard file size differs from its manifest")
+            .with_path(data);
+      }
+      merged.shards.push_back(e);
+      sizes.push_back(static_cast<uint64_t>(st.st_size));
     }
-    if (!S_ISREG(st.st_mode)) {
-      return Status(StatusCode::kCorrupt, "not a regular file").with_path(data);
-    }
-    if (static_cast<uint64_t>(st.st_size) != m.shards[0].bytes) {
-      return Status(StatusCode::kCorrupt, "shard file size differs from its manifest")
-          .with_path(data);
-    }
-    const auto shard = static_cast<uint32_t>(merged.shards.size());
-    merged.shards.push_back(m.shards[0]);
-    sizes.push_back(static_cast<uint64_t>(st.st_size));
     for (auto& t : m.tensors) {
       if (!names.insert(t.name).second) {
         return Status(StatusCode::kInvalidArgument, "tensor '" + t.name +
                                                         "' is saved by more than one rank (rank " +
                                                         std::to_string(r) + ")");
       }
-      t.shard = shard;
+      t.shard += base;  // parse_manifest checked it indexes the rank's own shards
       merged.tensors.push_back(std::move(t));
     }
     if (r == 0) merged.meta = m.meta;

@@ -140,9 +140,13 @@ uint64_t dtype_size(const std::string& dtype) {
 
 const char* codec_name(Codec c) { return c == Codec::kZstd ? "zstd" : "none"; }
 
-std::string shard_file_name(int rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "rank-%05d.data", rank);
+std::string shard_file_name(int rank, int part) {
+  char buf[48];
+  if (part == 0) {
+    std::snprintf(buf, sizeof buf, "rank-%05d.data", rank);
+  } else {
+    std::snprintf(buf, sizeof buf, "rank-%05d.%d.data", rank, part);
+  }
   return buf;
 }
 

@@ -4,9 +4,11 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "resilient/io/file.hpp"
 
@@ -171,7 +173,120 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
   return pos;
 }
 
+// One file of persist_files: the image's bytes [begin, end) from the slabs, in batches of
+// hashed slabs as write_uncompressed does. A slab that several files share goes back to the pool
+// when the last of them has written its part (`users`).
+Status write_range(Staging& st, io::File& file, uint64_t begin, uint64_t end,
+                   std::vector<std::shared_future<void>> hashed,  // a copy per thread
+                   const std::vector<Status>& copy_errors, std::vector<std::atomic<int>>& users,
+                   io::IoEngine& engine, Duration timeout) {
+  const uint64_t slab = st.slab_bytes;
+  size_t s = begin / slab;
+  const size_t last = end == begin ? s : (end - 1) / slab;
+  while (begin < end && s <= last) {
+    hashed[s].wait();
+    if (!copy_errors[s].ok()) return copy_errors[s];
+    size_t stop = s + 1;
+    while (stop <= last && stop - s < kMaxBatchSlabs &&
+           hashed[stop].wait_for(std::chrono::seconds(0)) == std::future_status::ready &&
+           copy_errors[stop].ok()) {
+      ++stop;
+    }
+    std::vector<io::IoRequest> reqs;
+    for (size_t k = s; k < stop; ++k) {
+      const uint64_t from = std::max(begin, k * slab);
+      const uint64_t to = std::min(end, (k + 1) * slab);
+      reqs.push_back(
+          io::IoRequest{st.slabs[k].data() + (from - k * slab), to - from, from - begin});
+    }
+    RESILIENT_RETURN_IF_ERROR(engine.write(file, reqs, timeout));
+    for (size_t k = s; k < stop; ++k) {
+      if (users[k].fetch_sub(1, std::memory_order_acq_rel) == 1) st.slabs[k].release();
+    }
+    s = stop;
+  }
+  RESILIENT_RETURN_IF_ERROR(file.sync());
+  return file.close();
+}
+
 }  // namespace
+
+std::vector<uint64_t> plan_file_cuts(const Layout& layout, size_t files) {
+  files = std::max<size_t>(files, 1);
+  std::vector<uint64_t> cuts{0};
+  for (const auto& t : layout.tensors) {
+    if (cuts.size() >= files) break;
+    if (t.nbytes < kPackBelowBytes || t.chunks.empty()) continue;
+    const uint64_t start = t.chunks.front().offset;  // 4 KiB-aligned (plan_layout)
+    if (start > cuts.back() && start >= layout.bytes / files * cuts.size()) cuts.push_back(start);
+  }
+  cuts.push_back(layout.bytes);
+  return cuts;
+}
+
+Result<std::vector<PersistedFile>> persist_files(Staging& st, const io::Dir& dir,
+                                                 const std::vector<std::string>& names,
+                                                 const PersistOptions& o,
+                                                 std::span<io::IoEngine* const> engines,
+                                                 ThreadPool& workers) {
+  if (o.zstd_level > 0 || names.empty() || engines.empty()) {
+    return Status(StatusCode::kInvalidArgument,
+                  "persist_files: uncompressed images, at least one name and one engine");
+  }
+  const std::vector<uint64_t> cuts =
+      plan_file_cuts(st.layout, std::min(names.size(), engines.size()));
+  const size_t n = cuts.size() - 1;
+  std::vector<io::File> files;
+  for (size_t i = 0; i < n; ++i) {
+    RESILIENT_ASSIGN_OR_RETURN(io::File f, io::File::create_at(dir, names[i], o.direct));
+    files.push_back(std::move(f));
+  }
+  auto by_slab = chunks_by_slab(st);
+  std::vector<std::atomic<int>> users(st.slabs.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (cuts[i] == cuts[i + 1]) continue;
+    for (size_t k = cuts[i] / st.slab_bytes; k <= (cuts[i + 1] - 1) / st.slab_bytes; ++k)
+      users[k].fetch_add(1, std::memory_order_relaxed);
+  }
+  std::vector<std::shared_future<void>> hashed(st.slabs.size());
+  std::vector<Status> copy_errors(st.slabs.size());
+  const TimePoint copied_by = SteadyClock::instance().now() + o.timeout;
+  for (size_t s = 0; s < st.slabs.size(); ++s) {
+    hashed[s] = workers
+                    .submit([&st, &by_slab, &copy_errors, copied_by, s] {
+                      copy_errors[s] = st.wait_slab(s, left_until(copied_by));
+                      if (!copy_errors[s].ok()) return;
+                      for (auto [t, c] : by_slab[s]) {
+                        Chunk& ch = st.layout.tensors[t].chunks[c];
+                        ch.xxh3 = checksum(st.slabs[s].data() + ch.offset % st.slab_bytes, ch.len);
+                      }
+                    })
+                    .share();
+  }
+  std::vector<Status> results(n);
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) {  // file 0 on this thread; new threads inherit its priority
+    threads.emplace_back([&, i] {
+      results[i] = write_range(st, files[i], cuts[i], cuts[i + 1], hashed, copy_errors, users,
+                               *engines[i], o.timeout);
+    });
+  }
+  results[0] = write_range(st, files[0], cuts[0], cuts[1], hashed, copy_errors, users, *engines[0],
+                           o.timeout);
+  for (auto& t : threads) t.join();
+  for (auto& f : hashed) f.wait();  // the workers still read the slabs and the layout
+  for (const auto& r : results) RESILIENT_RETURN_IF_ERROR(r);
+  std::vector<PersistedFile> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(PersistedFile{names[i], cuts[i + 1] - cuts[i]});
+  for (auto& t : st.layout.tensors) {  // offsets in the image -> offsets in the tensor's file
+    if (t.chunks.empty()) continue;
+    const auto file = static_cast<uint32_t>(
+        std::upper_bound(cuts.begin(), cuts.end() - 1, t.chunks.front().offset) - cuts.begin() - 1);
+    t.shard = file;
+    for (auto& c : t.chunks) c.offset -= cuts[file];
+  }
+  return out;
+}
 
 uint64_t checksum(const void* data, uint64_t n) { return XXH3_64bits(data, n); }
 

@@ -34,6 +34,7 @@ struct CheckpointOptions {
   int zstd_level = 0;                  // RESILIENT_ZSTD_LEVEL: 0 = no compression
   int copy_threads = 4;         // RESILIENT_COPY_THREADS: snapshot memcpy and hashing workers
   int restore_threads = 0;      // RESILIENT_RESTORE_THREADS; 0: auto_restore_threads()
+  int files_per_rank = 1;       // RESILIENT_FILES_PER_RANK: data files a save writes at once
   int background_nice = 10;     // RESILIENT_BACKGROUND_NICE: priority drop of writer threads
   std::string background_cpus;  // RESILIENT_BACKGROUND_CPUS: e.g. "8-15"; empty = unpinned
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
@@ -145,7 +146,9 @@ class Checkpointer {
   std::unique_ptr<ThreadPool> hashers_;  // checksums and compression in the background
   std::unique_ptr<DeviceStreams> streams_;
   std::unique_ptr<io::IoEngine> engine_;  // used by the writer thread only
-  uint64_t registered_epoch_ = ~0ull;     // pool epoch of the engine's fixed-buffer registration
+  // One more engine per further data file (files_per_rank > 1), used by the writer's threads.
+  std::vector<std::unique_ptr<io::IoEngine>> file_engines_;
+  uint64_t registered_epoch_ = ~0ull;  // pool epoch of the engine's fixed-buffer registration
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;

@@ -81,8 +81,9 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& orig
 /// Checks chunk extents against the real shard file sizes (truncation) — kCorrupt naming the file.
 Status check_extents(const Manifest& m, const std::vector<uint64_t>& file_sizes);
 
-/// Shard file name for a rank: "rank-00003.data".
-std::string shard_file_name(int rank);
+/// Shard file name for a rank: "rank-00003.data"; its further data files (files_per_rank > 1)
+/// "rank-00003.1.data", "rank-00003.2.data"...
+std::string shard_file_name(int rank, int part = 0);
 /// Directory name for a step: "step-000000000042".
 std::string step_dir_name(int64_t step);
 /// Parses a step directory name; -1 if it is not one.
