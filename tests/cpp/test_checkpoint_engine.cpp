@@ -521,6 +521,57 @@ TEST_F(MultiFileTest, PlanCutsAtLargeTensorsNearEvenShares) {
   EXPECT_EQ(plan_file_cuts(*layout, 20).size(), 6u);  // at most one file per large tensor
 }
 
+// Random states (sizes around the packing threshold and the slab size, dtypes of 1-8 bytes)
+// and file counts: the cuts keep their invariants and every save loads back bit for bit.
+TEST_F(MultiFileTest, RandomStatesAndFileCountsRoundTrip) {
+  std::mt19937 gen(11);
+  const char* dtypes[] = {"uint8", "float16", "float32", "int64"};
+  const size_t esizes[] = {1, 2, 4, 8};
+  for (int round = 0; round < 12; ++round) {
+    fs::remove_all(root_);
+    const int files = 1 + static_cast<int>(gen() % 9);
+    auto c = make_files(files);
+    std::vector<std::vector<std::byte>> bytes;
+    specs_.clear();
+    const int n = 1 + static_cast<int>(gen() % 12);
+    for (int i = 0; i < n; ++i) {
+      const size_t d = gen() % 4;
+      const uint64_t pick[] = {1, 4095, 64 << 10, (64 << 10) + 3, 300 << 10, 600 << 10};
+      uint64_t nbytes = pick[gen() % 6] + gen() % 9000;
+      nbytes -= nbytes % esizes[d];
+      if (nbytes == 0) nbytes = esizes[d];
+      std::vector<std::byte> b(nbytes);
+      for (auto& x : b) x = static_cast<std::byte>(gen());
+      bytes.push_back(std::move(b));
+      TensorSpec t;
+      t.name = "t" + std::to_string(i);
+      t.dtype = dtypes[d];
+      t.shape = {static_cast<int64_t>(nbytes / esizes[d])};
+      t.data = bytes.back().data();
+      t.nbytes = nbytes;
+      specs_.push_back(std::move(t));
+    }
+    auto layout = plan_layout(specs_, 256 << 10, 64 << 10);
+    ASSERT_TRUE(layout.ok());
+    auto cuts = plan_file_cuts(*layout, files);
+    ASSERT_LE(cuts.size() - 1, static_cast<size_t>(files));
+    for (size_t i = 1; i < cuts.size(); ++i) ASSERT_GT(cuts[i], cuts[i - 1]) << round;
+    auto h = c->save(1, specs_, {});
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE((*h)->wait(30s).ok()) << round;
+    auto m = c->manifest(1);
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(m->shards.size(), cuts.size() - 1) << round;
+    std::vector<std::vector<std::byte>> got;
+    std::vector<ReadTarget> targets;
+    for (const auto& s : specs_) got.emplace_back(s.nbytes, std::byte{0xAB});
+    for (size_t i = 0; i < specs_.size(); ++i)
+      targets.push_back({specs_[i].name, got[i].data(), specs_[i].nbytes});
+    ASSERT_TRUE(c->read(*m, targets).ok()) << round;
+    EXPECT_EQ(got, bytes) << "round " << round << " files " << files;
+  }
+}
+
 TEST_F(MultiFileTest, SavesSeveralFilesAndLoadsBitExact) {
   auto c = make_files(4);
   fill_many(3);
