@@ -509,7 +509,6 @@ TEST_F(MultiFileTest, PlanCutsAtLargeTensorsNearEvenShares) {
     for (size_t i = 1; i + 1 < cuts.size(); ++i) {
       EXPECT_GT(cuts[i], cuts[i - 1]);
       EXPECT_EQ(cuts[i] % 4096, 0u);
-      EXPECT_GE(cuts[i], layout->bytes / files * i);
       bool starts_a_tensor = false;
       for (const auto& t : layout->tensors)
         starts_a_tensor |= !t.chunks.empty() && t.chunks.front().offset == cuts[i];
@@ -518,7 +517,36 @@ TEST_F(MultiFileTest, PlanCutsAtLargeTensorsNearEvenShares) {
   }
   EXPECT_EQ(plan_file_cuts(*layout, 1).size(), 2u);
   EXPECT_EQ(plan_file_cuts(*layout, 4).size(), 5u);   // five large tensors: four files
-  EXPECT_EQ(plan_file_cuts(*layout, 20).size(), 6u);  // at most one file per large tensor
+  EXPECT_EQ(plan_file_cuts(*layout, 20).size(), 7u);  // a cut at each large tensor, no more
+}
+
+// Cuts go to the large tensor nearest each even share, not the first one past it: 8 equal
+// tensors and a small tail make 8 equal files; 450 + 550 KiB make 2 files (found in review:
+// "first start at or past i/n" gave 7 files with file 0 twice the others, and 1 file).
+TEST_F(MultiFileTest, PlanCutsPickTheNearestTensorToEachShare) {
+  auto specs_of = [](const std::vector<uint64_t>& sizes) {
+    std::vector<TensorSpec> out;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      TensorSpec t;
+      t.name = "t" + std::to_string(i);
+      t.dtype = "uint8";
+      t.shape = {static_cast<int64_t>(sizes[i])};
+      t.nbytes = sizes[i];
+      t.data = &t;  // never read: plan_layout only refuses null data
+      out.push_back(std::move(t));
+    }
+    return out;
+  };
+  const uint64_t s = 512 << 10;
+  auto eight = plan_layout(specs_of({s, s, s, s, s, s, s, s, 8}), 256 << 10, 64 << 10);
+  ASSERT_TRUE(eight.ok());
+  auto cuts = plan_file_cuts(*eight, 8);
+  ASSERT_EQ(cuts.size(), 9u);
+  for (size_t i = 1; i < 8; ++i) EXPECT_EQ(cuts[i], i * s);
+  auto two = plan_layout(specs_of({450 << 10, 550 << 10}), 256 << 10, 64 << 10);
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(plan_file_cuts(*two, 2),
+            (std::vector<uint64_t>{0, two->tensors[1].chunks.front().offset, two->bytes}));
 }
 
 // Random states (sizes around the packing threshold and the slab size, dtypes of 1-8 bytes)

@@ -148,12 +148,6 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
       c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
       static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
-  if (c->options_.zstd_level == 0) {  // compressed images are one file (persist_files)
-    for (int i = 1; i < c->options_.files_per_rank; ++i) {
-      RESILIENT_ASSIGN_OR_RETURN(auto e, io::IoEngine::create(c->options_.io));
-      c->file_engines_.push_back(std::move(e));
-    }
-  }
   c->writer_ = std::thread([p = c.get(), cpus] {
     // io-wq workers that io_uring creates for the writer's submissions inherit its CPUs.
     apply_thread_setup({"rs-ckpt-writer", p->options_.background_nice, cpus});
@@ -261,6 +255,18 @@ void Checkpointer::writer_loop() {
 Status Checkpointer::write_job(Job& job, SaveStats& stats) {
   // Every file of the save is opened relative to this directory, never through a link.
   RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, prepare_tmp_dir(options_.root, job.step, job.commit));
+  // The further data files' engines, made by the first save (a checkpointer that only reads
+  // never holds them). Compressed images are one file (persist_files).
+  const int files = options_.zstd_level == 0 ? options_.files_per_rank : 1;
+  if (options_.files_per_rank > 1 && options_.zstd_level > 0) {
+    log_once("ckpt-files-per-rank-zstd", LogLevel::kInfo,
+             "files_per_rank is ignored for compressed saves (zstd_level > 0): one data file");
+  }
+  while (static_cast<int>(file_engines_.size()) + 1 < files) {
+    RESILIENT_ASSIGN_OR_RETURN(auto e, io::IoEngine::create(options_.io));
+    file_engines_.push_back(std::move(e));
+    registered_epoch_ = ~0ull;  // register the slabs with the new engine too
+  }
   // Register the pool's slabs as io_uring fixed buffers (saves pinning pages per request);
   // again whenever the pool allocated or freed slabs since the last registration.
   if (pool_->epoch() != registered_epoch_) {

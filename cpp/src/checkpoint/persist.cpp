@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <system_error>
 #include <thread>
 
 #include "resilient/io/file.hpp"
@@ -179,11 +180,14 @@ Result<uint64_t> write_compressed(Staging& st, io::File& file, const PersistOpti
 Status write_range(Staging& st, io::File& file, uint64_t begin, uint64_t end,
                    std::vector<std::shared_future<void>> hashed,  // a copy per thread
                    const std::vector<Status>& copy_errors, std::vector<std::atomic<int>>& users,
-                   io::IoEngine& engine, Duration timeout) {
+                   const std::atomic<bool>& stop, io::IoEngine& engine, Duration timeout) {
   const uint64_t slab = st.slab_bytes;
   size_t s = begin / slab;
   const size_t last = end == begin ? s : (end - 1) / slab;
   while (begin < end && s <= last) {
+    if (stop.load(std::memory_order_relaxed)) {  // another file failed: the save has
+      return Status(StatusCode::kCancelled, "save abandoned: another data file failed");
+    }
     hashed[s].wait();
     if (!copy_errors[s].ok()) return copy_errors[s];
     size_t stop = s + 1;
@@ -213,12 +217,23 @@ Status write_range(Staging& st, io::File& file, uint64_t begin, uint64_t end,
 
 std::vector<uint64_t> plan_file_cuts(const Layout& layout, size_t files) {
   files = std::max<size_t>(files, 1);
-  std::vector<uint64_t> cuts{0};
+  std::vector<uint64_t> starts;  // where a file may begin: the large tensors' aligned starts
   for (const auto& t : layout.tensors) {
-    if (cuts.size() >= files) break;
-    if (t.nbytes < kPackBelowBytes || t.chunks.empty()) continue;
-    const uint64_t start = t.chunks.front().offset;  // 4 KiB-aligned (plan_layout)
-    if (start > cuts.back() && start >= layout.bytes / files * cuts.size()) cuts.push_back(start);
+    if (t.nbytes >= kPackBelowBytes && !t.chunks.empty() && t.chunks.front().offset > 0)
+      starts.push_back(t.chunks.front().offset);
+  }
+  auto distance = [](uint64_t a, uint64_t b) { return a > b ? a - b : b - a; };
+  std::vector<uint64_t> cuts{0};
+  size_t next = 0;  // starts[next...] lie after the last cut (ascending)
+  for (size_t i = 1; i < files && next < starts.size(); ++i) {
+    const uint64_t target = layout.bytes / files * i;
+    size_t best = next;  // the start nearest to an even share of the image
+    while (best + 1 < starts.size() &&
+           distance(starts[best + 1], target) <= distance(starts[best], target)) {
+      ++best;
+    }
+    cuts.push_back(starts[best]);
+    next = best + 1;
   }
   cuts.push_back(layout.bytes);
   return cuts;
@@ -264,17 +279,29 @@ Result<std::vector<PersistedFile>> persist_files(Staging& st, const io::Dir& dir
                     .share();
   }
   std::vector<Status> results(n);
+  std::atomic<bool> stop{false};  // one file failed: the others give up at their next batch
+  auto write = [&](size_t i) {
+    results[i] = write_range(st, files[i], cuts[i], cuts[i + 1], hashed, copy_errors, users, stop,
+                             *engines[i], o.timeout);
+    if (!results[i].ok()) stop.store(true, std::memory_order_relaxed);
+  };
   std::vector<std::thread> threads;
   for (size_t i = 1; i < n; ++i) {  // file 0 on this thread; new threads inherit its priority
-    threads.emplace_back([&, i] {
-      results[i] = write_range(st, files[i], cuts[i], cuts[i + 1], hashed, copy_errors, users,
-                               *engines[i], o.timeout);
-    });
+    try {
+      threads.emplace_back(write, i);
+    } catch (const std::system_error& e) {  // EAGAIN: a thread or process limit
+      results[i] = Status(StatusCode::kResourceExhausted,
+                          std::string("could not start a data file's writer thread: ") + e.what());
+      stop.store(true);
+      break;
+    }
   }
-  results[0] = write_range(st, files[0], cuts[0], cuts[1], hashed, copy_errors, users, *engines[0],
-                           o.timeout);
+  write(0);
   for (auto& t : threads) t.join();
   for (auto& f : hashed) f.wait();  // the workers still read the slabs and the layout
+  for (const auto& r : results) {   // the failure itself, not the files it cancelled
+    if (!r.ok() && r.code() != StatusCode::kCancelled) return r;
+  }
   for (const auto& r : results) RESILIENT_RETURN_IF_ERROR(r);
   std::vector<PersistedFile> out;
   for (size_t i = 0; i < n; ++i) out.push_back(PersistedFile{names[i], cuts[i + 1] - cuts[i]});

@@ -98,8 +98,12 @@ Status install_fault_hook(const FaultSpec& spec) {
       if (::stat(spec.trigger_file.c_str(), &st) != 0) return 0;
     }
     if (seen->fetch_add(1) < spec.after) return 0;
-    if (spec.count > 0 && hits->load() >= spec.count) return 0;
-    hits->fetch_add(1);
+    // Claim a hit in one atomic step, so `count` holds when several threads write at once
+    // (files_per_rank > 1); `hits` counts only the calls failed or delayed.
+    int64_t h = hits->load();
+    do {
+      if (spec.count > 0 && h >= spec.count) return 0;
+    } while (!hits->compare_exchange_weak(h, h + 1));
     if (spec.delay_ms > 0)
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(spec.delay_ms));
     return spec.error;

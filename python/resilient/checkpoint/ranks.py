@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from resilient import settings
@@ -72,6 +74,7 @@ class Ranks:
             collective_timeout = settings.get("RESILIENT_COLLECTIVE_TIMEOUT_S")
         self.collective_timeout = float(collective_timeout)
         self._seq = 0
+        self._aborted: tuple[int, str] | None = None  # (entry seq, reason): abort()
         self.broken = ""
         if not self.distributed:
             self.rank, self.world_size, self.group = 0, 1, None
@@ -87,26 +90,64 @@ class Ranks:
         self.run_id = run[0]
 
     def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (small control objects, pickled as all_gather_object does), in
+        two gloo all-gathers that are polled, not waited on: abort() ends them."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group,
+                                   async_op=True))
+        n = max(int(x) for x in sizes)
+        mine = torch.zeros(n, dtype=torch.uint8)
+        mine[:data.numel()] = data
+        out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+        return [pickle.loads(o[:int(x)].numpy().tobytes()) for o, x in zip(out, sizes)]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
-        if not self.distributed:
-            return obj
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return self.gather(obj if self.rank == 0 else None)[0]
+
+    def _wait(self, work: Any) -> None:
+        """Waits for a gloo collective by polling it: a peer killed mid-collective can leave a
+        survivor blocked in gloo (its neighbours gave up on the collective but their connections
+        stay open) until the group's timeout; abort() (the detector's verdict) ends it at once,
+        and so does the store's mark of another rank's abort."""
+        deadline = time.monotonic() + self.collective_timeout
+        polls = 0
+        while not work.is_completed():
+            aborted = self._aborted
+            if aborted is not None and aborted[0] >= self._seq - 1:
+                self.broken = f"aborted: {aborted[1]}"
+                raise CollectiveError(f"checkpoint collective abandoned: {aborted[1]}")
+            polls += 1
+            if polls % 50 == 0 and self.store.check(
+                    [f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken"]):
+                self.broken = "a peer gave up"
+                raise CollectiveError(
+                    self.store.get(f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken")
+                    .decode())
+            if time.monotonic() > deadline:
+                self.broken = "a collective timed out"
+                raise CollectiveError(f"a checkpoint collective did not finish within "
+                                      f"{self.collective_timeout:g} s")
+            time.sleep(0.002)
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo's own error: a peer closed its connection
+            self.broken = "a collective failed"
+            raise CollectiveError(f"a checkpoint collective failed (a peer is gone?): "
+                                  f"{str(e).splitlines()[0][:300]}") from e
 
     def abort(self, reason: str) -> None:
         """Makes the collective entry in progress (or the next one) raise CollectiveError on
-        every rank at once instead of after ``collective_timeout``: for in-process recovery,
-        whose detector knows a peer is gone. Safe from another thread."""
+        every rank at once instead of after ``collective_timeout``, and ends a gather of it that
+        waits for a lost peer: for in-process recovery, whose detector knows a peer is gone.
+        Safe from another thread."""
         if not self.distributed:
             return
+        self._aborted = (self._seq, reason)
         for seq in (self._seq, self._seq + 1):
             self.store.set(f"resilient/ckpt/{self.run_id}/enter/{seq}/broken", reason)
 

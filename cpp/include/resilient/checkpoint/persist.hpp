@@ -32,8 +32,8 @@ Result<uint64_t> persist_shard(Staging& staging, const io::Dir& dir, const std::
 
 /// Where persist_files cuts the image `layout` into at most `files` data files: ascending
 /// offsets, the first 0 and the last layout.bytes; every inner cut is the start of a tensor
-/// placed on a 4 KiB boundary (one of kPackBelowBytes or more) and at least i/files of the way
-/// into the image. Fewer files when the image has too few such tensors.
+/// placed on a 4 KiB boundary (one of kPackBelowBytes or more), the one nearest to i/files of
+/// the image. Fewer files when the image has too few such tensors.
 std::vector<uint64_t> plan_file_cuts(const Layout& layout, size_t files);
 
 /// A data file that persist_files wrote.
