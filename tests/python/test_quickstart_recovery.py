@@ -144,8 +144,9 @@ def test_a_replacement_joins_the_quickstart_with_the_same_state(tmp_path: Path) 
     from resilient.checkpoint.catalog import list_root
 
     (tmp_path / "samples").mkdir()
-    # >= 30 s at 50 ms a step: time for the replacement to start and be admitted (a cold start
-    # of torch beside 3 busy ranks on 2 cores took ~18 s once: 593 of 600 steps on 3 ranks)
+    # >= 30 s at 50 ms a step: time for the replacement to start and be admitted. The kill
+    # lands in the step-5 save (every=5): a survivor once stayed in its gather until evicted
+    # (593 of 600 steps on 3 ranks); the save's gathers are now polled (test_ranks_abort.py).
     steps = 600
     slow = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_steps"),
                                            os.environ.get("PYTHONPATH", "")]),
