@@ -30,10 +30,14 @@ class EngineTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
 
-  std::unique_ptr<Checkpointer> make(int zstd = 0, int keep = 3) {
+  std::unique_ptr<Checkpointer> make(int zstd = 0, int keep = 3, int files = 1, int rank = 0,
+                                     int world = 1) {
     auto o = CheckpointOptions::from_env(root_.string()).value();
     o.keep = keep;
     o.zstd_level = zstd;
+    o.files_per_rank = files;
+    o.rank = rank;
+    o.world_size = world;
     o.chunk_bytes = 64 << 10;  // small chunks: many chunks per tensor
     o.pool.slab_bytes = 256 << 10;
     o.pool.budget_bytes = 64 << 20;
@@ -453,17 +457,7 @@ TEST_F(EngineTest, SymlinkedTemporaryDirectoryIsNeverWrittenThrough) {
 class MultiFileTest : public EngineTest {
  protected:
   std::unique_ptr<Checkpointer> make_files(int files, int rank = 0, int world = 1) {
-    auto o = CheckpointOptions::from_env(root_.string()).value();
-    o.files_per_rank = files;
-    o.rank = rank;
-    o.world_size = world;
-    o.chunk_bytes = 64 << 10;
-    o.pool.slab_bytes = 256 << 10;
-    o.pool.budget_bytes = 64 << 20;
-    o.timeout = 30s;
-    auto c = Checkpointer::create(o);
-    EXPECT_TRUE(c.ok()) << c.status().to_string();
-    return std::move(c).value();
+    return make(0, 3, files, rank, world);
   }
   // Large tensors of several sizes (one spans slabs) between small ones, rank-dependent names.
   void fill_many(uint32_t seed, int rank = 0) {
