@@ -79,6 +79,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loader", action="store_true",
                    help="with --user-loop: micro-batches from a DataLoader + DistributedSampler")
     p.add_argument("--samples", type=int, default=240, help="--loader: samples per epoch")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: NCCL, rank on GPU LOCAL_RANK %% device count (a spare of "
+                        "`resilient run --spares` shares a GPU until a rank there is lost)")
     p.add_argument("--init-method", default="env://",
                    help="e.g. etcd://h1:2379,h2:2379/job42/ (the job's store on etcd: no rank "
                         "hosts it; RANK and WORLD_SIZE from the environment)")
@@ -94,7 +97,11 @@ def progress(a: argparse.Namespace, rec: Recovery) -> None:
                 f.write(str(os.getpid()))
         with open(name + ".step", "w") as f:
             f.write(str(rec.step))
-    if rec.initial_rank == a.kill_rank and rec.step == a.kill_step:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rec.initial_rank == a.kill_rank and rec.step == a.kill_step and first_attempt:
+        if a.out:  # the fault's time, on the clock of the timeline's time_mono
+            with open(os.path.join(a.out, f"rank{rec.initial_rank}.killed"), "w") as f:
+                f.write(repr(time.monotonic()))
         os.kill(os.getpid(), signal.SIGKILL)
     if rec.step == a.wait_for_joiner and not rec.joined:
         from resilient.recovery.join import tickets_taken
@@ -120,9 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=timedelta(seconds=30))  # also every store call's bound
+    elif a.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
+                           % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", init_method=a.init_method, device_id=dev)
     else:
         dist.init_process_group("gloo", init_method=a.init_method)
-    model = DDP(make_model())
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else (
+        torch.device("cpu"))
+    model = DDP(make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     sampler = None
     if a.loader:
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def loss_fn(step: int, mb: Any) -> torch.Tensor:  # mb: this rank's slice of the step
         x, y = make_data(step, a.global_batch)
-        return torch.nn.functional.mse_loss(rec.model(x[mb.slice]), y[mb.slice])
+        return torch.nn.functional.mse_loss(rec.model(x[mb.slice].to(device)),
+                                            y[mb.slice].to(device))
 
     code = 0
     report: dict[str, Any] = {}
@@ -158,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                             seen += index.tolist()
                         else:
                             xb, yb = x[mb.slice], y[mb.slice]
-                        loss = torch.nn.functional.mse_loss(rec.model(xb), yb)
+                        loss = torch.nn.functional.mse_loss(rec.model(xb.to(device)),
+                                                            yb.to(device))
                         (loss * mb.loss_scale).backward()
                     opt.step()
                 if a.loader and a.out and rec.step > step:  # the step completed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files ab fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files ab fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,6 +167,16 @@ PY
           log "recovery bench ($n GPUs)"
           timeout 400 python scripts/gpu_recovery_bench.py --gpus "$n" --repeat 1 --out "$OUT" \
             >"$OUT/recovery.log" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/recovery.log" ;;
+    run-recovery) # Issue 16: DDP under `resilient run` on NCCL, the user's loop (rec.attempt):
+        # rank 0 SIGKILLed; survivors only, a hot spare, a replacement, torchrun's restart path.
+        n=$(python -c "import torch; print(torch.cuda.device_count())")
+        log "recovery under resilient run ($n GPUs)"
+        timeout 560 python benchmarks/run_recovery_bench.py --nproc "$n" --device cuda \
+          --repeat ${RR_REPEAT:-2} --out /tmp/rrb >"$OUT/run-recovery.log" 2>&1; echo "rc=$?"
+        cp /tmp/rrb/run_recovery_bench.json "$OUT/" 2>/dev/null
+        for f in /tmp/rrb/*/rank*.json; do [ -f "$f" ] || continue; d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/rr-$d-$(basename "$f")"; done
+        grep -v '^ ' "$OUT/run-recovery.log" | cut -c1-600 | tail -n 30
+        python -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$OUT/run_recovery_bench.json" ;;
     diag) # Crash diagnosis for the NCCL paths (see benchmarks/RESULTS.md, "comm and recovery").
           # Every run keeps its stderr; NCCL logs go to $OUT/nccl-*.
           export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,RAS,PROXY

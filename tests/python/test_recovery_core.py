@@ -169,3 +169,102 @@ def test_without_a_global_batch_a_step_is_one_loader_batch_per_rank() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="both global_batch and micro_batch"):
         Recovery(None, 0, 4, model, opt, global_batch=32)
+
+
+class FakeGroup:
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def gpu_like(rec: Recovery, work: FakeWork) -> FakeGroup:
+    """The NCCL path without a GPU: the optimizer gate's CUDA event is ``work``."""
+    rec.backend, rec._device = "nccl", torch.device("cuda", 0)
+    rec._device_fence = lambda: work.is_completed  # type: ignore[method-assign]
+    rec._group = FakeGroup()
+    rec._gate_optimizer()
+    rec._in_step = True
+    return rec._group
+
+
+def test_the_optimizer_gate_waits_for_the_all_reduce_then_lets_the_step_run() -> None:
+    rec = make()
+    gpu_like(rec, FakeWork(0.05))
+    before = rec.module.weight.detach().clone()
+    rec.module.weight.grad = torch.ones_like(before)
+    t0 = time.monotonic()
+    rec.optimizer.step()
+    assert time.monotonic() - t0 >= 0.04 and rec._applied
+    assert not torch.equal(rec.module.weight, before)
+    assert [e["kind"] for e in rec.timeline.events] == []  # not awaiting a first collective
+
+
+def test_a_verdict_while_the_gate_waits_fails_the_step_before_the_update() -> None:
+    rec = make()
+    group = gpu_like(rec, FakeWork(None))  # the all-reduce waits for a dead peer
+    before = rec.module.weight.detach().clone()
+    rec.module.weight.grad = torch.ones_like(before)
+
+    def verdict() -> None:
+        time.sleep(0.05)
+        rec.detector.gen = (1, [0, 2, 3])
+        rec._on_failure([1], 1)
+
+    threading.Thread(target=verdict).start()
+    with pytest.raises(PeerFailure, match="verdict"):
+        rec.optimizer.step()
+    assert torch.equal(rec.module.weight, before) and not rec._applied
+    assert group.aborted == 1  # from the detector's thread: a CUDA sync in the step returns
+    assert rec._failure_cause(RuntimeError("x")) == "verdict"
+
+
+def test_a_fence_completed_by_the_abort_does_not_let_the_step_run() -> None:
+    """The abort ends the hung kernel, so the event completes: the verdict still fails it."""
+    rec = make()
+    gpu_like(rec, FakeWork(0.0))
+    rec.detector.gen = (1, [0, 2, 3])
+    rec._on_failure([1], 1)
+    rec.module.weight.grad = torch.ones_like(rec.module.weight)
+    before = rec.module.weight.detach().clone()
+    with pytest.raises(PeerFailure, match="verdict"):
+        rec.optimizer.step()
+    assert torch.equal(rec.module.weight, before)
+
+
+def test_no_abort_outside_a_step_or_for_a_verdict_about_others() -> None:
+    rec = make()
+    group = gpu_like(rec, FakeWork(0.0))
+    rec._in_step = False
+    rec._on_failure([1], 1)
+    rec._in_step = True
+    rec._on_failure([7], 1)  # not a member (a joiner the detector does not watch)
+    assert group.aborted == 0
+
+
+def test_an_optimizer_without_step_hooks_is_refused_on_nccl() -> None:
+    rec = make()
+    rec.backend, rec.optimizer = "nccl", object()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        rec._gate_optimizer()
+
+
+@pytest.mark.parametrize("fail_after_update", [False, True])
+def test_attempt_redoes_only_a_step_whose_update_did_not_run(fail_after_update: bool) -> None:
+    """A failure before optimizer.step: the step is redone. After it (a collective of the
+    user's own, for logging): the step counts and is not applied twice."""
+    rec = make()
+    recovered: list[BaseException] = []
+    rec._recover_until_done = recovered.append  # type: ignore[method-assign]
+    rec.module.weight.grad = torch.ones_like(rec.module.weight)
+    with rec.attempt():
+        if fail_after_update:
+            rec.optimizer.step()
+        raise PeerFailure("collective_error", "[gloo] Connection closed by peer")
+    assert len(recovered) == 1 and not rec._in_step
+    assert rec.step == (1 if fail_after_update else 0)
+    assert rec.detector.steps == ([1] if fail_after_update else [])
+    with rec.attempt():
+        rec.optimizer.step()
+    assert rec.step == (2 if fail_after_update else 1)

@@ -221,6 +221,82 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     assert any(e["kind"] == "join_admitted" for e in reps[0]["timeline"])
 
 
+@pytest.mark.timeout(150)
+def test_a_hot_spare_waits_for_a_lost_rank_then_takes_its_place(tmp_path: Path) -> None:
+    """--spares 1: a fifth process starts with the job and waits (the members admit joiners only
+    up to the initial world of 4); after rank 1 is killed it is admitted at a step boundary,
+    receives the state and trains to the end, in the user's own loop (rec.attempt); all four
+    end with the failure-free parameters (keep_batch)."""
+    from ddp_reference import reference_params
+    from resilient.recovery.join import JOIN_BASE
+
+    steps, kill_step = 20, 6
+    p = start_job(tmp_path, "--steps", str(steps), "--kill-rank", "1", "--kill-step",
+                  str(kill_step), "--wait-for-joiner", "10", "--user-loop", "--step-sleep",
+                  "0.02", args=("--spares", "1"))
+    code, log = finish(p, tmp_path, timeout=120)
+    assert code == 0, log
+    assert "takes rank 1's place" in log, log
+    ranks = [0, 2, 3, JOIN_BASE]
+    reps = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
+    ref = reference_params(EXAMPLE, steps)
+    for rep in reps.values():
+        assert rep["step"] == steps and rep["members"] == ranks, (rep["step"], rep["members"])
+        assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
+    admitted = [e for e in reps[0]["timeline"] if e["kind"] == "join_admitted"]
+    assert len(admitted) == 1 and admitted[0]["step"] >= kill_step, admitted  # not before
+    spare_kinds = [e["kind"] for e in reps[JOIN_BASE]["timeline"]]
+    assert spare_kinds[:3] == ["join_requested", "rebuilt", "restored"], spare_kinds
+    assert "first_collective" in spare_kinds, spare_kinds
+
+
+@pytest.mark.parametrize("max_world,world,admits", [(0, 4, True), (-1, 4, False),
+                                                      (-1, 3, True), (5, 4, True)])
+def test_members_admit_joiners_only_up_to_max_world(monkeypatch: pytest.MonkeyPatch,
+                                                    max_world: int, world: int,
+                                                    admits: bool) -> None:
+    import torch.distributed as dist
+
+    from resilient.recovery import RecoveryConfig, join
+    from resilient.recovery.timeline import Timeline
+
+    class Rec:
+        job, rank, step, admitted, join_epoch, generation = "cap", 1, 8, 0, 0, 0
+        initial_world = 4
+        timeline = Timeline(1)
+        store = dist.HashStore()
+        config = RecoveryConfig.from_env(join_check_every=1, max_world=max_world)
+
+    rec = Rec()
+    rec.world_size, rec.members = world, list(range(world))
+    rec.store.add(join._key(rec, "tickets"), 1)  # a spare waits
+    grown: list[list[int]] = []
+    monkeypatch.setattr(join, "_regroup", lambda r, gen, rank, members: grown.append(members))
+    assert join.maybe_admit(rec) is admits
+    assert grown == ([list(range(world)) + [join.JOIN_BASE]] if admits else [])
+
+
+@pytest.mark.timeout(150)
+def test_without_in_process_recovery_a_restart_brings_the_job_back(tmp_path: Path) -> None:
+    """--max-restarts 1: every worker is stopped and started again, and the job finishes. (The
+    restarted ranks rendezvous on a store of their own attempt: on the agent's shared store,
+    plain torchrun's restart sometimes reads the dead attempt's addresses.)"""
+    p = start_job(tmp_path, "--steps", "12", "--kill-rank", "1", "--kill-step", "4",
+                  args=("--no-in-process-recovery", "--max-restarts", "1"))
+    code, log = finish(p, tmp_path, timeout=120)
+    assert code == 0, log
+    assert "connectFullMesh" not in log, log
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["step"] == 12 and r["world_size"] == 4 for r in reps)
+
+
+def test_spares_are_refused_without_in_process_recovery() -> None:
+    from resilient.cli.run import run
+
+    with pytest.raises(SystemExit):
+        run(["--standalone", "--spares", "1", "--no-in-process-recovery", "x.py"])
+
+
 def test_a_joiner_that_comes_too_late_stops_waiting() -> None:
     import torch.distributed as dist
 

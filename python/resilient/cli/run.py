@@ -5,9 +5,9 @@
         --rdzv-id job42 train.py
     python -m resilient.run ...   # the same
 
-Every torchrun option is parsed by torch's own parser (``torch.distributed.run.
-get_args_parser``), plus ``--[no-]in-process-recovery`` (default on) and ``--replacements N``. The
-agent is resilient.recovery.agent.ResilientAgent (see there and docs/recovery.md, "Launching").
+Every torchrun option is parsed by torch's own parser (``torch.distributed.run. get_args_parser``),
+plus ``--[no-]in-process-recovery`` (default on), ``--replacements N`` and ``--spares N``. The agent
+is resilient.recovery.agent.ResilientAgent (see there and docs/recovery.md, "Launching").
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
         help="start a new worker for a lost one, at most this many times per node; it joins "
              "the running job through Recovery's join path (default 0)")
     parser.add_argument(
+        "--spares", type=int, default=0,
+        help="start this many extra workers per node at launch that wait, initialized, until "
+             "a worker is lost, then take its place (a hot spare: no process start, import or "
+             "CUDA init after the failure). Spare i gets LOCAL_RANK nproc-per-node + i, so a "
+             "GPU script that maps LOCAL_RANK to a device needs a GPU for it (default 0)")
+    parser.add_argument(
         "--store", default=None, metavar="URL",
         help="etcd://h1:2379,h2:2379,h3:2379/prefix (etcds:// for TLS): the workers' default "
              "process group, and so the failure detector, recovery and checkpoint commits, use "
@@ -60,6 +66,10 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.spares < 0 or args.replacements < 0:
+        parser.error("--spares and --replacements take a count >= 0")
+    if args.spares and not args.in_process_recovery:
+        parser.error("--spares needs in-process recovery (a spare joins the running job)")
     if args.store:
         import os
 
@@ -80,7 +90,8 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     config, cmd, cmd_args = config_from_args(args)
     try:
         launch(config, cmd, cmd_args, in_process=args.in_process_recovery,
-               replacements=args.replacements, finish_grace_s=args.finish_grace_s)
+               replacements=args.replacements, spares=args.spares,
+               finish_grace_s=args.finish_grace_s)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1

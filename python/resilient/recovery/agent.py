@@ -26,6 +26,12 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   ``Recovery.adopt`` then takes a ticket and is admitted by the running members at a step boundary
   (resilient.recovery.join: the members check every ``RESILIENT_RECOVERY_JOIN_CHECK_EVERY`` steps,
   which the agent sets to 1 when replacements are on), receiving the state from a live peer.
+* With ``--spares N`` the agent starts N more workers at launch, on the join path like a
+  replacement (``LOCAL_RANK`` ``nproc_per_node + i``), that wait, already initialized, until a
+  rank is lost: the members admit joiners only up to the job's initial world size
+  (``RESILIENT_RECOVERY_MAX_WORLD=-1``), so a spare is admitted at the first step boundary after
+  a recovery. The lost worker's slot is then the spare's. Spares are used before replacements;
+  a spare still waiting when the job finishes exits 0 (it finds the members' ``finished`` key).
 * Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
   not counted as failures: ranks finish together, so these are ranks the survivors removed (a
   frozen, SIGSTOPped rank stays a live process) or ranks stuck on the way out.
@@ -48,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,9 +70,16 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
-from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, LAUNCHER_ENV
+from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, JOIN_STORE_ENV, LAUNCHER_ENV
 
 log = logging.getLogger("resilient.recovery")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -122,12 +136,14 @@ class ResilientAgent(LocalElasticAgent):
 
     def __init__(self, spec: WorkerSpec, logs_specs: Any, start_method: str = "spawn",
                  exit_barrier_timeout: float = 300, log_line_prefix_template: str | None = None,
-                 *, in_process: bool = True, replacements: int = 0,
+                 *, in_process: bool = True, replacements: int = 0, spares: int = 0,
                  finish_grace_s: float = 30.0) -> None:
         super().__init__(spec, logs_specs, start_method, exit_barrier_timeout,
                          log_line_prefix_template)
         self.in_process = in_process
         self.replacements_left = replacements
+        self.spares = spares
+        self._spares: list[Any] = []  # handlers of spares waiting to take a lost rank's place
         self.finish_grace_s = finish_grace_s
         self.exits: list[Exit] = []  #: in the order seen
         self.lost: dict[int, ProcessFailure] = {}  #: global rank -> its (first) failure
@@ -139,7 +155,46 @@ class ResilientAgent(LocalElasticAgent):
     # ---- overrides ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.exits, self._seen, self._reaped, self._finished_at = [], set(), set(), None
-        return super()._start_workers(worker_group)
+        self._stop_spares()
+        ids = super()._start_workers(worker_group)
+        if self.in_process:
+            n = worker_group.spec.local_world_size
+            env = self._pcontext.envs[0] if self._pcontext else {}
+            job_store = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+            # A spare starts while the members' first group forms: its one-rank group must not
+            # rendezvous on the job's store (it would take rank 0's keys), so it gets a store of
+            # its own and finds the job's through RESILIENT_JOIN_STORE.
+            self._spares = [self._joiner(0, f"spare{i}", {
+                "LOCAL_RANK": str(n + i), "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                JOIN_STORE_ENV: job_store}) for i in range(self.spares)]
+        return ids
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._stop_spares()
+        super()._stop_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM) -> None:
+        self._stop_spares()
+        super()._shutdown(death_sig)
+
+    def _stop_spares(self) -> None:
+        for handler in self._spares:
+            if handler.proc.poll() is None:
+                os.killpg(handler.proc.pid, signal.SIGKILL)
+        self._spares = []
+
+    def _live_spare(self) -> Any | None:
+        """A waiting spare (spares that exited are dropped, with a warning if they failed)."""
+        while self._spares:
+            handler = self._spares.pop(0)
+            code = handler.proc.poll()
+            if code is None:
+                return handler
+            if code != 0:
+                log.warning("resilient run: spare pid %d exited with %d before it was needed",
+                            handler.proc.pid, code)
+        return None
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if not self.in_process:
@@ -169,6 +224,14 @@ class ResilientAgent(LocalElasticAgent):
                     log.warning("resilient run: rank %d (pid %d) exited with %d; %d local "
                                 "workers keep running (in-process recovery)",
                                 worker.global_rank, handler.proc.pid, code, others)
+                    spare = self._live_spare() if others else None
+                    if spare is not None:
+                        handlers[local_rank] = spare
+                        worker.id = spare.proc.pid
+                        log.warning("resilient run: spare pid %d takes rank %d's place",
+                                    spare.proc.pid, worker.global_rank)
+                        running += 1
+                        continue
                     if others and self.replacements_left > 0:
                         self._replace(worker_group, local_rank)
                         running += 1
@@ -189,6 +252,7 @@ class ResilientAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)  # their exits are seen next time
         if verdict.state == "healthy":
             return RunResult(state=WorkerState.HEALTHY)
+        self._stop_spares()  # the group ended: a spare still waiting has nothing to join
         if verdict.state == "succeeded":
             return RunResult(state=WorkerState.SUCCEEDED, return_values={
                 w.global_rank: None for w in worker_group.workers})
@@ -211,24 +275,34 @@ class ResilientAgent(LocalElasticAgent):
         pc = self._pcontext
         assert pc is not None
         self.replacements_left -= 1
-        env = dict(pc.envs[local_rank])
-        env.update({JOIN_ENV: "1", "RESILIENT_JOIN_FOR_RANK": env.get("RANK", ""),
-                    "RESILIENT_JOIN_WORLD": env.get("WORLD_SIZE", ""),
-                    "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
-        n = len(self.exits)
-        stdout, stderr = pc.stdouts[local_rank], pc.stderrs[local_rank]
-        handler = get_subprocess_handler(
-            entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
-            stdout=f"{stdout}.replacement{n}" if stdout else stdout,
-            stderr=f"{stderr}.replacement{n}" if stderr else stderr, local_rank_id=local_rank)
+        handler = self._joiner(local_rank, f"replacement{len(self.exits)}", {})
         pc.subprocess_handlers[local_rank] = handler
         worker_group.workers[local_rank].id = handler.proc.pid
         log.warning("resilient run: started pid %d to replace rank %s (%d replacements left)",
-                    handler.proc.pid, env["RESILIENT_JOIN_FOR_RANK"], self.replacements_left)
+                    handler.proc.pid, pc.envs[local_rank].get("RANK", ""),
+                    self.replacements_left)
+
+    def _joiner(self, local_rank: int, tag: str, extra: dict[str, str]) -> Any:
+        """A process on the join path, with ``local_rank``'s command and environment (a
+        one-rank group, so the script's init_process_group does not wait for the job's) and
+        its output next to that rank's as ``<file>.<tag>``."""
+        pc = self._pcontext
+        assert pc is not None
+        env = dict(pc.envs[local_rank])
+        env.update({JOIN_ENV: "1", "RESILIENT_JOIN_FOR_RANK": "" if extra else env.get(
+                        "RANK", ""),
+                    "RESILIENT_JOIN_WORLD": env.get("WORLD_SIZE", ""),
+                    "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", **extra})
+        stdout, stderr = pc.stdouts[local_rank], pc.stderrs[local_rank]
+        return get_subprocess_handler(
+            entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+            stdout=f"{stdout}.{tag}" if stdout else stdout,
+            stderr=f"{stderr}.{tag}" if stderr else stderr, local_rank_id=local_rank)
 
 
 def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = True,
-           replacements: int = 0, finish_grace_s: float = 30.0) -> dict[int, Any]:
+           replacements: int = 0, spares: int = 0,
+           finish_grace_s: float = 30.0) -> dict[int, Any]:
     """``torch.distributed.launcher.api.launch_agent`` with a :class:`ResilientAgent`: the same
     rendezvous handler (from the registry), WorkerSpec and error handling.
 
@@ -251,8 +325,23 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
     # Inherited by the workers (the subprocess handler starts from os.environ).
     os.environ[LAUNCHER_ENV] = "resilient run"
     os.environ[IN_PROCESS_ENV] = "1" if in_process else "0"
-    if in_process and replacements:
+    if in_process and (replacements or spares):
         os.environ.setdefault("RESILIENT_RECOVERY_JOIN_CHECK_EVERY", "1")
+    if in_process and spares:
+        os.environ.setdefault("RESILIENT_RECOVERY_MAX_WORLD", "-1")
+    if not in_process:
+        # torchrun's restart path: the workers' default group rendezvouses on the agent's store,
+        # which outlives the attempt, so a restarted rank may read a dead rank's address left by
+        # the previous attempt (gloo: "connectFullMesh failed ... Connection refused"; seen with
+        # plain torchrun too). torch's own switch makes rank 0 serve a fresh store per attempt.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if in_process:
+        # NCCL: torch's watchdog must not kill a survivor that sees the dead peer's error
+        # before Recovery aborts the group, and NCCL's RAS thread can crash while groups are
+        # replaced (resilient.comm.nccl_env). The script's own init_process_group creates the
+        # first communicator, so the workers get these from the environment.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        os.environ.setdefault("NCCL_RAS_ENABLE", "0")
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
         args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
@@ -264,7 +353,7 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
         virtual_local_rank=config.virtual_local_rank)
     agent = ResilientAgent(spec, config.logs_specs, config.start_method,
                            log_line_prefix_template=config.log_line_prefix_template,
-                           in_process=in_process, replacements=replacements,
+                           in_process=in_process, replacements=replacements, spares=spares,
                            finish_grace_s=finish_grace_s)
     shutdown_rdzv = True
     try:

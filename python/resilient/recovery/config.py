@@ -42,6 +42,9 @@ class RecoveryConfig:
     join_check_every: int = 0
     #: seconds a joining rank waits to be admitted
     join_timeout_s: float = 300.0
+    #: admit joiners only up to this many ranks: 0 no limit, -1 the job's initial world size
+    #: (hot spares wait until a rank is lost; ``resilient run --spares`` sets -1)
+    max_world: int = 0
 
     def set(self, name: str, value: Any) -> None:
         """Sets field ``name``. A string is parsed like its ``RESILIENT_RECOVERY_<NAME>``
@@ -77,6 +80,8 @@ class RecoveryConfig:
                              f"{MISMATCH_SOURCES}")
         if self.join_check_every < 0:
             raise ValueError("join_check_every must be >= 0")
+        if self.max_world < -1:
+            raise ValueError("max_world must be >= -1 (0: no limit, -1: the initial world)")
         if self.min_world < 1:
             raise ValueError("min_world must be >= 1")
         for name in ("agree_timeout_s", "group_timeout_s", "collective_timeout_s",

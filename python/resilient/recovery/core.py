@@ -177,6 +177,9 @@ class Recovery(StepLoop):
         self._verdict = threading.Event()
         self._evicted = threading.Event()
         self._pending_cause: str | None = None
+        self._in_step = False  # a step's collectives may be in flight (verdict: abort NCCL)
+        self._applied = False  # this step's optimizer.step ran (a later failure keeps it)
+        self._gated: Any = None  # the optimizer whose step pre-hook gates on the all-reduce
         # The clock and sleep of the poll loops (decisions.py decides; tests may replace these).
         self.clock: Callable[[], float] = time.monotonic
         self.sleep: Callable[[float], None] = time.sleep
@@ -286,6 +289,7 @@ class Recovery(StepLoop):
                 backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
                 device_id=self._device if self._device.type == "cuda" else None)
         self._wrap(init_sync=True)
+        self._gate_optimizer()
         self.timeline.add("started", world_size=self.world_size)
         return self
 
@@ -320,14 +324,18 @@ class Recovery(StepLoop):
         """
         if start is not None and not (self.joined or self._join_on_start):
             self.step = start  # a joiner continues from the job's step
+        self._gate_optimizer()
         while self.step < end:
             try:
                 self._begin_step()
+                self._in_step = True
                 self._train_step(loss_fn, self.step)
+                self._in_step = False
                 self._end_step()
             except RecoveryStopped:
                 raise
             except Exception as exc:  # noqa: BLE001 -- classified below, re-raised if not ours
+                self._in_step = False
                 self._recover_until_done(exc)
         self._finished()
         return self.step
@@ -380,12 +388,51 @@ class Recovery(StepLoop):
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 loss = loss_fn(step, mb)
                 (loss * mb.loss_scale).backward()
+        self.optimizer.step()  # gated: _before_optimizer_step
+
+    # ---- the optimizer gate ----
+    def _gate_optimizer(self) -> None:
+        """Registers :meth:`_before_optimizer_step` on the optimizer (once)."""
+        if self._gated is self.optimizer:
+            return
+        if not hasattr(self.optimizer, "register_step_pre_hook"):
+            if self.backend == "nccl":
+                raise TypeError(
+                    f"Recovery with NCCL needs a torch.optim.Optimizer, not "
+                    f"{type(self.optimizer).__name__}: its step pre-hook holds the step until "
+                    "the gradient all-reduce completed")
+            return
+        self.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._gated = self.optimizer
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Runs before every ``optimizer.step()`` inside a protected step. On GPU the gradient
+        all-reduce is asynchronous on NCCL's stream: the step may only be queued behind it once
+        it completed, so this polls a CUDA event recorded now while watching the verdict and
+        the collective timeout (PeerFailure: the step never changed the state). Then the step
+        counts as applied on this rank, so a failure later in the same step is not redone."""
+        if not self._in_step:
+            return
         if self._device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record()
-            self._poll(ev.query, lambda: None)
+            self._poll(self._device_fence(), lambda: None)
+            if self._verdict.is_set() and self._members_failed():
+                # The event may have completed because the group was aborted (_on_failure):
+                # the gradients are not the peers' sum.
+                self._pending_cause = "verdict"
+                raise PeerFailure("verdict", "a member failed before the gradients were reduced")
             self._first_collective_done()
-        self.optimizer.step()
+        self._applied = True
+
+    def _device_fence(self) -> Callable[[], bool]:
+        """A test of whether the work queued so far on the current CUDA stream completed."""
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev.query
+
+    def _count_applied_step(self) -> None:
+        """The step's optimizer.step ran before a later part of it failed: it is complete."""
+        self.step += 1
+        self.detector.step(self.step)
 
     # ---- abortable collectives ----
     def _poll(self, done: Callable[[], bool], finish: Callable[[], Any]) -> Any:
@@ -433,8 +480,26 @@ class Recovery(StepLoop):
     def _on_failure(self, ranks: list, generation: int) -> None:
         self.timeline.add("verdict", removed=list(ranks), generation=generation)
         self._verdict.set()
-        if self.manager is not None and set(ranks) & self._watched():
+        if not set(ranks) & self._watched():
+            return
+        if self.manager is not None:
             self.manager.abort(f"rank(s) {sorted(ranks)} failed")  # a save waiting for them
+        if self.backend == "nccl" and self._in_step:
+            self._abort_in_flight()
+
+    def _abort_in_flight(self) -> None:
+        """Aborts the current NCCL group from the detector's thread: kernels waiting for the
+        dead peer end, so a training thread blocked in a CUDA sync of the step (``loss.item()``
+        after backward, GradScaler's inf check) returns; the step is then failed by the
+        optimizer gate or by its next collective, and the rebuild replaces the group."""
+        group = self._group
+        if group is None:
+            return
+        self.timeline.add("aborted", generation=self.generation)
+        try:
+            group.abort()
+        except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
+            log.warning("resilient recovery: aborting the NCCL group failed (%s)", exc)
 
     def _on_evicted(self, generation: int) -> None:
         self.timeline.add("evicted", generation=generation)
@@ -633,6 +698,7 @@ class Recovery(StepLoop):
         self.model = None  # the old DDP wrapper's hooks go with it
         self._group, self.members, self.rank, self.world_size = (
             group, list(members), rank, len(members))
+        self._awaiting_first = True  # the timeline's first_collective on the grown group
 
     def _share_manager_state(self, model: torch.nn.Module, optimizer: Any) -> None:
         """The CheckpointManager's further objects (a scheduler, a GradScaler, counters) travel

@@ -41,6 +41,8 @@ JOIN_ENV = "RESILIENT_JOIN"
 #: run``), or ``etcd://h1:2379,h2:2379/prefix`` (``resilient run --store``: env:// rendezvous
 #: on etcd, resilient.etcd)
 STORE_ENV = "RESILIENT_STORE"
+#: host:port of the job's TCPStore for a spare whose own one-rank group has a private store
+JOIN_STORE_ENV = "RESILIENT_JOIN_STORE"
 DEFAULT_SLURM_PORT = 29500
 
 _warned: set[str] = set()
@@ -119,6 +121,12 @@ def default_group_store() -> Any:
     if not dist.is_initialized():
         raise RuntimeError("no default process group: call torch.distributed.init_process_group "
                            "first, or pass Recovery a store, rank and world size")
+    joining = os.environ.get(JOIN_STORE_ENV, "")
+    if joining:  # a spare of `resilient run`: its one-rank group's store is its own
+        from datetime import timedelta
+
+        host, _, port = joining.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     return _unprefixed(distributed_c10d._get_default_store())
 
 
@@ -202,7 +210,8 @@ def init_env() -> dict[str, str]:
     return values
 
 
-__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "LAUNCHER_ENV", "STORE_ENV", "default_group_store",
+__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "STORE_ENV",
+           "default_group_store",
            "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
            "run_id", "slurm_env", "store_outside_ranks",
            "warn_about_launcher"]

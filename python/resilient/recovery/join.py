@@ -99,6 +99,9 @@ def maybe_admit(rec: Any) -> bool:
     if every <= 0 or rec.step % every:
         return False
     pending = int(rec.store.add(_key(rec, "tickets"), 0))
+    cap = rec.initial_world if rec.config.max_world == -1 else rec.config.max_world
+    if cap > 0:  # hot spares wait until a rank is lost (every member computes the same room)
+        pending = min(pending, rec.admitted + max(0, cap - rec.world_size))
     decided = rec.store.compare_set(_key(rec, f"admit/{rec.step}"), "", str(pending))
     upto = int(bytes(decided).decode())
     if upto <= rec.admitted:

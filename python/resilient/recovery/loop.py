@@ -10,17 +10,21 @@
             opt.step()
             sched.step()
 
-Why a step can be redone: the gradient all-reduce runs inside ``backward`` (Recovery's DDP comm
-hook polls it to completion on the gloo path), so when a peer fails the exception leaves the
-block before ``opt.step()``: parameters, optimizer and scheduler are those of the step's start,
-as with ``run``. ``attempt`` classifies the exception like ``run`` (a peer failure is recovered,
-anything else propagates), and after a recovery ``steps`` yields the same step again on the
-rebuilt group. The loop must use ``rec.model`` (the DDP wrapper changes with the group) and
-``rec.rank``/``rec.world_size`` or ``rec.micro_batches()`` for its share of the data.
+Why a step can be redone: the gradient all-reduce runs inside ``backward`` (Recovery's DDP comm hook
+polls it to completion on the gloo path; on NCCL the optimizer gate below waits for it), so when a
+peer fails the exception leaves the block before ``opt.step()``: parameters, optimizer and scheduler
+are those of the step's start, as with ``run``. ``attempt`` classifies the exception like ``run`` (a
+peer failure is recovered, anything else propagates), and after a recovery ``steps`` yields the same
+step again on the rebuilt group. The loop must use ``rec.model`` (the DDP wrapper changes with the
+group) and ``rec.rank``/``rec.world_size`` or ``rec.micro_batches()`` for its share of the data.
 
-Limits: gloo (CPU) only for now: with NCCL the all-reduce is asynchronous on the GPU stream and
-the user's ``opt.step()`` would be queued behind a collective that may never finish; ``run``
-polls a CUDA event before stepping, ``attempt`` raises NotImplementedError. A DataLoader over a
+On GPU (NCCL) the all-reduce is asynchronous on NCCL's stream, so ``backward`` returns before
+it completed; Recovery gates ``optimizer.step()`` with a step pre-hook that polls a CUDA event
+while watching the detector's verdict: a failed step leaves before the update is queued. When the
+verdict arrives while a step runs, the detector's thread aborts the NCCL group, so a CUDA sync in
+the step (``loss.item()`` after ``backward``, GradScaler's inf check) returns instead of hanging;
+the gate then fails the step. A failure after ``optimizer.step()`` (a collective of the user's
+own, for logging) keeps the applied step: it is not redone. A DataLoader over a
 ``ResumableSampler(DistributedSampler(...))`` passed as ``Recovery(samplers=[...])`` is rewound to
 the failed step's start and re-split over the new group (docs/recovery.md, "The user's
 DataLoader").
@@ -44,6 +48,8 @@ class StepLoop:
     model: Any
     plan: Any
     rank: int
+    _in_step: bool
+    _applied: bool
 
     def steps(self, start: int | None, end: int) -> Iterator[int]:
         """Yields the step to run, from ``start`` (None: ``self.step``; a rank that joined a
@@ -71,18 +77,23 @@ class StepLoop:
 
         Raises:
             RecoveryStopped: too few ranks, this rank was evicted, or too many recoveries.
-            NotImplementedError: NCCL (use ``run``).
         """
-        if self.backend != "gloo":  # type: ignore[attr-defined]
-            raise NotImplementedError("Recovery.attempt supports gloo only; use Recovery.run")
+        self._gate_optimizer()  # type: ignore[attr-defined]
+        self._applied = False
+        self._in_step = True
         try:
             self._begin_step()  # type: ignore[attr-defined]
             yield
         except RecoveryStopped:
+            self._in_step = False
             raise
         except Exception as exc:  # noqa: BLE001 -- classified there, re-raised if not ours
+            self._in_step = False
+            if self._applied:  # optimizer.step ran; what failed came after it
+                self._count_applied_step()  # type: ignore[attr-defined]
             self._recover_until_done(exc)  # type: ignore[attr-defined]
             return
+        self._in_step = False
         self._end_step()  # type: ignore[attr-defined]
 
     def micro_batches(self) -> Iterator[MicroBatch]:
