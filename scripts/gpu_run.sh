@@ -174,7 +174,7 @@ PY
         timeout 560 python benchmarks/run_recovery_bench.py --nproc "$n" --device cuda \
           --repeat ${RR_REPEAT:-2} --out /tmp/rrb >"$OUT/run-recovery.log" 2>&1; echo "rc=$?"
         cp /tmp/rrb/run_recovery_bench.json "$OUT/" 2>/dev/null
-        for f in /tmp/rrb/*/rank*.json; do [ -f "$f" ] || continue; d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/rr-$d-$(basename "$f")"; done
+        tar czf "$OUT/run-recovery-ranks.tgz" -C /tmp/rrb . 2>/dev/null  # every rank's timeline
         grep -v '^ ' "$OUT/run-recovery.log" | cut -c1-600 | tail -n 30
         python -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$OUT/run_recovery_bench.json" ;;
     diag) # Crash diagnosis for the NCCL paths (see benchmarks/RESULTS.md, "comm and recovery").

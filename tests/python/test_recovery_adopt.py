@@ -114,9 +114,10 @@ def test_adopt_takes_the_users_group_store_and_ddp_model(default_group: Any,
     with pytest.raises(ValueError, match="the user's bug"), rec.attempt():
         raise ValueError("the user's bug")
     assert rec.step == 5
-    rec.backend = "nccl"
-    with pytest.raises(NotImplementedError), rec.attempt():
-        pass
+    gates = [h for h in opt._optimizer_step_pre_hooks.values() if getattr(h, "__self__", 0) is rec]
+    assert rec._gated is opt and len(gates) == 1  # registered once
+    rec.close()
+    assert not any(getattr(h, "__self__", 0) is rec for h in opt._optimizer_step_pre_hooks.values())
 
 
 def test_adopt_without_a_group_says_what_to_do() -> None:

@@ -68,7 +68,13 @@ from resilient.recovery.decisions import (
 )
 from resilient.recovery.environment import may_be_served_by_a_rank, warn_about_launcher
 from resilient.recovery.gate import GateAbandoned, meet
-from resilient.recovery.join import JOIN_BASE, join_as_spare, mark_finished, maybe_admit
+from resilient.recovery.join import (
+    JOIN_BASE,
+    admit_in_recovery,
+    join_as_spare,
+    mark_finished,
+    maybe_admit,
+)
 from resilient.recovery.loop import StepLoop
 from resilient.recovery.lr import scale_learning_rates
 from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
@@ -180,6 +186,7 @@ class Recovery(StepLoop):
         self._in_step = False  # a step's collectives may be in flight (verdict: abort NCCL)
         self._applied = False  # this step's optimizer.step ran (a later failure keeps it)
         self._gated: Any = None  # the optimizer whose step pre-hook gates on the all-reduce
+        self._gate_handle: Any = None
         # The clock and sleep of the poll loops (decisions.py decides; tests may replace these).
         self.clock: Callable[[], float] = time.monotonic
         self.sleep: Callable[[float], None] = time.sleep
@@ -297,6 +304,9 @@ class Recovery(StepLoop):
         """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
         referenced: their destructors could block until the group timeout (see comm docs)."""
         self.started = False
+        if self._gated is not None:  # the optimizer outlives this Recovery
+            self._gate_handle.remove()
+            self._gated = None
         if self.detector is not None:
             self.detector.stop()
         if self.checkpointer is not None:
@@ -402,7 +412,7 @@ class Recovery(StepLoop):
                     f"{type(self.optimizer).__name__}: its step pre-hook holds the step until "
                     "the gradient all-reduce completed")
             return
-        self.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._gate_handle = self.optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._gated = self.optimizer
 
     def _before_optimizer_step(self, *_: Any) -> None:
@@ -532,12 +542,13 @@ class Recovery(StepLoop):
             survivors = [m for m in self.members if m in live or m >= JOIN_BASE]
             if self.initial_rank not in survivors:
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
-            decision = self._decide(len(survivors))
+            joiners = admit_in_recovery(self, gen, survivors)  # hot spares, taken in now
+            decision = self._decide(len(survivors) + len(joiners))
             if decision.stop:
                 raise RecoveryStopped(self._stop(decision.message))
             self._run_hooks("before_rebuild")
             try:
-                self._rebuild(gen, survivors)
+                self._rebuild(gen, survivors + joiners)
                 break
             except RecoveryStopped:
                 raise
@@ -609,9 +620,12 @@ class Recovery(StepLoop):
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return None
 
-    def _rebuild(self, gen: int, survivors: list[int]) -> None:
+    def _rebuild(self, gen: int, members: list[int]) -> None:
+        """The group of generation ``gen``: the survivors, then any joiners admitted in this
+        recovery (resilient.recovery.join.admit_in_recovery)."""
+        survivors = [m for m in members if m in self.members]
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
-        new_rank, new_size = survivors.index(self.initial_rank), len(survivors)
+        new_rank, new_size = members.index(self.initial_rank), len(members)
         t0 = time.monotonic()
         if self.store is not None:  # every survivor of `gen` meets first (gate.py says why)
             meet(self.store, f"gen{1000 * gen}", self.initial_rank, survivors,
@@ -621,7 +635,8 @@ class Recovery(StepLoop):
         group, method = None, "reinit"
         # A CheckpointManager follows the default group, which a shrink does not replace.
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
-                and self.manager is None and supports_shrink(self._group)):
+                and self.manager is None and survivors == members
+                and supports_shrink(self._group)):
             self._retired.append(self._group)
             group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
             method = "shrink"
@@ -636,19 +651,23 @@ class Recovery(StepLoop):
         # it lives. Its reference to the failed group is harmless (the group stays retired).
         self.model = None
         self._group, self.generation = group, gen
-        self.members, self.rank, self.world_size = list(survivors), new_rank, new_size
+        self.members, self.rank, self.world_size = list(members), new_rank, new_size
         self._min_generation = gen + 1
         self.timeline.add("rebuilt", method=method, generation=gen, rank=new_rank,
                           world_size=new_size, seconds=time.monotonic() - t0)
 
-    def _restore(self) -> None:
-        """Makes every survivor hold the same state (see the module docstring, step 5)."""
+    def _restore(self, holds_state: bool = True) -> None:
+        """Makes every member hold the same state (see the module docstring, step 5). Joiners
+        admitted in this recovery take part with ``holds_state=False``: their entries are left
+        out of the comparison, and they receive the agreed state."""
         starts = [x for pos in self.samplers.start_of(self.step) for x in pos]
-        mine = torch.tensor([self.step, *starts], dtype=torch.int64, device=self._device)
-        steps = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        self._wait_work(dist.all_gather(steps, mine, group=self._group, async_op=True))
-        all_steps = [int(s[0].item()) for s in steps]
-        if len(set(all_steps)) == 1 and len({tuple(s.tolist()) for s in steps}) > 1:
+        mine = torch.tensor([self.step if holds_state else -1, *starts], dtype=torch.int64,
+                            device=self._device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self._wait_work(dist.all_gather(gathered, mine, group=self._group, async_op=True))
+        held = [(i, s) for i, s in enumerate(gathered) if int(s[0].item()) >= 0]
+        all_steps = [int(s[0].item()) for _, s in held]
+        if len(set(all_steps)) == 1 and len({tuple(s.tolist()) for _, s in held}) > 1:
             raise RecoveryStopped(self._stop(
                 "the survivors' samplers are at different positions of the epoch (ranks must "
                 "draw the same number of samples per step); their data cannot be re-split"))
@@ -665,11 +684,19 @@ class Recovery(StepLoop):
                     self.step, source = loaded, "storage"
             if source == "peer":
                 target = max(all_steps)
-                self.broadcast_state(all_steps.index(target))
+                self.broadcast_state(held[all_steps.index(target)][0])
                 self.step = target
+        elif len(held) < self.world_size:  # joiners: the survivors' (equal) state
+            self.broadcast_state(held[0][0])
+            source = "memory+peer"
         self.optimizer.zero_grad(set_to_none=False)
         self._wrap(init_sync=False)
         self.timeline.add("restored", source=source, step=self.step, steps=all_steps)
+
+    def restore_as_joiner(self) -> None:
+        """A joiner admitted during a recovery: the survivors' restore, holding no state (for
+        resilient.recovery.join)."""
+        self._restore(holds_state=False)
 
     def broadcast_state(self, src: int) -> None:
         """Copies model, optimizer and extra state from group rank ``src`` to every member

@@ -12,6 +12,9 @@ Protocol (keys under ``resilient/recovery/<job>/join/`` in the job's store):
    members) before joining, joiners take the ranks after the members.
 4. Group rank 0 broadcasts model, optimizer, extra state and step (``Recovery.broadcast_state``);
    everyone re-wraps DDP and applies the policy for the larger world.
+   During a recovery (a rank lost) the survivors decide with ``compare_set("admit/recovery<g>")``
+   and build the rebuilt group of ``1000 * g`` with the joiners in it (:func:`admit_in_recovery`):
+   the joiners then take part in the survivors' restore instead of step 4.
 5. When the members finish their last step, group rank 0 sets ``finished`` (the step): a joiner
    still waiting stops, with nothing to do (``join_too_late`` in its timeline).
 
@@ -98,31 +101,64 @@ def maybe_admit(rec: Any) -> bool:
     every = rec.config.join_check_every
     if every <= 0 or rec.step % every:
         return False
-    pending = int(rec.store.add(_key(rec, "tickets"), 0))
-    cap = rec.initial_world if rec.config.max_world == -1 else rec.config.max_world
-    if cap > 0:  # hot spares wait until a rank is lost (every member computes the same room)
-        pending = min(pending, rec.admitted + max(0, cap - rec.world_size))
-    decided = rec.store.compare_set(_key(rec, f"admit/{rec.step}"), "", str(pending))
-    upto = int(bytes(decided).decode())
-    if upto <= rec.admitted:
+    tickets = _decide_admission(rec, f"admit/{rec.step}", rec.world_size)
+    if not tickets:
         return False
-    tickets = list(range(rec.admitted, upto))
     rec.timeline.add("join_admitted", joiners=[JOIN_BASE + t for t in tickets], step=rec.step)
     rec.join_epoch += 1
-    rec.admitted = upto
     members = rec.members + [JOIN_BASE + t for t in tickets]
     group_gen = 1000 * rec.generation + rec.join_epoch
     if rec.rank == 0:
-        det_generation, live = rec.detector.generation
-        for i, t in enumerate(tickets):
-            rec.store.set(_key(rec, f"ticket/{t}"), json.dumps({
-                "group_generation": group_gen, "rank": rec.world_size + i,
-                "world_size": len(members), "members": members, "generation": rec.generation,
-                "detector": [det_generation, sorted(live)],
-                "detector_prefix": rec.detector.store_prefix,
-                "join_epoch": rec.join_epoch, "admitted": upto}))
+        _publish_tickets(rec, tickets, group_gen, rec.generation, members, recovery=False)
     _regroup(rec, group_gen, rec.rank, members)
     return True
+
+
+def admit_in_recovery(rec: Any, generation: int, survivors: list[int]) -> list[int]:
+    """Member side, during a recovery: the joiners (tickets) that the rebuilt group of
+    ``generation`` takes in directly, after the survivors (a hot spare replaces a lost rank
+    without a group of the survivors alone first: one communicator and one state transfer
+    fewer). Their tickets name the group and ``recovery``: they take part in the survivors'
+    restore (resilient.recovery.core, ``_restore``). Empty when joining is off or none waits."""
+    if rec.config.join_check_every <= 0 or rec.store is None:
+        return []
+    tickets = _decide_admission(rec, f"admit/recovery{generation}", len(survivors))
+    if not tickets:
+        return []
+    members = list(survivors) + [JOIN_BASE + t for t in tickets]
+    rec.timeline.add("join_admitted", joiners=members[len(survivors):], step=rec.step,
+                     during="recovery")
+    if survivors[0] == rec.initial_rank:
+        _publish_tickets(rec, tickets, 1000 * generation, generation, members, recovery=True)
+    return members[len(survivors):]
+
+
+def _decide_admission(rec: Any, key: str, world: int) -> list[int]:
+    """The tickets admitted now into a group of ``world`` members (the first member to reach
+    ``key`` decides for all; at most up to ``max_world``); advances ``rec.admitted``."""
+    pending = int(rec.store.add(_key(rec, "tickets"), 0))
+    cap = rec.initial_world if rec.config.max_world == -1 else rec.config.max_world
+    if cap > 0:  # hot spares wait until a rank is lost (every member computes the same room)
+        pending = min(pending, rec.admitted + max(0, cap - world))
+    upto = int(bytes(rec.store.compare_set(_key(rec, key), "", str(pending))).decode())
+    if upto <= rec.admitted:
+        return []
+    tickets = list(range(rec.admitted, upto))
+    rec.admitted = upto
+    return tickets
+
+
+def _publish_tickets(rec: Any, tickets: list[int], group_gen: int, generation: int,
+                     members: list[int], *, recovery: bool) -> None:
+    det_generation, live = rec.detector.generation
+    first = len(members) - len(tickets)
+    for i, t in enumerate(tickets):
+        rec.store.set(_key(rec, f"ticket/{t}"), json.dumps({
+            "group_generation": group_gen, "rank": first + i, "world_size": len(members),
+            "members": members, "generation": generation,
+            "detector": [det_generation, sorted(live)],
+            "detector_prefix": rec.detector.store_prefix, "join_epoch": rec.join_epoch,
+            "admitted": rec.admitted, "recovery": recovery}))
 
 
 def join_as_spare(rec: Any, timeout_s: float) -> bool:
@@ -148,7 +184,8 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     det_generation, live = info["detector"]
     rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live,
                                   store_prefix=info.get("detector_prefix"))
-    _regroup(rec, info["group_generation"], info["rank"], info["members"])
+    _regroup(rec, info["group_generation"], info["rank"], info["members"],
+             recovery=bool(info.get("recovery")))
     return True
 
 
@@ -159,7 +196,8 @@ def mark_finished(rec: Any) -> None:
         rec.store.set(_key(rec, "finished"), str(rec.step))
 
 
-def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
+def _regroup(rec: Any, group_gen: int, rank: int, members: list[int], *,
+             recovery: bool = False) -> None:
     t0 = time.monotonic()
     if dist.is_initialized():
         abort_process_group()  # healthy, but a joiner forces a fresh group (reinit path)
@@ -171,11 +209,15 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int]) -> None:
     rec.timeline.add("rebuilt", method="join", generation=rec.generation, rank=rank,
                      world_size=len(members), seconds=time.monotonic() - t0)
     rec.follow_group(lost_rank=False)
-    rec.broadcast_state(0)
-    rec.rewrap()
-    rec.timeline.add("restored", source="peer", step=rec.step)
+    if recovery:  # the survivors' restore, in which this rank holds no state
+        rec.restore_as_joiner()
+    else:
+        rec.broadcast_state(0)
+        rec.rewrap()
+        rec.timeline.add("restored", source="peer", step=rec.step)
     rec.apply_world(len(members))
 
 
-__all__ = ["JOIN_BASE", "JoinerDetector", "join_as_spare", "mark_finished", "maybe_admit",
+__all__ = ["JOIN_BASE", "JoinerDetector", "admit_in_recovery", "join_as_spare", "mark_finished",
+           "maybe_admit",
            "parse_generation_record", "tickets_taken"]
