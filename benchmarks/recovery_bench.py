@@ -29,7 +29,7 @@ from typing import Any
 
 from resilient.recovery.launch import LocalJob
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "ddp_recovery.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_recovery.py"
 _KEYS = ("detection_s", "agreement_s", "rebuild_s", "restore_s", "first_collective_s",
          "total_s")
 

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks/recovery_bench.py import run_all
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from recovery_bench import run_all
 
     if args.backend == "nccl" and torch.cuda.device_count() < args.gpus:
         print(json.dumps({"error": f"need {args.gpus} GPUs, found {torch.cuda.device_count()}"}))

@@ -79,7 +79,7 @@ if [ "${SKIP_FUZZ:-0}" != 1 ]; then
 fi
 
 step "ruff"
-run ruff ruff check python tests examples benchmarks
+run ruff ruff check python tests examples benchmarks scripts
 
 step "clang-format (.clang-format: Google, 100 columns)"
 run clang-format clang-format --dry-run -Werror $(git ls-files 'cpp/*.cpp' 'cpp/*.hpp' \
