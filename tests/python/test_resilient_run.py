@@ -245,9 +245,14 @@ def test_a_hot_spare_waits_for_a_lost_rank_then_takes_its_place(tmp_path: Path) 
         assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
     admitted = [e for e in reps[0]["timeline"] if e["kind"] == "join_admitted"]
     assert len(admitted) == 1 and admitted[0]["step"] >= kill_step, admitted  # not before
-    spare_kinds = [e["kind"] for e in reps[JOIN_BASE]["timeline"]]
-    assert spare_kinds[:3] == ["join_requested", "rebuilt", "restored"], spare_kinds
-    assert "first_collective" in spare_kinds, spare_kinds
+    # Taken into the survivors' rebuilt group (no group of the three alone first).
+    assert admitted[0].get("during") == "recovery", admitted
+    rebuilt = [e for e in reps[0]["timeline"] if e["kind"] == "rebuilt"]
+    assert [e["world_size"] for e in rebuilt] == [4], rebuilt
+    spare = reps[JOIN_BASE]["timeline"]
+    assert [e["kind"] for e in spare][:3] == ["join_requested", "rebuilt", "restored"], spare
+    assert spare[2]["source"] == "memory+peer", spare[2]
+    assert "first_collective" in [e["kind"] for e in spare]
 
 
 @pytest.mark.parametrize("max_world,world,admits", [(0, 4, True), (-1, 4, False),

@@ -12,9 +12,10 @@ Protocol (keys under ``resilient/recovery/<job>/join/`` in the job's store):
    members) before joining, joiners take the ranks after the members.
 4. Group rank 0 broadcasts model, optimizer, extra state and step (``Recovery.broadcast_state``);
    everyone re-wraps DDP and applies the policy for the larger world.
-   During a recovery (a rank lost) the survivors decide with ``compare_set("admit/recovery<g>")``
-   and build the rebuilt group of ``1000 * g`` with the joiners in it (:func:`admit_in_recovery`):
-   the joiners then take part in the survivors' restore instead of step 4.
+   With ``max_world`` set (hot spares), during a recovery (a rank lost) the survivors decide
+   with ``compare_set("admit/recovery<g>")`` and build the rebuilt group of ``1000 * g`` with
+   the joiners in it (:func:`admit_in_recovery`): the joiners then take part in the survivors'
+   restore instead of step 4.
 5. When the members finish their last step, group rank 0 sets ``finished`` (the step): a joiner
    still waiting stops, with nothing to do (``join_too_late`` in its timeline).
 
@@ -119,8 +120,10 @@ def admit_in_recovery(rec: Any, generation: int, survivors: list[int]) -> list[i
     ``generation`` takes in directly, after the survivors (a hot spare replaces a lost rank
     without a group of the survivors alone first: one communicator and one state transfer
     fewer). Their tickets name the group and ``recovery``: they take part in the survivors'
-    restore (resilient.recovery.core, ``_restore``). Empty when joining is off or none waits."""
-    if rec.config.join_check_every <= 0 or rec.store is None:
+    restore (resilient.recovery.core, ``_restore``). Only with ``max_world`` set (hot spares,
+    which wait for a lost rank; without a limit joiners grow the job at the step boundaries
+    ``join_check_every`` names). Empty when joining is off or none waits."""
+    if rec.config.join_check_every <= 0 or rec.config.max_world == 0 or rec.store is None:
         return []
     tickets = _decide_admission(rec, f"admit/recovery{generation}", len(survivors))
     if not tickets:
