@@ -27,6 +27,9 @@ class FakeDetector:
     def step(self, n: int) -> None:
         self.steps.append(n)
 
+    def stop(self) -> None:
+        pass
+
 
 class FakeWork:
     def __init__(self, done_after_s: float | None, error: str = "") -> None:
@@ -268,3 +271,54 @@ def test_attempt_redoes_only_a_step_whose_update_did_not_run(fail_after_update: 
     with rec.attempt():
         rec.optimizer.step()
     assert rec.step == (2 if fail_after_update else 1)
+
+
+def test_every_optimizer_of_the_state_is_gated() -> None:
+    """A second optimizer (in extra_state) must not update from a half-reduced gradient."""
+    model = torch.nn.Linear(2, 1)
+    head = torch.nn.Linear(2, 1)
+    second = torch.optim.SGD(head.parameters(), lr=0.1)
+    rec = Recovery(None, 0, 4, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   global_batch=8, micro_batch=2, extra_state={"head_opt": second},
+                   detector=FakeDetector(4))
+    gpu_like(rec, FakeWork(0.0))
+    rec.detector.gen = (1, [0, 2, 3])
+    rec._on_failure([1], 1)
+    head.weight.grad = torch.ones_like(head.weight)
+    before = head.weight.detach().clone()
+    with pytest.raises(PeerFailure, match="verdict"):
+        second.step()
+    assert torch.equal(head.weight, before)
+    rec.close()
+    second.step()  # the gate went with the Recovery
+    assert not torch.equal(head.weight, before)
+
+
+def test_a_verdict_during_a_step_whose_update_never_ran_redoes_the_step() -> None:
+    """NCCL: GradScaler skipped the update on the aborted group's gradients (or no optimizer
+    stepped): the step must not count."""
+    rec = make()
+    gpu_like(rec, FakeWork(0.0))
+    recovered: list[BaseException] = []
+    rec._recover_until_done = recovered.append  # type: ignore[method-assign]
+    with rec.attempt():
+        rec.detector.gen = (1, [0, 2, 3])
+        rec._on_failure([1], 1)
+    assert len(recovered) == 1 and rec.step == 0 and rec.detector.steps == []
+
+
+def test_a_failed_step_leaves_no_grad_scaler_half_done() -> None:
+    from torch.amp.grad_scaler import GradScaler, OptState
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    rec = Recovery(None, 0, 4, model, opt, global_batch=8, micro_batch=2,
+                   extra_state={"scaler": scaler}, detector=FakeDetector(4))
+    rec._recover_until_done = lambda exc: None  # type: ignore[method-assign]
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    with rec.attempt():
+        scaler.unscale_(opt)  # as before clip_grad_norm_
+        assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
+        raise PeerFailure("collective_error", "peer gone")
+    scaler.unscale_(opt)  # the redo: no "unscale_() has already been called"

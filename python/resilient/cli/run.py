@@ -70,6 +70,9 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
         parser.error("--spares and --replacements take a count >= 0")
     if args.spares and not args.in_process_recovery:
         parser.error("--spares needs in-process recovery (a spare joins the running job)")
+    if args.spares and args.store:
+        parser.error("--spares does not work with --store yet (a spare finds the job through "
+                     "the agent's TCPStore); use --replacements")
     if args.store:
         import os
 

@@ -166,6 +166,7 @@ class ResilientAgent(LocalElasticAgent):
             # its own and finds the job's through RESILIENT_JOIN_STORE.
             self._spares = [self._joiner(0, f"spare{i}", {
                 "LOCAL_RANK": str(n + i), "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "RESILIENT_RECOVERY_JOIN_TIMEOUT_S": "1e9",  # waits until used or finished
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 JOIN_STORE_ENV: job_store}) for i in range(self.spares)]
         return ids
@@ -224,7 +225,7 @@ class ResilientAgent(LocalElasticAgent):
                     log.warning("resilient run: rank %d (pid %d) exited with %d; %d local "
                                 "workers keep running (in-process recovery)",
                                 worker.global_rank, handler.proc.pid, code, others)
-                    spare = self._live_spare() if others else None
+                    spare = self._live_spare()  # (another node's survivors may admit it)
                     if spare is not None:
                         handlers[local_rank] = spare
                         worker.id = spare.proc.pid
@@ -240,12 +241,18 @@ class ResilientAgent(LocalElasticAgent):
                 failures[worker.global_rank] = ProcessFailure(
                     local_rank=local_rank, pid=handler.proc.pid, exitcode=code,
                     error_file=pc.error_files[local_rank])
+        if running or self._finished_at is not None:
+            # Spares count while the job runs or finishes: an admitted one (this node's spare
+            # may fill another node's loss) ends with the others, a waiting one exits 0 when
+            # the members finish. With every worker dead and none finished they do not: this
+            # node's part of the job failed.
+            running += sum(h.proc.poll() is None for h in self._spares)
         verdict = judge(self.exits, running, now=time.monotonic(),
                         finished_at=self._finished_at, grace_s=self.finish_grace_s)
         if verdict.state == "reap":
             log.warning("resilient run: %s; killing them (removed by the survivors, or stuck "
                         "on the way out)", verdict.reason)
-            for handler in handlers.values():
+            for handler in [*handlers.values(), *self._spares]:
                 if handler.proc.poll() is None:
                     self._reaped.add(handler.proc.pid)
                     os.killpg(handler.proc.pid, signal.SIGKILL)

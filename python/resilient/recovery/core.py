@@ -35,6 +35,7 @@ On a failure (a collective error, the detector's verdict, or a collective past i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -185,8 +186,8 @@ class Recovery(StepLoop):
         self._pending_cause: str | None = None
         self._in_step = False  # a step's collectives may be in flight (verdict: abort NCCL)
         self._applied = False  # this step's optimizer.step ran (a later failure keeps it)
-        self._gated: Any = None  # the optimizer whose step pre-hook gates on the all-reduce
-        self._gate_handle: Any = None
+        self._gated = False  # the optimizer step pre-hook that gates on the all-reduce is on
+        self._gate_handles: list[Any] = []
         # The clock and sleep of the poll loops (decisions.py decides; tests may replace these).
         self.clock: Callable[[], float] = time.monotonic
         self.sleep: Callable[[float], None] = time.sleep
@@ -304,9 +305,10 @@ class Recovery(StepLoop):
         """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
         referenced: their destructors could block until the group timeout (see comm docs)."""
         self.started = False
-        if self._gated is not None:  # the optimizer outlives this Recovery
-            self._gate_handle.remove()
-            self._gated = None
+        if self._gated:  # the optimizers outlive this Recovery
+            for handle in self._gate_handles:
+                handle.remove()
+            self._gate_handles, self._gated = [], False
         if self.detector is not None:
             self.detector.stop()
         if self.checkpointer is not None:
@@ -402,26 +404,33 @@ class Recovery(StepLoop):
 
     # ---- the optimizer gate ----
     def _gate_optimizer(self) -> None:
-        """Registers :meth:`_before_optimizer_step` on the optimizer (once)."""
-        if self._gated is self.optimizer:
+        """Registers :meth:`_before_optimizer_step` on the optimizer and on every further
+        optimizer of the state (``extra_state``, the CheckpointManager's): none may update from
+        a half-reduced gradient. Once; :meth:`close` removes them."""
+        if self._gated:
             return
-        if not hasattr(self.optimizer, "register_step_pre_hook"):
-            if self.backend == "nccl":
-                raise TypeError(
-                    f"Recovery with NCCL needs a torch.optim.Optimizer, not "
-                    f"{type(self.optimizer).__name__}: its step pre-hook holds the step until "
-                    "the gradient all-reduce completed")
-            return
-        self._gate_handle = self.optimizer.register_step_pre_hook(self._before_optimizer_step)
-        self._gated = self.optimizer
+        if not isinstance(self.optimizer, torch.optim.Optimizer) and self.backend == "nccl":
+            raise TypeError(
+                f"Recovery with NCCL needs a torch.optim.Optimizer, not "
+                f"{type(self.optimizer).__name__}: a step pre-hook holds the step until the "
+                "gradient all-reduce completed")
+        optimizers = [self.optimizer, *self.extra_state.values()]
+        seen: set[int] = set()
+        for opt in optimizers:
+            if isinstance(opt, torch.optim.Optimizer) and id(opt) not in seen:
+                seen.add(id(opt))
+                self._gate_handles.append(
+                    opt.register_step_pre_hook(self._before_optimizer_step))
+        self._gated = True
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        """Runs before every ``optimizer.step()`` inside a protected step. On GPU the gradient
+        """Runs before every optimizer step inside a protected step. On GPU the gradient
         all-reduce is asynchronous on NCCL's stream: the step may only be queued behind it once
         it completed, so this polls a CUDA event recorded now while watching the verdict and
         the collective timeout (PeerFailure: the step never changed the state). Then the step
-        counts as applied on this rank, so a failure later in the same step is not redone."""
-        if not self._in_step:
+        counts as applied on this rank, so a failure later in the same step is not redone; a
+        further optimizer of the same step then steps from the same, complete gradients."""
+        if not self._in_step or self._applied:
             return
         if self._device.type == "cuda":
             self._poll(self._device_fence(), lambda: None)
@@ -432,6 +441,26 @@ class Recovery(StepLoop):
                 raise PeerFailure("verdict", "a member failed before the gradients were reduced")
             self._first_collective_done()
         self._applied = True
+
+    def _check_step_end(self) -> None:
+        """A protected step ends: on NCCL, a verdict during a step whose update never ran (the
+        GradScaler skipped it on the aborted group's garbage gradients, or no optimizer stepped)
+        fails the step, so it is redone rather than counted."""
+        if (self.backend == "nccl" and not self._applied and self._verdict.is_set()
+                and self._members_failed()):
+            self._pending_cause = "verdict"
+            raise PeerFailure("verdict", "a member failed during the step")
+
+    def _reset_grad_scalers(self) -> None:
+        """A failed step may have left a GradScaler of the state (extra state, or the
+        CheckpointManager's) between ``unscale_`` and ``update``; its redo must start clean
+        (``unscale_`` would raise "already been called", ``step`` would not unscale)."""
+        from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
+
+        for obj in self.extra_state.values():
+            if isinstance(obj, GradScaler):
+                obj._per_optimizer_states = collections.defaultdict(
+                    _refresh_per_optimizer_state)
 
     def _device_fence(self) -> Callable[[], bool]:
         """A test of whether the work queued so far on the current CUDA stream completed."""
@@ -524,6 +553,10 @@ class Recovery(StepLoop):
         return member_failed(gen, live, min_generation=self._min_generation,
                              watched=self._watched())
 
+    def _failure_cause_peek(self, exc: BaseException) -> bool:
+        """Whether `exc` is a peer failure (without consuming the pending cause)."""
+        return classify(exc, self._pending_cause) is not None
+
     def _failure_cause(self, exc: BaseException) -> str | None:
         pending, self._pending_cause = self._pending_cause, None
         return classify(exc, pending)
@@ -542,13 +575,12 @@ class Recovery(StepLoop):
             survivors = [m for m in self.members if m in live or m >= JOIN_BASE]
             if self.initial_rank not in survivors:
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
-            joiners = admit_in_recovery(self, gen, survivors)  # hot spares, taken in now
-            decision = self._decide(len(survivors) + len(joiners))
+            decision = self._decide(len(survivors))
             if decision.stop:
                 raise RecoveryStopped(self._stop(decision.message))
             self._run_hooks("before_rebuild")
             try:
-                self._rebuild(gen, survivors + joiners)
+                self._rebuild(gen, survivors)
                 break
             except RecoveryStopped:
                 raise
@@ -568,6 +600,8 @@ class Recovery(StepLoop):
             raise
         except Exception as err:  # the new group failed while state moved: the next recovery
             raise PeerFailure("collective_error", f"restoring state failed: {err}") from err
+        if self.world_size != len(survivors):  # hot spares joined: the plan for that world
+            decision = self._decide(self.world_size)
         self._apply(decision)
         self._awaiting_first = True
         self._run_hooks("after_recovery")
@@ -620,18 +654,18 @@ class Recovery(StepLoop):
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return None
 
-    def _rebuild(self, gen: int, members: list[int]) -> None:
-        """The group of generation ``gen``: the survivors, then any joiners admitted in this
-        recovery (resilient.recovery.join.admit_in_recovery)."""
-        survivors = [m for m in members if m in self.members]
+    def _rebuild(self, gen: int, survivors: list[int]) -> None:
+        """The group of generation ``gen``: the survivors, then any hot spares admitted in this
+        recovery (resilient.recovery.join.admit_in_recovery), decided once the survivors met."""
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
-        new_rank, new_size = members.index(self.initial_rank), len(members)
         t0 = time.monotonic()
         if self.store is not None:  # every survivor of `gen` meets first (gate.py says why)
             meet(self.store, f"gen{1000 * gen}", self.initial_rank, survivors,
                  newer=lambda: member_failed(*self.detector.generation, min_generation=gen + 1,
                                              watched=self._watched()),
                  timeout_s=self.config.group_timeout_s)
+        members = list(survivors) + admit_in_recovery(self, gen, survivors)
+        new_rank, new_size = members.index(self.initial_rank), len(members)
         group, method = None, "reinit"
         # A CheckpointManager follows the default group, which a shrink does not replace.
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None

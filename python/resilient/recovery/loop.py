@@ -50,6 +50,7 @@ class StepLoop:
     rank: int
     _in_step: bool
     _applied: bool
+    _pending_cause: str | None
 
     def steps(self, start: int | None, end: int) -> Iterator[int]:
         """Yields the step to run, from ``start`` (None: ``self.step``; a rank that joined a
@@ -84,13 +85,16 @@ class StepLoop:
         try:
             self._begin_step()  # type: ignore[attr-defined]
             yield
+            self._check_step_end()  # type: ignore[attr-defined]
         except RecoveryStopped:
             self._in_step = False
             raise
         except Exception as exc:  # noqa: BLE001 -- classified there, re-raised if not ours
             self._in_step = False
-            if self._applied:  # optimizer.step ran; what failed came after it
-                self._count_applied_step()  # type: ignore[attr-defined]
+            if self._failure_cause_peek(exc) and self._applied:  # type: ignore[attr-defined]
+                self._count_applied_step()  # type: ignore[attr-defined]  # update ran before
+            elif not self._applied:
+                self._reset_grad_scalers()  # type: ignore[attr-defined]
             self._recover_until_done(exc)  # type: ignore[attr-defined]
             return
         self._in_step = False
