@@ -322,3 +322,24 @@ def test_a_failed_step_leaves_no_grad_scaler_half_done() -> None:
         assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
         raise PeerFailure("collective_error", "peer gone")
     scaler.unscale_(opt)  # the redo: no "unscale_() has already been called"
+
+
+def test_the_gate_holds_every_step_not_only_the_first() -> None:
+    """Each step's update waits for that step's all-reduce (the run path: one flag per step)."""
+    rec = make()
+    work = FakeWork(0.0)
+    gpu_like(rec, work)
+    rec.module.weight.grad = torch.ones_like(rec.module.weight)
+    rec._begin_step()
+    rec.optimizer.step()
+    assert rec._applied
+    rec._end_step()
+    rec._begin_step()  # the next step: its all-reduce waits for a dead peer
+    assert not rec._applied
+    work.t_done = None
+    rec.detector.gen = (1, [0, 2, 3])
+    rec._on_failure([1], 1)
+    before = rec.module.weight.detach().clone()
+    with pytest.raises(PeerFailure, match="verdict"):
+        rec.optimizer.step()
+    assert torch.equal(rec.module.weight, before)

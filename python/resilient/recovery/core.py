@@ -353,6 +353,7 @@ class Recovery(StepLoop):
         return self.step
 
     def _begin_step(self) -> None:
+        self._applied = False  # this step's update has not run yet (the optimizer gate)
         self.samplers.begin(self.step)
         self._run_hooks("step_start")
         if self._evicted.is_set():
