@@ -33,6 +33,25 @@ def run_separate(args: list[str], timeout: float, what: str) -> tuple[int, str, 
     return _communicate(args, timeout, what, subprocess.PIPE)
 
 
+def kill_mentioning(text: str) -> int:
+    """SIGKILLs every process of this user whose command line contains `text` (a test's own
+    temporary directory): workers a launcher started in sessions of their own outlive a
+    SIGKILLed launcher. Returns how many."""
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if text in cmdline:
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
 def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int | None:
     """Waits up to `timeout` s for `proc` (started with start_new_session=True); whatever
     happens, its whole session is SIGKILLed if it is still running. Returns its exit code."""

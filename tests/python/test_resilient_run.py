@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import wait_or_kill
+from procs import kill_mentioning, wait_or_kill
 from resilient.recovery.agent import Exit, judge
 
 torch = pytest.importorskip("torch")
@@ -93,6 +93,7 @@ def finish(p: subprocess.Popen, out: Path, timeout: float) -> tuple[int | None, 
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+        kill_mentioning(str(out))  # and workers that never wrote one (hung at start)
     return p.returncode, (out / "launcher.log").read_text()[-6000:]
 
 
