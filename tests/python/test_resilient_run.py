@@ -196,12 +196,26 @@ def test_recovery_impossible_fails_the_job(tmp_path: Path) -> None:
     assert "fewer than the minimum world size 4" in log, log
 
 
+def joined_job_reports(out: Path, steps: int) -> dict[int, dict]:
+    """The reports of ranks 0, 2, 3 and the joiner after rank 1 was replaced: all at the last
+    step, in one group, with the failure-free parameters (keep_batch)."""
+    from ddp_reference import reference_params
+    from resilient.recovery.join import JOIN_BASE
+
+    ranks = [0, 2, 3, JOIN_BASE]
+    reps = {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
+    ref = reference_params(EXAMPLE, steps)
+    for rep in reps.values():
+        assert rep["step"] == steps and rep["members"] == ranks, (rep["step"], rep["members"])
+        assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
+    return reps
+
+
 @pytest.mark.timeout(150)
 def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     """--replacements 1: a new process for the killed rank joins at a step boundary, receives
     the state from a live peer and trains to the end; all four end with the failure-free
     parameters (keep_batch)."""
-    from ddp_reference import reference_params
     from resilient.recovery.join import JOIN_BASE
 
     steps = 20
@@ -210,12 +224,7 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
     code, log = finish(p, tmp_path, timeout=120)
     assert code == 0, log
     assert "to replace rank 1" in log, log
-    ranks = [0, 2, 3, JOIN_BASE]
-    reps = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
-    ref = reference_params(EXAMPLE, steps)
-    for rep in reps.values():
-        assert rep["step"] == steps and rep["members"] == ranks, rep["step"]
-        assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
+    reps = joined_job_reports(tmp_path, steps)
     assert reps[JOIN_BASE]["joined"]
     kinds = [e["kind"] for e in reps[JOIN_BASE]["timeline"]]
     assert kinds[:3] == ["join_requested", "rebuilt", "restored"], kinds
@@ -225,10 +234,9 @@ def test_a_replacement_joins_the_running_job(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_a_hot_spare_waits_for_a_lost_rank_then_takes_its_place(tmp_path: Path) -> None:
     """--spares 1: a fifth process starts with the job and waits (the members admit joiners only
-    up to the initial world of 4); after rank 1 is killed it is admitted at a step boundary,
-    receives the state and trains to the end, in the user's own loop (rec.attempt); all four
-    end with the failure-free parameters (keep_batch)."""
-    from ddp_reference import reference_params
+    up to the initial world of 4); after rank 1 is killed the survivors take it into their
+    rebuilt group, it receives the state and trains to the end, in the user's own loop
+    (rec.attempt); all four end with the failure-free parameters (keep_batch)."""
     from resilient.recovery.join import JOIN_BASE
 
     steps, kill_step = 20, 6
@@ -238,12 +246,7 @@ def test_a_hot_spare_waits_for_a_lost_rank_then_takes_its_place(tmp_path: Path) 
     code, log = finish(p, tmp_path, timeout=120)
     assert code == 0, log
     assert "takes rank 1's place" in log, log
-    ranks = [0, 2, 3, JOIN_BASE]
-    reps = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
-    ref = reference_params(EXAMPLE, steps)
-    for rep in reps.values():
-        assert rep["step"] == steps and rep["members"] == ranks, (rep["step"], rep["members"])
-        assert torch.allclose(torch.tensor(rep["params"]), ref, atol=1e-5)
+    reps = joined_job_reports(tmp_path, steps)
     admitted = [e for e in reps[0]["timeline"] if e["kind"] == "join_admitted"]
     assert len(admitted) == 1 and admitted[0]["step"] >= kill_step, admitted  # not before
     # Taken into the survivors' rebuilt group (no group of the three alone first).
