@@ -15,9 +15,10 @@ also stay the user's: ``for step in rec.steps(a, b): with rec.attempt(): ...``
 
 On a failure (a collective error, the detector's verdict, or a collective past its timeout):
 
-1. **abort**: the gradient all-reduce is polled, never waited on, so the training thread stops
-   using the failed group at once (gloo's abort cannot unblock a collective; NCCL groups are
-   aborted by the shrink);
+1. **abort**: the gradient all-reduce is polled, never waited on (gloo: a DDP comm hook; NCCL:
+   a step pre-hook on the optimizers that polls a CUDA event), so the training thread stops
+   using the failed group at once. gloo's abort cannot unblock a collective; an NCCL group is
+   aborted from the detector's thread when the verdict comes during a step, and by the rebuild;
 2. **agree**: wait for the detector's decided generation that removes a member; every survivor
    acts on the same record (compare-and-set on the store), so they agree on the membership;
 3. **policy**: fewer than ``min_world`` survivors -> :class:`RecoveryStopped`; otherwise the new
