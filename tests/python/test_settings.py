@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CHAOS_STORE",
             # resilient run -> its workers
             "RESILIENT_LAUNCHER", "RESILIENT_JOIN", "RESILIENT_JOIN_FOR_RANK",
-            "RESILIENT_JOIN_WORLD"}
+            "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE"}
 
 
 def test_the_settings_document_is_generated_from_the_table():
