@@ -321,7 +321,15 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
         shutil.rmtree(save(0)[1])  # warm-up
         rows = []
         for i in range(1, repeat + 1):
-            row, d = save(i)
+            try:
+                row, d = save(i)
+            except KeyError as e:  # the second save through the one stager
+                if not reuse_stager:
+                    raise
+                raise RuntimeError(
+                    "this torch's DefaultStager cannot serve a second async_save (its _stage "
+                    "closes it: pytorch/pytorch#183413, torch 2.11); dcp_async_fresh is the "
+                    "row with a new stager per save") from e
             how = drop_cache(d)
             restore, _ = _timed(
                 lambda d=d: (
