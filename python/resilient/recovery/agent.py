@@ -29,8 +29,9 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
 * With ``--spares N`` the agent starts N more workers at launch, on the join path like a
   replacement (``LOCAL_RANK`` ``nproc_per_node + i``), that wait, already initialized, until a
   rank is lost: the members admit joiners only up to the job's initial world size
-  (``RESILIENT_RECOVERY_MAX_WORLD=-1``), so a spare is admitted at the first step boundary after
-  a recovery. The lost worker's slot is then the spare's. Spares are used before replacements;
+  (``RESILIENT_RECOVERY_MAX_WORLD=-1``), so a spare is taken into the group the survivors
+  rebuild when a rank is lost (resilient.recovery.join.admit_in_recovery). The lost worker's
+  slot is then the spare's. Spares are used before replacements;
   a spare still waiting when the job finishes exits 0 (it finds the members' ``finished`` key).
 * Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
   not counted as failures: ranks finish together, so these are ranks the survivors removed (a
@@ -165,7 +166,8 @@ class ResilientAgent(LocalElasticAgent):
             # rendezvous on the job's store (it would take rank 0's keys), so it gets a store of
             # its own and finds the job's through RESILIENT_JOIN_STORE.
             self._spares = [self._joiner(0, f"spare{i}", {
-                "LOCAL_RANK": str(n + i), "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "LOCAL_RANK": str(n + i), "RESILIENT_JOIN_FOR_RANK": "",  # any lost rank
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
                 "RESILIENT_RECOVERY_JOIN_TIMEOUT_S": "1e9",  # waits until used or finished
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 JOIN_STORE_ENV: job_store}) for i in range(self.spares)]
@@ -296,8 +298,7 @@ class ResilientAgent(LocalElasticAgent):
         pc = self._pcontext
         assert pc is not None
         env = dict(pc.envs[local_rank])
-        env.update({JOIN_ENV: "1", "RESILIENT_JOIN_FOR_RANK": "" if extra else env.get(
-                        "RANK", ""),
+        env.update({JOIN_ENV: "1", "RESILIENT_JOIN_FOR_RANK": env.get("RANK", ""),
                     "RESILIENT_JOIN_WORLD": env.get("WORLD_SIZE", ""),
                     "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", **extra})
         stdout, stderr = pc.stdouts[local_rank], pc.stderrs[local_rank]
