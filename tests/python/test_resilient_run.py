@@ -304,6 +304,8 @@ def test_spares_are_refused_without_in_process_recovery() -> None:
 
     with pytest.raises(SystemExit):
         run(["--standalone", "--spares", "1", "--no-in-process-recovery", "x.py"])
+    with pytest.raises(SystemExit):
+        run(["--standalone", "--spares", "-1", "x.py"])
     with pytest.raises(SystemExit):  # a spare finds the job through the agent's TCPStore
         run(["--standalone", "--spares", "1", "--store", "etcd://127.0.0.1:2379", "x.py"])
 
