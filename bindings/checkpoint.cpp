@@ -6,6 +6,8 @@
 #include <xxhash.h>
 
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string_view>
 
 #include "errors.hpp"
@@ -66,6 +68,26 @@ pyb::list tensor_list(const Manifest& m) {
     out.append(d);
   }
   return out;
+}
+
+// A staging made by Checkpointer.stage(), held by Python until save_staged() takes it. The pool
+// is declared first so that it outlives the slabs.
+struct StagedState {
+  std::shared_ptr<memory::HostPool> pool;
+  std::optional<Staging> staging;
+};
+
+std::vector<TensorSpec> to_specs(const pyb::list& tensors) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
+  return specs;
+}
+
+nlohmann::json parse_values(const std::string& values_json) {
+  nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
+  if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
+  return values;
 }
 
 }  // namespace
@@ -180,9 +202,78 @@ void register_checkpoint(pyb::module_& m) {
       },
       pyb::arg("text"), pyb::arg("origin") = "<string>");
 
+  pyb::class_<StagedState>(m, "StagedState",
+                           "Tensors copied into a checkpointer's host pool by "
+                           "Checkpointer.stage(); Checkpointer.save_staged() writes them.")
+      .def_property_readonly("held", [](const StagedState& s) { return s.staging.has_value(); })
+      .def_property_readonly(
+          "tensors",
+          [](const StagedState& s) { return s.staging ? s.staging->layout.tensors.size() : 0; })
+      .def_property_readonly("nbytes",
+                             [](const StagedState& s) -> uint64_t {
+                               if (!s.staging) return 0;
+                               return s.staging->slabs.size() * s.staging->slab_bytes;
+                             })
+      .def(
+          "release", [](StagedState& s) { s.staging.reset(); },
+          "Returns the slabs to the pool (a staging that will not be saved).");
+
   pyb::class_<Checkpointer>(m, "Checkpointer")
-      .def(pyb::init([](const CheckpointOptions& o) { return unwrap(Checkpointer::create(o)); }),
-           pyb::arg("options"))
+      .def(pyb::init([](const CheckpointOptions& o, Checkpointer* share_pool_with) {
+             return unwrap(Checkpointer::create(
+                 o, share_pool_with ? share_pool_with->shared_pool() : nullptr));
+           }),
+           pyb::arg("options"), pyb::arg("share_pool_with") = nullptr)
+      .def(
+          "stage",
+          [](Checkpointer& c, const pyb::list& tensors) {
+            std::vector<TensorSpec> specs = to_specs(tensors);
+            auto out = std::make_unique<StagedState>();
+            out->pool = c.shared_pool();
+            Result<Staging> st = Status(StatusCode::kInternal, "unset");
+            {
+              pyb::gil_scoped_release release;
+              st = c.stage(specs);
+            }
+            out->staging.emplace(unwrap(std::move(st)));
+            return out;
+          },
+          pyb::arg("tensors"),
+          "Copies the tensors (descriptors as for save) into the host pool and returns once "
+          "every copy completed.")
+      .def(
+          "save_staged",
+          [](Checkpointer& c, int64_t step, StagedState& staged, const pyb::list& keep,
+             const pyb::list& extra, const std::string& values_json, bool commit) {
+            if (!staged.staging) throw pyb::value_error("this staging was saved or released");
+            std::vector<Restaged> kept;
+            for (const auto& k : keep) {
+              auto t = k.cast<pyb::tuple>();
+              kept.push_back(Restaged{t[0].cast<size_t>(), t[1].cast<std::string>(),
+                                      t[2].cast<std::vector<int64_t>>(),
+                                      t[3].cast<std::vector<int64_t>>()});
+            }
+            std::vector<TensorSpec> specs = to_specs(extra);
+            nlohmann::json values = parse_values(values_json);
+            Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+            {
+              pyb::gil_scoped_release release;
+              const auto& o = c.options();
+              Status s = restage(*staged.staging, kept, specs, c.pool(), o.chunk_bytes, o.timeout);
+              if (s.ok()) {
+                h = c.save_staged(step, std::move(*staged.staging), std::move(values), commit);
+                staged.staging.reset();
+              } else {
+                h = s.prepend("saving step " + std::to_string(step));
+              }
+            }
+            return unwrap(std::move(h));
+          },
+          pyb::arg("step"), pyb::arg("staged"), pyb::arg("keep"), pyb::arg("extra"),
+          pyb::arg("values_json") = "{}", pyb::arg("commit") = true,
+          "Writes a staging as step `step`: `keep` lists (index, name, global_shape, "
+          "global_offset) of its tensors to save, `extra` host tensor descriptors to add. The "
+          "staging is consumed, even when the save later fails.")
       .def(
           "save",
           [](Checkpointer& c, int64_t step, const pyb::list& tensors,
@@ -190,11 +281,8 @@ void register_checkpoint(pyb::module_& m) {
             if (mode != "blocking" && mode != "overlap")
               throw pyb::value_error("mode must be 'blocking' or 'overlap'");
             const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
-            std::vector<TensorSpec> specs;
-            specs.reserve(tensors.size());
-            for (const auto& t : tensors) specs.push_back(to_spec(t.cast<pyb::dict>()));
-            nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
-            if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
+            std::vector<TensorSpec> specs = to_specs(tensors);
+            nlohmann::json values = parse_values(values_json);
             Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
             {
               pyb::gil_scoped_release release;

@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <numeric>
 #include <random>
 
@@ -689,6 +691,123 @@ TEST_F(MultiFileTest, ARanksFilesMergeInTheDistributedCommit) {
     ASSERT_TRUE(load_all(*reader, 4, got).ok()) << rank;
     EXPECT_EQ(got, saved[rank]) << rank;
   }
+}
+
+// stage() + save_staged(): a staging cut down to a random subset of its tensors (renamed, in
+// any order) plus added host tensors is written byte for byte as save() writes those tensors.
+TEST_F(EngineTest, RestagedSubsetWritesTheFileSaveWouldWrite) {
+  std::mt19937 gen(5);
+  const char* dtypes[] = {"uint8", "float16", "float32", "int64"};
+  const size_t esizes[] = {1, 2, 4, 8};
+  auto random_bytes = [&](uint64_t n) {
+    std::vector<std::byte> b(n);
+    for (auto& x : b) x = static_cast<std::byte>(gen());
+    return b;
+  };
+  auto random_spec = [&](const std::string& name, std::vector<std::byte>& bytes) {
+    const size_t d = gen() % 4;
+    const uint64_t pick[] = {0, 1, 4095, 64 << 10, (64 << 10) + 3, 300 << 10, 600 << 10};
+    uint64_t n = pick[gen() % 7] + gen() % 9000;
+    n -= n % esizes[d];
+    bytes = random_bytes(n);
+    return TensorSpec{name, dtypes[d], {static_cast<int64_t>(n / esizes[d])}, bytes.data(), n};
+  };
+  for (int round = 0; round < 16; ++round) {
+    fs::remove_all(root_);
+    auto c = make();
+    const int n = 1 + static_cast<int>(gen() % 10);
+    std::vector<std::vector<std::byte>> bytes(n), saved(n);
+    std::vector<TensorSpec> staged;
+    for (int i = 0; i < n; ++i) staged.push_back(random_spec("s" + std::to_string(i), bytes[i]));
+    auto st = c->stage(staged);
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    for (int i = 0; i < n; ++i) {  // the staging holds copies: the sources may change now
+      saved[i] = bytes[i];
+      for (auto& x : bytes[i]) x = std::byte{0x5A};
+    }
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), gen);
+    order.resize(gen() % (n + 1));
+    std::vector<Restaged> keep;
+    for (size_t i : order) keep.push_back(Restaged{i, "k" + std::to_string(i), {}, {}});
+    const int m = static_cast<int>(gen() % 4);
+    std::vector<std::vector<std::byte>> extra_bytes(m);
+    std::vector<TensorSpec> extra;
+    for (int j = 0; j < m; ++j)
+      extra.push_back(random_spec("x" + std::to_string(j), extra_bytes[j]));
+    ASSERT_TRUE(restage(*st, keep, extra, c->pool(), 64 << 10, 30s).ok()) << round;
+    auto h = c->save_staged(1, std::move(st).value(), {});
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    ASSERT_TRUE((*h)->wait(30s).ok()) << round;
+    // The same tensors through save(): kept ones in staging order, then the extras.
+    std::sort(order.begin(), order.end());
+    std::vector<TensorSpec> direct;
+    for (size_t i : order) {
+      TensorSpec t = staged[i];
+      t.name = "k" + std::to_string(i);
+      t.data = saved[i].data();
+      direct.push_back(t);
+    }
+    direct.insert(direct.end(), extra.begin(), extra.end());
+    h = c->save(2, direct, {});
+    ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok()) << round;
+    auto read_file = [&](int64_t step) {
+      std::ifstream f(step_dir_path(root_.string(), step) + "/" + shard_file_name(0),
+                      std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(f), {});
+    };
+    const std::string restaged = read_file(1), direct_file = read_file(2);
+    EXPECT_EQ(restaged.size(), direct_file.size()) << "round " << round;
+    EXPECT_TRUE(restaged == direct_file) << "round " << round << ": the data files differ";
+    auto m1 = c->manifest(1);
+    ASSERT_TRUE(m1.ok());
+    std::vector<std::vector<std::byte>> got;
+    std::vector<ReadTarget> targets;
+    for (const auto& t : direct) got.emplace_back(t.nbytes, std::byte{0xAB});
+    for (size_t i = 0; i < direct.size(); ++i)
+      targets.push_back({direct[i].name, got[i].data(), direct[i].nbytes});
+    ASSERT_EQ(m1->tensors.size(), direct.size());
+    ASSERT_TRUE(c->read(*m1, targets).ok()) << round;
+    for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(got[i], saved[order[i]]) << round;
+    for (int j = 0; j < m; ++j) EXPECT_EQ(got[order.size() + j], extra_bytes[j]) << round;
+  }
+}
+
+TEST_F(EngineTest, AStagingIsSavedByACheckpointerSharingItsPoolOnly) {
+  auto c = make();
+  fill(3);
+  auto other = CheckpointOptions::from_env((root_ / "other").string()).value();
+  other.chunk_bytes = 64 << 10;
+  other.timeout = 30s;
+  auto shared = Checkpointer::create(other, c->shared_pool());
+  ASSERT_TRUE(shared.ok());
+  other.pool.slab_bytes = 256 << 10;
+  other.pool.budget_bytes = 64 << 20;
+  auto own = Checkpointer::create(other);
+  ASSERT_TRUE(own.ok());
+  auto st = c->stage(specs());
+  ASSERT_TRUE(st.ok());
+  // A bad restage leaves the staging as it was.
+  std::vector<Restaged> twice = {{0, "a", {}, {}}, {0, "b", {}, {}}}, missing = {{2, "c", {}, {}}};
+  EXPECT_EQ(restage(*st, twice, {}, c->pool(), 64 << 10, 30s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(restage(*st, missing, {}, c->pool(), 64 << 10, 30s).code(),
+            StatusCode::kInvalidArgument);
+  auto refused = (*own)->save_staged(1, std::move(st).value(), {});
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  st = c->stage(specs());
+  ASSERT_TRUE(st.ok());
+  fill(4);
+  auto h = (*shared)->save_staged(1, std::move(st).value(), {{"step", 1}});
+  ASSERT_TRUE(h.ok() && (*h)->wait(30s).ok());
+  std::vector<float> big;
+  std::vector<int64_t> small;
+  ASSERT_TRUE(load_into(**shared, 1, big, small).ok());
+  fill(3);
+  EXPECT_EQ(big, big_);
+  EXPECT_EQ(small, small_);
+  shared->reset();
+  EXPECT_EQ(c->pool().in_use_bytes(), 0u);
 }
 
 TEST(CheckpointOptionsTest, RestoreThreadsAreTheProcessShareOfTheHostByDefault) {

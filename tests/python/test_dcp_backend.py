@@ -4,9 +4,10 @@ A module and its optimizer (get_state_dict/set_state_dict, as torchtitan does) r
 for bit; FSDP2 state saved by 2 gloo ranks (uneven shards) loads onto 2 FSDP2 ranks, onto 2
 ranks holding whole tensors and onto 1 process (DCP's planner reshards; 4 -> 2 ranks is the
 bench's resharded restore, verified value for value); async_save through ResilientStager
-reuses its buffers; kill -9 of the writer during a save leaves the previous step loadable; a
-flipped data byte is CorruptCheckpointError naming the file and offset; a hostile metadata
-record is refused; nothing resilient writes is pickle.
+stages into the engine's pool (also under DCP's deduplication over 2 ranks) and reuses it;
+kill -9 of the writer during a save leaves the previous step loadable; a flipped data byte is
+CorruptCheckpointError naming the file and offset; a hostile metadata record is refused;
+nothing resilient writes is pickle.
 Multi-rank phases run as torch.multiprocessing workers in a bounded subprocess."""
 
 from __future__ import annotations
@@ -309,31 +310,85 @@ def test_ranks_that_found_different_newest_steps_are_refused_before_reading(tmp_
         reader.prepare_global_plan([LoadPlan([], storage_data=4), LoadPlan([], storage_data=5)])
 
 
-def test_async_save_through_the_stager_is_correct_and_reuses_its_buffers(tmp_path):
-    from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
+def _async_saves(root: str, stager_of, steps: int = 3) -> tuple[list, list]:
+    """async_save of a module being trained: each save's state, and after each one stager_of's
+    buffer_bytes; the training changes the parameters while the save is written."""
+    from resilient.dcp import ResilientStorageWriter
 
-    root = str(tmp_path / "a")
     model, opt = _trained(6)
     writer = ResilientStorageWriter(root)
-    stager = ResilientStager(writer)
-    saved = []
-    ptrs = []
-    for step in range(3):
-        state = _state(model, opt, step)
-        future = dcp.async_save(state, storage_writer=writer, async_stager=stager)
-        ptrs.append(sorted(b.data_ptr() for b in stager._buffers.values()))
+    stager = stager_of(writer)
+    saved, held = [], []
+    for step in range(steps):
+        future = dcp.async_save(_state(model, opt, step), storage_writer=writer,
+                                async_stager=stager)
         saved.append({k: v.clone() for k, v in model.state_dict().items()})
-        with torch.no_grad():  # training goes on while the save is written
+        with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
         future.result()
+        held.append(stager.buffer_bytes)
+    assert not writer._staged  # every staging was written
     writer.close()
-    assert ptrs[0] == ptrs[1] == ptrs[2] and stager.allocations == len(ptrs[0]) > 0
-    for step in range(3):
+    return saved, held
+
+
+def _loads_as_saved(root: str, saved: list) -> None:
+    from resilient.dcp import ResilientStorageReader
+
+    for step, expected in enumerate(saved):
         got = _model(0).state_dict()
         dcp.load({"model": got}, storage_reader=ResilientStorageReader(f"{root}/step-{step}"))
         for k in got:
-            assert torch.equal(got[k], saved[step][k]), (step, k)
+            assert torch.equal(got[k], expected[k]), (step, k)
+
+
+def test_async_save_stages_into_the_writers_pool_and_reuses_it(tmp_path):
+    from resilient.dcp import ResilientStager
+
+    root = str(tmp_path / "a")
+    saved, held = _async_saves(root, ResilientStager)
+    assert held[0] == held[1] == held[2] > 0  # the engine's slabs, reused by every save
+    _loads_as_saved(root, saved)
+
+
+def test_an_unbound_stager_reuses_buffers_of_its_own(tmp_path):
+    from resilient.dcp import ResilientStager
+
+    root = str(tmp_path / "u")
+    stagers = []
+    saved, held = _async_saves(root, lambda w: stagers.append(ResilientStager()) or stagers[0])
+    assert held[0] == held[1] == held[2] > 0
+    assert stagers[0].allocations == len(stagers[0]._buffers)
+    _loads_as_saved(root, saved)
+
+
+def test_pool_staged_placeholders_are_written_by_their_writer_only(tmp_path):
+    """What a bound stager hands DCP are meta placeholders: another writer fails on them instead
+    of writing wrong bytes; a staged state dropped unsaved gives its slabs back."""
+    import gc
+
+    from resilient.dcp import ResilientStager, ResilientStorageWriter
+
+    model, opt = _trained(4)
+    writer = ResilientStorageWriter(str(tmp_path / "w"))
+    stager = ResilientStager(writer)
+    staged = stager.stage(_state(model, opt, 0))
+    assert staged["model"]["0.weight"].is_meta and writer._staged
+    with pytest.raises(BaseException) as err:  # DCP's CheckpointException
+        dcp.save(staged, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")))
+    assert "meta tensor" in str(_dcp_error(err.value))
+    with pytest.raises(BaseException) as err:  # DCP's CheckpointException
+        dcp.save(staged, storage_writer=ResilientStorageWriter(str(tmp_path / "other")))
+    assert "placeholder (a meta tensor) that this writer did not stage" in str(
+        _dcp_error(err.value))
+    del staged, err  # the traceback's frames hold the staged state too
+    gc.collect()
+    assert not writer._staged
+    # the pool is whole again: a save through the stager still commits
+    dcp.async_save(_state(model, opt, 1), storage_writer=writer, async_stager=stager).result()
+    assert writer.last_step == 0
+    writer.close()
 
 
 def test_overlapping_async_saves_of_one_writer_commit_distinct_steps(tmp_path):
@@ -373,8 +428,9 @@ def test_overlapping_async_saves_of_one_writer_commit_distinct_steps(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_through_the_writer_and_a_pinned_stager(tmp_path):
-    """CUDA tensors reach the engine through its streams; ResilientStager stages them into
-    pinned buffers it reuses; both steps load back onto the device bit for bit."""
+    """CUDA tensors reach the engine through its streams; ResilientStager stages them into the
+    engine's pinned pool, reused by every save; every step loads back onto the device bit for
+    bit."""
     from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
 
     root = str(tmp_path / "g")
@@ -386,22 +442,25 @@ def test_cuda_state_through_the_writer_and_a_pinned_stager(tmp_path):
     dcp.save(_state(model, opt, 0), storage_writer=writer)  # step 0: blocking, from the device
     expected = [{k: v.clone() for k, v in model.state_dict().items()}]
     stager = ResilientStager(writer)
+    held = []
     for step in (1, 2):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.5)
         expected.append({k: v.clone() for k, v in model.state_dict().items()})
-        dcp.async_save(_state(model, opt, step), storage_writer=writer,
-                       async_stager=stager).result()
+        future = dcp.async_save(_state(model, opt, step), storage_writer=writer,
+                                async_stager=stager)
+        with torch.no_grad():  # the staged copy is complete: training may go on
+            for p in model.parameters():
+                p.zero_()
+        future.result()
+        held.append(stager.buffer_bytes)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), expected[-1].values()):
+                p.copy_(v)
+    assert next(iter(writer._engines.values())).pool_pinned
+    assert held[0] == held[1] > 0
     writer.close()
-    buffers = list(stager._buffers.values())
-    assert buffers and all(b.device.type == "cpu" for b in buffers)
-    # Copies of CUDA tensors land in pinned buffers; AdamW's step counters (0-dim CPU tensors
-    # unless capturable) need no pinning and get none (the first GPU run found them unpinned).
-    from_cuda = [b for b in buffers if b.dim() > 0]
-    assert from_cuda and all(b.is_pinned() for b in from_cuda)
-    assert not any(b.is_pinned() for b in buffers if b.dim() == 0)
-    assert stager.allocations == len(buffers)  # the second save refilled the same buffers
     for step in (0, 1, 2):
         got = _model(0).cuda().state_dict()
         dcp.load({"model": got}, storage_reader=ResilientStorageReader(f"{root}/step-{step}"))
@@ -499,7 +558,7 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from resilient.dcp import ResilientStorageReader, ResilientStorageWriter
+    from resilient.dcp import ResilientStager, ResilientStorageReader, ResilientStorageWriter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -513,6 +572,11 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     saved = _full(state)
     with ResilientStorageWriter(root) as w:
         dcp.save(state, storage_writer=w)
+    # async_save staged into the writer's pool, with a tensor every rank holds: DCP's planner
+    # deduplicates it (one rank writes it; the other's staging drops it)
+    with ResilientStorageWriter(root + "-async") as w:
+        dcp.async_save(dict(state, rep=torch.arange(10.0)), storage_writer=w,
+                       async_stager=ResilientStager(w)).result()
     # onto 2 ranks: a fresh FSDP2 model and optimizer (other values, state after one step)
     model2, opt2 = _fsdp(9, world)
     model2(torch.randn(4, 6, generator=g)).square().mean().backward()
@@ -553,6 +617,14 @@ def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_sharded_or_not_and_one_pr
     # onto one process without a process group: plain full tensors, resharded by DCP's planner
     model, opt, state, _ = _load_into_fresh(str(root))
     assert _full(_state(model, opt, state["extra"]["step"])) == saved
+    # the async save through the pool stager: the same state, and the deduplicated tensor
+    from resilient.dcp import ResilientStorageReader
+
+    model, opt, state, _ = _load_into_fresh(f"{root}-async")
+    assert _full(_state(model, opt, state["extra"]["step"])) == saved
+    rep = {"rep": torch.zeros(10)}
+    dcp.load(rep, storage_reader=ResilientStorageReader(f"{root}-async"))
+    assert torch.equal(rep["rep"], torch.arange(10.0))
 
 
 @pytest.mark.timeout(300)

@@ -127,7 +127,8 @@ void SaveHandle::finish(Status status, SaveStats stats) {
 
 Checkpointer::Checkpointer(CheckpointOptions options) : options_(std::move(options)) {}
 
-Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions options) {
+Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions options,
+                                                           std::shared_ptr<memory::HostPool> pool) {
   RESILIENT_RETURN_IF_ERROR(options.validate());
   // The root is created by the first save (prepare_tmp_dir), never by opening: a reader that
   // mistyped the root must not leave an empty one behind.
@@ -136,7 +137,13 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   auto pool_opts = c->options_.pool;
   pool_opts.slab_bytes = std::max(pool_opts.slab_bytes, c->options_.chunk_bytes);
   pool_opts.slab_bytes = io::align_up(pool_opts.slab_bytes, c->options_.chunk_bytes);
-  c->pool_ = std::make_unique<memory::HostPool>(pool_opts);
+  if (pool != nullptr && pool->slab_bytes() % c->options_.chunk_bytes != 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "the shared host pool's slabs (" + std::to_string(pool->slab_bytes()) +
+                      " bytes) do not hold whole chunks of " +
+                      std::to_string(c->options_.chunk_bytes) + " bytes");
+  }
+  c->pool_ = pool != nullptr ? std::move(pool) : std::make_shared<memory::HostPool>(pool_opts);
   // The copy workers are on the snapshot's critical path; the writer and the checksum threads
   // are background work, lowered in priority and optionally kept off the training cores.
   const auto copy_threads = static_cast<size_t>(c->options_.copy_threads);
@@ -186,6 +193,40 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step,
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
                          issue_s, to_seconds(SteadyClock::instance().now() - start)});
+    pending_.push_back(handle);
+  }
+  cv_.notify_all();
+  return handle;
+}
+
+Result<Staging> Checkpointer::stage(std::span<const TensorSpec> tensors) {
+  auto staging =
+      snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
+  if (!staging.ok()) return Status(staging.status()).prepend("staging");
+  if (staging->copies) {
+    RESILIENT_RETURN_IF_ERROR(staging->copies->wait_all(options_.timeout).prepend("staging"));
+    staging->copies.reset();  // complete: the slabs need neither events nor quarantine
+    staging->streams = nullptr;
+  }
+  return staging;
+}
+
+Result<std::shared_ptr<SaveHandle>> Checkpointer::save_staged(int64_t step, Staging staging,
+                                                              nlohmann::json values, bool commit) {
+  if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
+  if (staging.copies != nullptr || staging.slab_bytes != pool_->slab_bytes() ||
+      std::any_of(staging.slabs.begin(), staging.slabs.end(),
+                  [this](const memory::Slab& s) { return s.owner() != pool_.get(); })) {
+    return Status(StatusCode::kInvalidArgument,
+                  "saving step " + std::to_string(step) +
+                      ": the staging was not made by stage() of a checkpointer sharing this "
+                      "one's host pool");
+  }
+  const TimePoint start = SteadyClock::instance().now();
+  auto handle = std::make_shared<SaveHandle>(step, nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Job{step, std::move(staging), std::move(values), commit, handle, start, 0, 0});
     pending_.push_back(handle);
   }
   cv_.notify_all();

@@ -255,6 +255,24 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
   return ok_status();
 }
 
+// Zeroes the gaps between chunks and the image's tail (alignment padding), so files are
+// deterministic and no stale bytes leak to disk. A gap never crosses a 4 KiB boundary: every
+// tensor starts at or before the next one.
+void zero_gaps(Staging& st) {
+  uint64_t end = 0;
+  auto zero_to = [&](uint64_t next) {
+    if (next <= end) return;
+    std::memset(st.slabs[end / st.slab_bytes].data() + end % st.slab_bytes, 0, next - end);
+  };
+  for (const auto& t : st.layout.tensors) {
+    for (const auto& c : t.chunks) {
+      zero_to(c.offset);
+      end = c.offset + c.raw;
+    }
+  }
+  zero_to(st.layout.bytes);
+}
+
 }  // namespace
 
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool,
@@ -297,21 +315,7 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
       done += c.raw;
     }
   }
-  // Zero the gaps between chunks and the image's tail (alignment padding), so files are
-  // deterministic and no stale bytes leak to disk. A gap never crosses a 4 KiB boundary:
-  // every tensor starts at or before the next one.
-  uint64_t end = 0;
-  auto zero_to = [&](uint64_t next) {
-    if (next <= end) return;
-    std::memset(st.slabs[end / st.slab_bytes].data() + end % st.slab_bytes, 0, next - end);
-  };
-  for (const auto& t : st.layout.tensors) {
-    for (const auto& c : t.chunks) {
-      zero_to(c.offset);
-      end = c.offset + c.raw;
-    }
-  }
-  zero_to(st.layout.bytes);
+  zero_gaps(st);
   if (any_device) RESILIENT_RETURN_IF_ERROR(issue_device_copies(tensors, work, st, *streams));
   std::vector<size_t> host;
   for (size_t i = 0; i < work.size(); ++i) {
@@ -322,6 +326,74 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
     std::memcpy(c.dst, c.src, c.n);
   });
   return st;
+}
+
+Status restage(Staging& st, std::span<const Restaged> keep, std::span<const TensorSpec> extra,
+               memory::HostPool& pool, uint64_t chunk_bytes, Duration timeout) {
+  const TimePoint deadline = SteadyClock::instance().now() + timeout;
+  if (st.copies) {  // all complete: the slabs no longer need their events (nor quarantine)
+    RESILIENT_RETURN_IF_ERROR(st.copies->wait_all(timeout));
+    st.copies.reset();
+    st.streams = nullptr;
+  }
+  std::vector<const Restaged*> kept;
+  for (const auto& k : keep) kept.push_back(&k);
+  std::sort(kept.begin(), kept.end(), [](auto* a, auto* b) { return a->index < b->index; });
+  std::vector<TensorSpec> specs;
+  specs.reserve(kept.size() + extra.size());
+  static const std::byte placeholder{};  // plan_layout wants data; kept bytes are in the slabs
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (kept[i]->index >= st.layout.tensors.size() ||
+        (i > 0 && kept[i]->index == kept[i - 1]->index)) {
+      return Status(
+          StatusCode::kInvalidArgument,
+          "staged tensor " + std::to_string(kept[i]->index) +
+              (kept[i]->index >= st.layout.tensors.size() ? " does not exist" : " is kept twice"));
+    }
+    const TensorEntry& e = st.layout.tensors[kept[i]->index];
+    specs.push_back(TensorSpec{kept[i]->name, e.dtype, e.shape, &placeholder, e.nbytes, -1, 0,
+                               kept[i]->global_shape, kept[i]->global_offset});
+  }
+  for (const auto& x : extra) {
+    if (x.device >= 0)
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + x.name + "': only host tensors are added to a staging");
+    specs.push_back(x);
+  }
+  RESILIENT_ASSIGN_OR_RETURN(Layout layout, plan_layout(specs, st.slab_bytes, chunk_bytes));
+  const uint64_t nslabs = (layout.bytes + st.slab_bytes - 1) / st.slab_bytes;
+  std::vector<memory::Slab> more;
+  for (uint64_t i = st.slabs.size(); i < nslabs; ++i) {
+    Duration left = deadline - SteadyClock::instance().now();
+    auto slab = pool.acquire(left > Duration::zero() ? left : Duration::zero());
+    if (!slab.ok()) return Status(slab.status()).prepend("waiting for host buffers");
+    more.push_back(std::move(slab).value());
+  }
+  // Nothing fails from here on.
+  const uint64_t sb = st.slab_bytes;
+  for (auto& s : more) st.slabs.push_back(std::move(s));
+  auto at = [&](uint64_t off) { return st.slabs[off / sb].data() + off % sb; };
+  for (size_t i = 0; i < kept.size(); ++i) {  // front to back: each destination <= its source
+    const TensorEntry& old = st.layout.tensors[kept[i]->index];
+    if (old.nbytes == 0) continue;
+    uint64_t src = old.chunks.front().offset, dst = layout.tensors[i].chunks.front().offset;
+    for (uint64_t n = old.nbytes; n > 0 && src != dst;) {
+      const uint64_t m = std::min({n, sb - src % sb, sb - dst % sb});
+      std::memmove(at(dst), at(src), m);
+      src += m, dst += m, n -= m;
+    }
+  }
+  for (size_t j = 0; j < extra.size(); ++j) {
+    const auto* src = static_cast<const std::byte*>(extra[j].data);
+    for (const auto& c : layout.tensors[kept.size() + j].chunks) {
+      std::memcpy(at(c.offset), src, c.raw);
+      src += c.raw;
+    }
+  }
+  while (st.slabs.size() > nslabs) st.slabs.pop_back();  // back to the pool
+  st.layout = std::move(layout);
+  zero_gaps(st);
+  return ok_status();
 }
 
 }  // namespace resilient::checkpoint

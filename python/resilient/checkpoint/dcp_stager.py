@@ -1,16 +1,21 @@
-"""ResilientStager: dcp.async_save's stager into host buffers kept across saves.
+"""ResilientStager: dcp.async_save's stager into the engine's reusable host pool.
 
 dcp.async_save first *stages* the state (a copy that training may not change), then writes the
-copy in the background. torch's DefaultStager allocates a new copy per save unless told to cache;
-this stager keeps one buffer per tensor path and refills it at every save (pinned host memory
-when CUDA is available, so device-to-host copies run at full speed and without blocking; a
-plain host buffer on a CPU-only machine), reallocating only when a shape or dtype changes.
+copy in the background. torch's DefaultStager allocates a new copy per save unless told to cache.
 
-A buffer must not be refilled while the previous save still reads it. Bound to the
-ResilientStorageWriter the saves go to, a stage waits until that writer's previous write_data
-has handed the tensors to its engine (which copies them into its own pool before write_data
-waits for the disk). The engine's own pinned pool is native and not reachable from Python, so
-the staged copy lives in torch-allocated buffers.
+Bound to a ResilientStorageWriter (``ResilientStager(writer)``), the stager copies every tensor
+straight into the host pool of the writer's native engine: the slabs the engine writes from
+(pinned when CUDA is available, so device-to-host copies run at full speed; reused across saves;
+each goes back to the pool as soon as its bytes are on their way to storage). The state is held
+once on the host, and write_data writes the staged bytes without copying them again. What the
+stager hands to DCP's planner are placeholders: meta tensors (DTensors over meta local tensors)
+with the shapes and dtypes of the staged ones, which the writer maps back to its staged bytes.
+Only that writer, in this process, can write them (async_checkpointer_type THREAD, the default);
+any other writer fails on the meta tensors rather than writing wrong bytes.
+
+Unbound (``ResilientStager()``), there is no engine yet: the stager copies into torch host buffers
+it keeps, one per tensor path, reallocated only when a shape or dtype changes. The caller must
+wait for the previous async_save's future before the next stage, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -26,65 +31,78 @@ from resilient.checkpoint.dtensor import is_dtensor
 
 
 class ResilientStager(AsyncStager):
-    """dcp.async_save's stager: copies the state into host buffers kept across saves (pinned
-    when CUDA is available), one per tensor path, reallocated only when a shape or dtype
-    changes. DTensors are staged as DTensors over their staged local tensor.
+    """dcp.async_save's stager. stage() returns once every copy is complete, so training may
+    change the state as soon as async_save returns.
 
     Args:
-        writer: the ResilientStorageWriter the saves go to; a stage then waits (at most
-            `timeout` seconds) until that writer's previous save no longer reads the buffers.
-            Without one, wait for the previous async_save's future before the next stage, as
-            torchtitan does.
-        pin_memory: default: when CUDA is available.
+        writer: the ResilientStorageWriter the saves go to: stage into its engine's host pool
+            (waiting at most the writer's timeout for free slabs). None: stage into host
+            buffers of this stager's own, kept across saves.
+        pin_memory: for the stager's own buffers (no writer): pinned; default: when CUDA is
+            available. The engine's pool pins by its own option (``pin_memory`` of the writer's
+            options, docs/SETTINGS.md).
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, writer: ResilientStorageWriter | None = None,
-                 pin_memory: bool | None = None, timeout: float = 600.0):
+                 pin_memory: bool | None = None):
         self.writer = writer
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.timeout = timeout
-        self.allocations = 0  # buffers allocated so far (reuse keeps it constant)
+        self.allocations = 0  # own buffers allocated so far (reuse keeps it constant)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     @property
     def buffer_bytes(self) -> int:
+        """Host bytes this stager holds: its own buffers, or the writer's pool."""
+        if self.writer is not None:
+            return self.writer.pool_allocated_bytes
         return sum(b.nbytes for b in self._buffers.values())
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.writer is not None:
-            if not self.writer.acquire_staging(self.timeout):
-                raise TimeoutError(f"the previous save still reads the staging buffers after "
-                                   f"{self.timeout} s")
-        cuda = [False]
-        try:
-            staged = self._stage(state_dict, (), cuda)
-        except BaseException:
-            if self.writer is not None:
-                self.writer.release_staging()
-            raise
-        if cuda[0]:
-            torch.cuda.synchronize()
+        if self.writer is None:
+            cuda = [False]
+            staged = self._stage(state_dict, (), cuda, self._copy, [])
+            if cuda[0]:
+                torch.cuda.synchronize()
+            return staged
+        tensors: list[torch.Tensor] = []
+        placeholders: list[torch.Tensor] = []
+
+        def to_pool(t: torch.Tensor, path: tuple, cuda: list) -> torch.Tensor:
+            tensors.append(t.detach())
+            placeholders.append(torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            return placeholders[-1]
+
+        made: list[torch.Tensor] = []  # what the staged state holds: placeholders or DTensors
+        staged = self._stage(state_dict, (), [False], to_pool, made)
+        self.writer.stage_tensors(tensors, placeholders, made)
         return staged
 
-    def _stage(self, value: Any, path: tuple, cuda: list) -> Any:
+    def _stage(self, value: Any, path: tuple, cuda: list, copy_tensor: Any,
+               made: list) -> Any:
         if isinstance(value, torch.Tensor):
             if is_dtensor(value):
                 from torch.distributed.tensor import DTensor
 
-                local = self._copy(value.to_local(), path, cuda)
-                return DTensor.from_local(local, value.device_mesh, value.placements,
-                                          run_check=False, shape=value.shape,
-                                          stride=value.stride())
-            return self._copy(value, path, cuda)
+                local = copy_tensor(value.to_local(), path, cuda)
+                out = DTensor.from_local(local, value.device_mesh, value.placements,
+                                         run_check=False, shape=value.shape,
+                                         stride=value.stride())
+            else:
+                out = copy_tensor(value, path, cuda)
+            made.append(out)
+            return out
         if isinstance(value, dict):
-            out = {k: self._stage(v, (*path, k), cuda) for k, v in value.items()}
+            out = {k: self._stage(v, (*path, k), cuda, copy_tensor, made)
+                   for k, v in value.items()}
             return out if type(value) is dict else type(value)(out)
         if isinstance(value, list):
-            return [self._stage(v, (*path, i), cuda) for i, v in enumerate(value)]
+            return [self._stage(v, (*path, i), cuda, copy_tensor, made)
+                    for i, v in enumerate(value)]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(self._stage(v, (*path, i), cuda) for i, v in enumerate(value))
+            return tuple(self._stage(v, (*path, i), cuda, copy_tensor, made)
+                         for i, v in enumerate(value))
         return copy.deepcopy(value)
 
     def _copy(self, t: torch.Tensor, path: tuple, cuda: list) -> torch.Tensor:

@@ -37,8 +37,10 @@ needs through the engine (every chunk's checksum verified; a flipped byte is
 CorruptCheckpointError naming the data file and offset), straight into the planner's target
 when it is a whole contiguous chunk, else through a host buffer.
 
-Staging for dcp.async_save is dcp_stager.ResilientStager; a writer tells it when a save no
-longer reads its buffers (acquire_staging/release_staging).
+Staging for dcp.async_save is dcp_stager.ResilientStager. Bound to a writer, it stages into
+the host pool that all of the writer's engines share (stage_tensors); write_data then hands the
+staged bytes to the engine as they are (save_staged), and the engine writes them without
+another copy.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,7 +92,8 @@ def locate(path: str | os.PathLike) -> tuple[str, int | None]:
     return path, None
 
 
-def _engine(root: str, rank: int = 0, world_size: int = 1, options: dict | None = None) -> Any:
+def _engine(root: str, rank: int = 0, world_size: int = 1, options: dict | None = None,
+            share_pool_with: Any = None) -> Any:
     opts = _C.CheckpointOptions(root)
     opts.keep = 0  # retention is the writer's (roots.apply_retention), or the framework's
     opts.rank, opts.world_size = rank, world_size
@@ -99,7 +103,7 @@ def _engine(root: str, rank: int = 0, world_size: int = 1, options: dict | None 
         if not hasattr(opts, key):
             raise TypeError(f"unknown checkpoint option {key!r}")
         setattr(opts, key, value)
-    return _C.Checkpointer(opts)
+    return _C.Checkpointer(opts, share_pool_with)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,20 @@ class _SaveInfo:
     save_id: str
     world_size: int
     fqns: tuple[str, ...] = ()  # rank 0's plan only: every FQN of the save (its values)
+
+
+@dataclass
+class _Staged:
+    """Tensors a ResilientStager copied into the writer's pool for one save: the native staging,
+    and each placeholder's storage key -> its tensor's index in the staging."""
+
+    state: Any  # _C.StagedState
+    index: dict[int, int]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """A placeholder's identity, shared by its views (DTensor.to_local, view_as)."""
+    return t.untyped_storage()._cdata
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,7 @@ class ResilientStorageWriter(StorageWriter):
         self._mutex = threading.Condition()
         self._engines: dict[tuple, Any] = {}
         self._lock: roots.WriterLock | None = None
-        self._idle = threading.Event()  # set while no save reads a stager's buffers
-        self._idle.set()
+        self._staged: dict[int, _Staged] = {}  # placeholder storage key -> its staging
 
     # -- the StorageWriter protocol -------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -228,50 +245,78 @@ class ResilientStorageWriter(StorageWriter):
         return {info.step for info, _ in self._pending.values() if info.root == root}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Stores this rank's items through its native engine; returns once they are durable."""
+        """Stores this rank's items through its native engine; returns once they are durable.
+        Items a ResilientStager staged into the pool are written from there, without a copy."""
         info = plan.storage_data
         if not isinstance(info, _SaveInfo):
             raise ValueError("the save plan was not prepared by a ResilientStorageWriter")
         self._info = info
+        others: list[tuple] = []  # (entry, tensor, global shape, offset): copied by the engine
+        kept: list[tuple] = []  # (index in the staging, entry, global shape, offset)
+        staged: _Staged | None = None
+        results: list[WriteResult] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+                    torch.empty(0, dtype=torch.uint8)
+                gshape, offset = [t.numel()], [0]
+            else:
+                t = data.detach()
+                if is_dtensor(t):
+                    t = t.to_local()
+                chunk = item.tensor_data.chunk
+                gshape, offset = list(item.tensor_data.size), list(chunk.offsets)
+                if tuple(t.shape) != tuple(chunk.sizes):
+                    raise ValueError(f"DCP item {item.index.fqn!r}: the planner resolved a "
+                                     f"{list(t.shape)} tensor for a {list(chunk.sizes)} chunk")
+            name = dcp_metadata.entry_name(item.index)
+            results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes,
+                                       storage_data=_Stored(name, info.save_id)))
+            if t.device.type == "meta":
+                record, index = self._staged_item(item.index.fqn, t)
+                if staged is not None and record is not staged:
+                    raise ValueError("one save's items come from two stagings (stage once per "
+                                     "async_save)")
+                staged = record
+                kept.append((index, name, gshape, offset))
+            else:
+                others.append((name, t, gshape, offset))
         keep: list[torch.Tensor] = []
         descs: list[dict[str, Any]] = []
-        results: list[WriteResult] = []
-        try:
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-                        torch.empty(0, dtype=torch.uint8)
-                    gshape, offset = [t.numel()], [0]
-                else:
-                    t = data.detach()
-                    if is_dtensor(t):
-                        t = t.to_local()
-                    chunk = item.tensor_data.chunk
-                    gshape, offset = list(item.tensor_data.size), list(chunk.offsets)
-                    if tuple(t.shape) != tuple(chunk.sizes):
-                        raise ValueError(f"DCP item {item.index.fqn!r}: the planner resolved a "
-                                         f"{list(t.shape)} tensor for a {list(chunk.sizes)} chunk")
-                name = dcp_metadata.entry_name(item.index)
-                d = tensor_descriptor(name, t, keep)
-                d["global_shape"], d["global_offset"] = gshape, offset
-                descs.append(d)
-                results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes,
-                                           storage_data=_Stored(name, info.save_id)))
-            values = {"format": RANK_FORMAT, "save_id": info.save_id, "rank": self.rank,
-                      "world_size": info.world_size, "rank_state": None,
-                      "state": _state_doc(list(info.fqns)) if self.rank == 0 else None}
-            engine = self._engine(info.root, self.rank, info.world_size)
+        for name, t, gshape, offset in others:
+            if staged is not None:
+                t = t.cpu()  # added to the staging, which holds host bytes
+            d = tensor_descriptor(name, t, keep)
+            d["global_shape"], d["global_offset"] = gshape, offset
+            descs.append(d)
+        values = {"format": RANK_FORMAT, "save_id": info.save_id, "rank": self.rank,
+                  "world_size": info.world_size, "rank_state": None,
+                  "state": _state_doc(list(info.fqns)) if self.rank == 0 else None}
+        engine = self._engine(info.root, self.rank, info.world_size)
+        if staged is None:
             native = engine.save(info.step, descs, json.dumps(values), False, "blocking")
-            del keep  # blocking: the engine copied every tensor before save() returned
-            self._idle.set()  # a stager's buffers may be refilled
-            native.wait(self.timeout)
-        finally:
-            self._idle.set()
+        else:
+            self._forget(staged)
+            native = engine.save_staged(info.step, staged.state, kept, descs, json.dumps(values),
+                                        False)
+        del keep  # the engine copied every tensor before save() returned
+        native.wait(self.timeout)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _staged_item(self, fqn: str, t: torch.Tensor) -> tuple[_Staged, int]:
+        with self._mutex:
+            record = self._staged.get(_storage_key(t))
+        if record is None or not record.state.held:
+            raise ValueError(
+                f"DCP item {fqn!r} is a placeholder (a meta tensor) that this writer did not "
+                "stage, or whose staging was already written or dropped: a state staged by "
+                "ResilientStager(writer) is written by that writer, in the process that staged "
+                "it (async_save's async_checkpointer_type THREAD), once")
+        return record, record.index[_storage_key(t)]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Rank 0, after every rank's data is durable: the metadata record, the lineage record,
@@ -330,25 +375,60 @@ class ResilientStorageWriter(StorageWriter):
                     self._release()
 
     # -- staging (ResilientStager) -------------------------------------------------------
-    def acquire_staging(self, timeout: float) -> bool:
-        """Waits until no save of this writer reads staged buffers, then marks them taken
-        (the next write_data releases them once its engine copied them). False on timeout."""
-        if not self._idle.wait(timeout):
-            return False
-        self._idle.clear()
-        return True
+    def stage_tensors(self, tensors: list[torch.Tensor], placeholders: list[torch.Tensor],
+                      anchors: list[torch.Tensor]) -> None:
+        """Copies `tensors` into the pool of this writer's engines (returns once every copy is
+        complete); write_data writes them where it meets their `placeholders` (or views of
+        them). The staging is dropped, its slabs back in the pool, if the staged state (whose
+        tensors are `anchors`) is garbage-collected before a write_data took it."""
+        keep: list[torch.Tensor] = []
+        descs = [tensor_descriptor(str(i), t, keep) for i, t in enumerate(tensors)]
+        state = self._pool_engine().stage(descs)
+        del keep
+        record = _Staged(state, {_storage_key(p): i for i, p in enumerate(placeholders)})
+        with self._mutex:
+            for key in record.index:
+                self._staged[key] = record
+        if anchors:
+            weakref.finalize(anchors[0], self._drop_staged, record)
 
-    def release_staging(self) -> None:
-        self._idle.set()
+    def _forget(self, record: _Staged) -> None:
+        with self._mutex:
+            for key in record.index:
+                if self._staged.get(key) is record:
+                    del self._staged[key]
+
+    def _drop_staged(self, record: _Staged) -> None:
+        self._forget(record)
+        record.state.release()  # no-op once save_staged took it
+
+    def _pool_engine(self) -> Any:
+        """An engine of this writer (all share one host pool), made for the current path."""
+        with self._mutex:
+            if self._engines:
+                return next(iter(self._engines.values()))
+        import torch.distributed as dist
+
+        live = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if live else (0, 1)
+        return self._engine(locate(self.path)[0], rank, world)
+
+    @property
+    def pool_allocated_bytes(self) -> int:
+        """Host bytes the engines' shared pool holds (0 before the first save or stage)."""
+        engines = list(self._engines.values())
+        return engines[0].pool_allocated_bytes if engines else 0
 
     # -- resources ------------------------------------------------------------------------
     def _engine(self, root: str, rank: int, world_size: int) -> Any:
         key = (root, rank, world_size)
         engine = self._engines.get(key)
-        if engine is None:
+        if engine is None:  # one engine at a time; each shares the first one's host pool
+            shared = next(iter(self._engines.values()), None)
+            engine = _engine(root, rank, world_size, self.options, shared)
             for old in self._engines.values():
                 old.close(self.timeout)
-            self._engines = {key: (engine := _engine(root, rank, world_size, self.options))}
+            self._engines = {key: engine}
         return engine
 
     def _release(self) -> None:

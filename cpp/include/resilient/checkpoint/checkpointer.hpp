@@ -102,7 +102,10 @@ class SaveHandle {
 /// Thread-safe: save() may be called from one thread at a time; reads from any.
 class Checkpointer {
  public:
-  static Result<std::unique_ptr<Checkpointer>> create(CheckpointOptions options);
+  /// `pool`: host slabs shared with other checkpointers (null: a pool of its own, from
+  /// options.pool); a staging made by one of them may then be saved by another (save_staged).
+  static Result<std::unique_ptr<Checkpointer>> create(
+      CheckpointOptions options, std::shared_ptr<memory::HostPool> pool = nullptr);
   /// Waits (bounded by the timeout) for pending saves, then stops the writer.
   ~Checkpointer();
 
@@ -112,6 +115,14 @@ class Checkpointer {
   Result<std::shared_ptr<SaveHandle>> save(int64_t step, std::span<const TensorSpec> tensors,
                                            nlohmann::json values, bool commit = true,
                                            SaveMode mode = SaveMode::kBlocking);
+  /// The snapshot half of save(): copies `tensors` into slabs of the pool and returns once every
+  /// copy (device copies included) completed, so the caller may change its tensors.
+  Result<Staging> stage(std::span<const TensorSpec> tensors);
+  /// The write half: queues `staging` (from stage() of a checkpointer sharing this pool, then
+  /// perhaps restage()d) as step `step`'s shard, without copying it. kInvalidArgument for a
+  /// staging whose slabs belong to another pool.
+  Result<std::shared_ptr<SaveHandle>> save_staged(int64_t step, Staging staging,
+                                                  nlohmann::json values, bool commit = true);
   /// Waits for every queued save and for the writer to finish its background work (retention).
   Status wait_all(Duration timeout);
 
@@ -122,6 +133,7 @@ class Checkpointer {
 
   const CheckpointOptions& options() const { return options_; }
   memory::HostPool& pool() { return *pool_; }
+  const std::shared_ptr<memory::HostPool>& shared_pool() const { return pool_; }
   /// The io engine chosen for writes ("io_uring" or "threads").
   const char* io_backend() const { return engine_->name(); }
 
@@ -141,7 +153,7 @@ class Checkpointer {
   Status write_job(Job& job, SaveStats& stats);
 
   CheckpointOptions options_;
-  std::unique_ptr<memory::HostPool> pool_;
+  std::shared_ptr<memory::HostPool> pool_;
   std::unique_ptr<ThreadPool> workers_;  // snapshot copies (the caller waits on them)
   std::unique_ptr<ThreadPool> hashers_;  // checksums and compression in the background
   std::unique_ptr<DeviceStreams> streams_;

@@ -154,4 +154,24 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
                          ThreadPool& copies, uint64_t chunk_bytes, Duration timeout,
                          DeviceStreams* streams = nullptr);
 
+/// A tensor of a staging that restage() keeps: its index in the staging's layout, and the name
+/// and global placement it is saved under.
+struct Restaged {
+  size_t index = 0;
+  std::string name;
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> global_offset;
+};
+
+/// Turns `staging` (whose device copies have completed) into the image snapshot() would make of
+/// the kept tensors, in their staging order and under their new names, followed by the host
+/// tensors `extra`, copied in. A kept tensor's bytes only move toward the start of the image
+/// (plan_layout of a subset places every tensor at or before its old offset), so the bytes are
+/// moved in place, front to back; slabs past the new end go back to `pool`, and slabs for
+/// `extra` come from it (waiting up to `timeout`). kInvalidArgument for an index out of range or
+/// kept twice, a device tensor in `extra`, or a name plan_layout refuses; the staging is unchanged
+/// then.
+Status restage(Staging& staging, std::span<const Restaged> keep, std::span<const TensorSpec> extra,
+               memory::HostPool& pool, uint64_t chunk_bytes, Duration timeout);
+
 }  // namespace resilient::checkpoint

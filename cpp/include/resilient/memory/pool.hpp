@@ -42,6 +42,8 @@ class Slab {
   std::byte* data() const { return data_; }
   uint64_t size() const { return size_; }
   bool pinned() const { return pinned_; }
+  /// The pool the slab returns to (null once released or leaked).
+  const HostPool* owner() const { return pool_; }
   explicit operator bool() const { return data_ != nullptr; }
   /// Returns the slab to the pool now.
   void release();
