@@ -9,7 +9,9 @@ with --device cuda), and restored on the same mesh and onto N/2 ranks, in one ru
   _Dcp.save for why not one for all);
 - ``dcp_resilient``, ``dcp_resilient_async`` (only when named in --methods): the same DCP calls
   through resilient.dcp's ResilientStorageWriter/Reader (one writer for all saves, keep=1) and,
-  for async_save, its ResilientStager (one, reused).
+  for async_save, its ResilientStager bound to the writer (one, reused: it stages into the
+  engine's pool); ``dcp_resilient_async_own``: an unbound ResilientStager instead (buffers of
+  its own, which the engine copies again: the baseline for staging into the pool).
 
 Each method saves once to warm up, then --repeat times, each save followed by a same-mesh restore.
 A second job of N/2 processes then builds its own FSDP2 module and optimizer on a half-size mesh
@@ -44,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 FSDP_METHODS = ["resilient", "resilient_overlap", "dcp", "dcp_async"]
-DCP_BACKEND_METHODS = ["dcp_resilient", "dcp_resilient_async"]  # resilient.dcp, on request
-STAGED = {"resilient", "resilient_overlap", "dcp_async", "dcp_resilient_async"}
+# resilient.dcp, on request
+DCP_BACKEND_METHODS = ["dcp_resilient", "dcp_resilient_async", "dcp_resilient_async_own"]
+STAGED = {"resilient", "resilient_overlap", "dcp_async", "dcp_resilient_async",
+          "dcp_resilient_async_own"}
 
 
 def _now() -> float:
@@ -90,7 +94,7 @@ class _Resilient:
 
 class _Dcp:
     def __init__(self, root: Path, use_async: bool, device: str, group: Any,
-                 backend: bool = False):
+                 backend: bool = False, own_stager: bool = False):
         from resilient.cli.bench.methods import dcp_stager
 
         self.root, self.device, self.group = root, device, group
@@ -102,7 +106,7 @@ class _Dcp:
             from resilient.dcp import ResilientStager, ResilientStorageWriter
 
             self._writer = ResilientStorageWriter(root, keep=1)
-            stager = ResilientStager(self._writer)
+            stager = ResilientStager() if own_stager else ResilientStager(self._writer)
             self._stager = lambda device, notes: stager
 
     def _state(self, model: Any, opt: Any) -> dict[str, Any]:
@@ -178,7 +182,8 @@ def _method(name: str, root: Path, args: argparse.Namespace, group: Any) -> Any:
                    "queue_depth": args.queue_depth, "zstd_level": args.zstd_level}
         mode = "overlap" if name == "resilient_overlap" else "blocking"
         return _Resilient(root, mode, options, args.device)
-    return _Dcp(root, name.endswith("_async"), args.device, group, name.startswith("dcp_res"))
+    return _Dcp(root, "_async" in name, args.device, group, name.startswith("dcp_res"),
+                name.endswith("_own"))
 
 
 def _worker(rank: int, phase: str, world: int, port: int, args: argparse.Namespace,
@@ -443,14 +448,14 @@ def print_table(result: dict) -> None:
     print(f"reference {ref['method']}: {ref['stall_s']:.3f} s on the slowest rank "
           f"({', '.join(f'{s:.3f}' for s in ref['stall_s_per_rank'])})")
     cols = ["return_s", "stall_s", "durable_s", "write_gbps", "restore_s", "reshard_s"]
-    print(f"{'method':>18} " + " ".join(f"{c:>10}" for c in cols) + "  verified")
+    print(f"{'method':>23} " + " ".join(f"{c:>10}" for c in cols) + "  verified")
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['method']:>18} FAILED: {r['error'][:200]}")
+            print(f"{r['method']:>23} FAILED: {r['error'][:200]}")
             continue
         ok = "yes" if r["restore_verified"] and r["reshard_verified"] is not False else (
             "NO: " + ", ".join(r["mismatches"][:3]))
-        print(f"{r['method']:>18} " + " ".join(f"{_fmt(r[c]):>10}" for c in cols) + f"  {ok}")
+        print(f"{r['method']:>23} " + " ".join(f"{_fmt(r[c]):>10}" for c in cols) + f"  {ok}")
     if result["reshard_skipped"]:
         print(f"reshard skipped: {result['reshard_skipped']}")
     else:
