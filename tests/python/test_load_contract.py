@@ -384,8 +384,10 @@ SLOW_SAVER = textwrap.dedent("""
 
 
 def test_ctrl_c_interrupts_wait_and_leaves_the_previous_checkpoint(tmp_path):
+    # Every write of step 2 waits 2 s, so the save is still running when SIGINT comes 0.5 s
+    # after "waiting" (with 0.4 s, parallel writes finished first on a loaded machine).
     env = dict(os.environ, RESILIENT_FAULT_OPS="write", RESILIENT_FAULT_ERRNO="0",
-               RESILIENT_FAULT_DELAY_MS="400", RESILIENT_FAULT_PATH="step-000000000002",
+               RESILIENT_FAULT_DELAY_MS="2000", RESILIENT_FAULT_PATH="step-000000000002",
                RESILIENT_EXIT_TIMEOUT_S="2", RESILIENT_O_DIRECT="off")
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, str(tmp_path / "c")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
