@@ -36,20 +36,30 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     mesh = init_device_mesh(args.device, (args.world,))
     model, opt = fsdp_state.build(model_shapes(args.model), torch.float32, mesh, args.device)
     lines = []
+    if cuda:  # the floor: a pinned device-to-host copy of this rank's bytes (as the bench's)
+        from resilient.cli.bench.methods import d2h_row
+
+        local = fsdp_state.local_tensors(model, opt)
+        nbytes = sum(t.numel() * t.element_size() for t in local.values())
+        ref = d2h_row(local, nbytes, 3, before=dist.barrier)
+        lines.append(f"rank {rank} d2h reference: {ref.stall_s:.4f} s for {nbytes / 2**30:.2f} GiB")
+    modes = ["overlap", "blocking"] if args.mode == "both" else [args.mode]
     with Checkpointer(root, keep=1, create=True) as ck:
         state = {"model": model, "optim": opt}
-        ck.save(0, state, mode=args.mode).wait()
-        for step in range(1, 4):
+        ck.save(0, state, mode=modes[0]).wait()
+        for step in range(1, 1 + 3 * len(modes)):
+            mode = modes[(step - 1) // 3]
             ck.wait_cleanup()
             dist.barrier()
             t0 = time.perf_counter()
-            h = ck.save(step, state, mode=args.mode)
+            h = ck.save(step, state, mode=mode)
             ret = time.perf_counter() - t0
             h.wait_snapshot()
             stall = time.perf_counter() - t0
             h.wait()
             st = {k: round(v, 4) if isinstance(v, float) else v for k, v in h.stats().items()}
-            lines.append(f"rank {rank} step {step}: return {ret:.3f} s stall {stall:.3f} s {st}")
+            lines.append(f"rank {rank} step {step} {mode}: return {ret:.4f} s stall {stall:.4f} s "
+                         f"{st}")
             if args.restore:  # as `resilient bench --fsdp` does between its timed saves
                 t0 = time.perf_counter()
                 ck.load(state, step=step)
@@ -63,7 +73,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
         dist.barrier()
         prof = cProfile.Profile()
         prof.enable()
-        h = ck.save(9, state, mode=args.mode)
+        h = ck.save(99, state, mode=modes[0])
         h.wait_snapshot()
         prof.disable()
         h.wait()
@@ -82,7 +92,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", default="gpt-350m")
-    ap.add_argument("--mode", default="overlap")
+    ap.add_argument("--mode", default="overlap", help="overlap, blocking, or both")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--restore", action="store_true", help="load each step after saving it")
     args = ap.parse_args()

@@ -320,3 +320,39 @@ def test_an_optimizer_with_its_own_state_dict_layout_is_saved_as_it_is(tmp_path)
         assert "optim/inner/state/0/momentum_buffer" in saved_doc(tmp_path / "c", 1)
         assert ck.load({"model": m2, "optim": o2}) == 1
     assert equal(by_name(m, o), by_name(m2, o2))
+
+
+def test_a_save_reads_the_parameters_themselves_yet_builds_no_graph_and_changes_nothing(tmp_path):
+    """A save takes a module's parameters as they are (state_dict(keep_vars=True), no detach
+    per tensor); they keep requires_grad and their values, and the saved bytes are theirs. A
+    module with a state_dict() of its own (no keep_vars argument) is saved through it."""
+
+    class OwnStateDict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+
+        def state_dict(self):  # noqa: D102 (an override without nn.Module's arguments)
+            return {"w2": self.w.detach() * 2}
+
+        def load_state_dict(self, sd, strict=True):
+            with torch.no_grad():
+                self.w.copy_(sd["w2"] / 2)
+
+    m = Net()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    train(m, o)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    own = OwnStateDict()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        for mode in ("blocking", "overlap"):
+            h = ck.save(1 if mode == "blocking" else 2, {"model": m, "own": own}, mode=mode)
+            h.wait()
+        assert all(p.requires_grad and p.grad is None for p in m.parameters())
+        for step in (1, 2):
+            fresh, own2 = Net(), OwnStateDict()
+            with torch.no_grad():
+                own2.w.zero_()
+            ck.load({"model": fresh, "own": own2}, step=step)
+            assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+            assert torch.equal(own2.w, own.w)

@@ -398,7 +398,7 @@ class Checkpointer:
         self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
-        enc = views.encode(state)
+        enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
         chunks, alone = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
         _check_positional_specs(self.specs, enc.tensors)

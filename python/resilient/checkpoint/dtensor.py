@@ -79,16 +79,37 @@ def why_not_local(t: Any) -> str | None:
     return None
 
 
+# local_chunk's answer by placement spec object: id(spec) -> (spec, why_not_local, place). The
+# spec is held, so its id is not reused while cached. A parameter keeps its spec object from
+# save to save (module.state_dict(keep_vars=True) hands out the parameters themselves), and
+# hashing a spec for _BY_SPEC costs microseconds per DTensor per save.
+_BY_SPEC_OBJECT: dict[int, tuple[Any, str | None, ShardSpec | None]] = {}
+
+
 def local_chunk(t: Any) -> tuple[torch.Tensor, ShardSpec]:
     """(this rank's local tensor, sharing the DTensor's storage; its place in the global tensor).
     ValueError naming why for a DTensor that has no single local chunk."""
-    why = why_not_local(t)
+    local = local_tensor(t)
+    spec = getattr(t, "_spec", None)
+    hit = _BY_SPEC_OBJECT.get(id(spec)) if spec is not None else None
+    if hit is None or hit[0] is not spec or (hit[2] is not None
+                                             and tuple(local.shape) != hit[2].shape):
+        why = why_not_local(t)
+        place = None
+        if why is None:
+            chunk = _chunk_list(t)[0]
+            place = ShardSpec(tuple(int(x) for x in t.shape),
+                              tuple(int(x) for x in chunk.offsets),
+                              tuple(int(x) for x in chunk.sizes))
+        if spec is not None:
+            if len(_BY_SPEC_OBJECT) > 1 << 14:
+                _BY_SPEC_OBJECT.clear()
+            _BY_SPEC_OBJECT[id(spec)] = (spec, why, place)
+    else:
+        _, why, place = hit
     if why is not None:
         raise ValueError(why)
-    chunk = _chunk_list(t)[0]
-    local = local_tensor(t).detach()
-    return local, ShardSpec(tuple(int(x) for x in t.shape), tuple(int(x) for x in chunk.offsets),
-                            tuple(int(x) for x in chunk.sizes))
+    return (local.detach() if local.requires_grad else local), place
 
 
 def storage_ptr(t: torch.Tensor) -> int:
