@@ -116,6 +116,25 @@ def test_module_and_optimizer_round_trip_bit_exact_one_step_per_save(tmp_path):
     assert os.path.isdir(os.path.join(root, "step-000000000100"))
     _, _, state, reader = _load_into_fresh(root)
     assert reader.step == 100 and state["extra"]["step"] == 100
+    # and it loads like any step: the values document nests each FQN where DCP's planner found
+    # it, so {"model": module} finds the module's tensors (`ckpt export --key model` too)
+    import resilient
+
+    fresh = _model(0)
+    with resilient.Checkpointer(root) as ck:
+        assert ck.load({"model": fresh}, step=1, strict=False) == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, second.state_dict()[k]), k
+    # verify checks the DCP metadata record too
+    meta = os.path.join(root, "step-000000000000", "dcp-metadata.json")
+    with open(meta, "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 0x01]))
+    steps, problems = verify_root(root)
+    assert [(p.step, os.path.basename(p.file)) for p in problems] == [(0, "dcp-metadata.json")]
+    assert "checksum mismatch" in problems[0].message
 
 
 def test_torchtitan_idiom_stateful_wrappers_and_step_folders(tmp_path):

@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_ettr_parser(sub: Any) -> None:
     """Registers `resilient sim ettr`."""
     p = sub.add_parser("ettr", help="expected ETTR and best checkpoint interval under failures",
-                       description=__doc__.splitlines()[0])
+                       description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--gpus", type=int, default=16384)
     p.add_argument("--mttf-hours", type=float, default=1.8,
                    help="job MTTF measured at --at-gpus GPUs")

@@ -37,6 +37,16 @@ DEFAULT_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
+
+def _readable(path: str) -> None:
+    """safetensors' save_file creates its file 0600; give it the permissions of any file this
+    process makes (umask), like the index and config beside it, so other users of a shared file
+    system can read an export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def parse_size(text: str | int) -> int:
     """Bytes in "5GB" (decimal, as Hugging Face counts), "512MiB", "1000"."""
     if isinstance(text, int):
@@ -205,6 +215,7 @@ def _export_safetensors(r: StepReader, names: dict[str, str], out: str, record: 
         tensors = {k: read[names[k]].contiguous() for k in group}
         save_file(tensors, os.path.join(out, file), metadata=metadata if i == 0 else
                   {"format": "pt"})
+        _readable(os.path.join(out, file))
         for k, t in tensors.items():
             weight_map[k] = file
             total += t.nbytes

@@ -26,9 +26,11 @@ step with the crash-consistent protocol of commit.cpp (merged sealed manifest, f
 a process killed at any point before the rename leaves only a ``.tmp-`` directory, and every
 previously committed step loads as before.
 
-The step is also a resilient checkpoint: rank 0's values document maps each FQN to its tensor
-(bytes items as uint8 tensors), so ``resilient ckpt ls/show/verify/diff/export``,
-``Checkpointer.read_global`` and ``Checkpointer(root).load({})`` read it.
+The step is also a resilient checkpoint: rank 0's values document holds each FQN's tensor where
+DCP's planner found it in the state (its flattening mappings; flat by FQN without them), bytes
+items as uint8 tensors, so ``resilient ckpt ls/show/verify/diff/export`` (``--key model``),
+``Checkpointer.read_global`` and ``Checkpointer(root).load({"model": model}, strict=False)`` read
+it. verify also checks the metadata record's checksum.
 
 Reading. read_metadata parses the step's sealed manifest and the metadata record (checksum,
 closed set of types: a hostile record is CorruptCheckpointError); storage_data is each chunk's
@@ -115,6 +117,7 @@ class _SaveInfo:
     save_id: str
     world_size: int
     fqns: tuple[str, ...] = ()  # rank 0's plan only: every FQN of the save (its values)
+    paths: tuple = ()  # rank 0's plan only: (FQN, its key path in the state) from the planner
 
 
 @dataclass
@@ -140,12 +143,38 @@ class _Stored:
     save_id: str
 
 
-def _state_doc(fqns: list[str]) -> Any:
-    """Rank 0's values document: FQN -> its tensor (docs/FORMAT.md notation)."""
-    pairs = [[f, {"$tensor": f}] for f in fqns]
-    if any(f.startswith("$") for f in fqns):
-        return {"$dict": pairs}
-    return dict(pairs)
+def _state_doc(fqns: list[str], paths: dict[str, tuple] | None = None) -> Any:
+    """Rank 0's values document (docs/FORMAT.md notation): each FQN's tensor where DCP's
+    planner found it in the state (`paths`: the planner's FQN -> key path mappings), so that
+    the step reads like any other (``Checkpointer.load({"model": model})``, ``resilient ckpt
+    export --key model``); flat, FQN -> tensor, without mappings that cover every FQN."""
+    paths = paths or {}
+    tree: dict = {}
+    try:
+        for f in fqns:
+            path = paths[f]
+            node = tree
+            for c in path[:-1]:
+                node = node.setdefault(c, {})
+                if not isinstance(node, dict):
+                    raise KeyError(f)  # a value that is also a prefix: keep it flat
+            if not path or path[-1] in node:
+                raise KeyError(f)
+            node[path[-1]] = f
+    except (KeyError, TypeError):
+        tree = {f: f for f in fqns}
+
+    def doc(node: Any) -> Any:
+        if isinstance(node, str):
+            return {"$tensor": node}
+        keys = list(node)
+        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+            return [doc(node[i]) for i in range(len(keys))]
+        if all(isinstance(k, str) and not k.startswith("$") for k in keys) and keys == sorted(keys):
+            return {k: doc(v) for k, v in node.items()}
+        return {"$dict": [[k, doc(v)] for k, v in node.items()]}
+
+    return doc(tree)
 
 
 class ResilientStorageWriter(StorageWriter):
@@ -227,14 +256,19 @@ class ResilientStorageWriter(StorageWriter):
                 raise ValueError(f"a save of step {step} of {root} by this writer is still in "
                                  "flight (wait for its future before saving the step again)")
             fqns = tuple(sorted({item.index.fqn for p in plans for item in p.items}))
-            info = _SaveInfo(root, step, f"dcp-{uuid.uuid4().hex}", len(plans), fqns)
+            paths: dict[str, tuple] = {}
+            for p in plans:  # DefaultSavePlanner's mappings: FQN -> its key path in the state
+                if isinstance(p.planner_data, dict):
+                    paths.update(p.planner_data)
+            info = _SaveInfo(root, step, f"dcp-{uuid.uuid4().hex}", len(plans), fqns,
+                             tuple(paths.items()))
             self._pending[info.save_id] = (info, time.monotonic())
         tmp = roots.tmp_dir(root, step)
         if os.path.islink(tmp):
             os.unlink(tmp)
         elif os.path.exists(tmp):
             shutil.rmtree(tmp)
-        return [replace(p, storage_data=info if i == 0 else replace(info, fqns=()))
+        return [replace(p, storage_data=info if i == 0 else replace(info, fqns=(), paths=()))
                 for i, p in enumerate(plans)]
 
     def _in_flight(self, root: str) -> set[int]:
@@ -293,7 +327,8 @@ class ResilientStorageWriter(StorageWriter):
             descs.append(d)
         values = {"format": RANK_FORMAT, "save_id": info.save_id, "rank": self.rank,
                   "world_size": info.world_size, "rank_state": None,
-                  "state": _state_doc(list(info.fqns)) if self.rank == 0 else None}
+                  "state": _state_doc(list(info.fqns), dict(info.paths)) if self.rank == 0
+                  else None}
         engine = self._engine(info.root, self.rank, info.world_size)
         if staged is None:
             native = engine.save(info.step, descs, json.dumps(values), False, "blocking")

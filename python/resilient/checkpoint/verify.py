@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient import _C
+from resilient.checkpoint import dcp_metadata
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.catalog import (
     Progress,
@@ -83,6 +84,15 @@ def verify_step(path: str, step: int, engine: Any = None) -> list[Problem]:
         problems.append(Problem(step, file, offset, msg))
     except OSError as e:
         problems.append(Problem(step, getattr(e, "filename", None) or sdir, None, str(e)))
+    meta = os.path.join(sdir, dcp_metadata.FILE)  # a step written through resilient.dcp
+    if os.path.lexists(meta):
+        try:
+            with open(meta, encoding="utf-8", errors="surrogateescape") as f:
+                dcp_metadata.decode(f.read(), meta)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(step, meta, None, str(e)))
+        except (OSError, UnicodeError) as e:
+            problems.append(Problem(step, meta, None, f"{meta}: {e}"))
     return problems
 
 

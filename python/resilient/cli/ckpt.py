@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
 
     def command(name: str, run: Callable[[argparse.Namespace], int], help: str,
                 ) -> argparse.ArgumentParser:
-        c = cmds.add_parser(name, help=help, description=help)
+        c = cmds.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".")
         c.add_argument("--json", action="store_true", help="print one JSON document")
         c.add_argument("-q", "--quiet", action="store_true", help="no progress output")
         c.set_defaults(func=lambda args: _guarded(run, args))

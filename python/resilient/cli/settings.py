@@ -4,6 +4,7 @@ docs/SETTINGS.md is this output), or the values in effect in this environment.""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -15,20 +16,35 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("settings", help="list every RESILIENT_* setting", description=__doc__)
     p.add_argument("--current", action="store_true",
                    help="print the settings set in this environment, parsed (errors included)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document: every setting (name, kind, default, meaning, "
+                        "section, choices), or with --current {values, errors}")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     if not args.current:
-        sys.stdout.write(settings.describe())
+        if args.json:
+            print(json.dumps([{"name": s.name, "kind": s.kind, "default": s.default,
+                               "shown": s.shown, "meaning": s.meaning, "section": s.section,
+                               "choices": list(s.choices)}
+                              for s in settings.SETTINGS.values()], indent=1))
+        else:
+            sys.stdout.write(settings.describe())
         return 0
-    failed = 0
+    values, errors = {}, []
     for name in sorted(settings.SETTINGS):
         if not os.environ.get(name, "").strip():
             continue
         try:
-            print(f"{name}={settings.get(name)!r}")
+            values[name] = settings.get(name)
         except ValueError as e:
+            errors.append(str(e))
+    if args.json:
+        print(json.dumps({"values": values, "errors": errors}, indent=1, default=str))
+    else:
+        for name, value in values.items():
+            print(f"{name}={value!r}")
+        for e in errors:
             print(f"error: {e}")
-            failed += 1
-    return 1 if failed else 0
+    return 1 if errors else 0

@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--methods",
         default=None,
         help="comma-separated subset of " + ",".join(ALL_METHODS) + " (--fsdp: of "
-        "resilient,resilient_overlap,dcp,dcp_async)",
+        "resilient,resilient_overlap,dcp,dcp_async, and on request the resilient.dcp rows "
+        "dcp_resilient,dcp_resilient_async,dcp_resilient_async_own)",
     )
     p.add_argument(
         "--dir",

@@ -33,7 +33,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--plot", metavar="PNG", nargs="?", const="straggler_timeline.png",
                    help="write the timeline plot (default name straggler_timeline.png)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (scenario, summary, timeline) instead of text")
+                   help="print one JSON object (scenario, world, plot, result: the timeline and "
+                        "when the slow rank was named) instead of text")
     return p
 
 
