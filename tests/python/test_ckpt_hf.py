@@ -59,11 +59,14 @@ def test_gpt2_export_loads_with_from_pretrained(tmp_path, capsys, shard):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
-def test_save_pretrained_directory_imports_and_loads_strictly(tmp_path, capsys):
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_save_pretrained_directory_imports_and_loads_strictly(tmp_path, capsys, what):
+    """The directory, or its model.safetensors (README's form: config.json is beside it)."""
     model = _gpt2()
     model.save_pretrained(str(tmp_path / "hf"))  # lm_head.weight is left out (tied)
     root = str(tmp_path / "root")
-    assert main(["ckpt", "import", str(tmp_path / "hf"), root, "--key", "model", "--json"]) == 0
+    src = tmp_path / "hf" if what == "directory" else tmp_path / "hf" / "model.safetensors"
+    assert main(["ckpt", "import", str(src), root, "--key", "model", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tied"] == ["lm_head.weight"]
     torch.manual_seed(1)

@@ -297,8 +297,8 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     directory) as a committed step of resilient root `root` (created if needed). A resilient
     export is rebuilt exactly (its step unless `step` is given); anything else becomes the
     state as loaded, under `key` when given (key="model": load({"model": model}) restores it),
-    at `step` (default 0); a Hugging Face model directory gets back the tied weights its files
-    leave out (hf.py)."""
+    at `step` (default 0); a Hugging Face model directory, or a safetensors file with the
+    directory's config.json beside it, gets back the tied weights its files leave out (hf.py)."""
     from resilient.checkpoint.checkpointer import Checkpointer
 
     fmt = fmt or detect_format(src)
@@ -321,8 +321,9 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
         dropped = sum(1 for d in rank_docs[1:] if d is not None)
         step = record["step"] if step is None else step
     else:
-        if fmt == "safetensors" and os.path.isdir(src):
-            tied = hf.add_tied_weights(src, loaded)
+        if fmt == "safetensors":  # a model directory, or a file of one (config.json beside it)
+            tied = hf.add_tied_weights(
+                src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src)), loaded)
         state = loaded if key is None else {key: loaded}
         if not isinstance(state, dict):
             raise ValueError(f"{src} holds a {type(state).__name__}; pass --key to store it "
