@@ -245,11 +245,16 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     specs = {"w": ShardSpec.split((8, 8), 0, rank, 2)}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    d = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
     with Checkpointer(root, keep=0, create=True, specs=specs) as ck:
-        ck.save(4, {"w": full[rank * 4:(rank + 1) * 4].clone(), "rep": torch.ones(3000, 100)},
-                {"r": torch.tensor([rank])}).wait()
+        ck.save(4, {"w": full[rank * 4:(rank + 1) * 4].clone(), "rep": torch.ones(3000, 100),
+                    "d": d}, {"r": torch.tensor([rank])}).wait()
     # rank 0 hosts the store here: it must not go away while rank 1 still reads the commit's
     # outcome from it (under torchrun the agent hosts the store)
     dist.barrier()
@@ -270,12 +275,13 @@ def test_two_rank_root_lists_sharding_and_exports_global_tensors(tmp_path, free_
     assert rc == 0, output
     rc, doc = run_json(capsys, "ckpt", "ls", root, "--verify")
     (s,) = doc["steps"]
-    assert (s["world_size"], s["tensors"], s["sharded"], s["verified"]) == (2, 4, 2, True)
+    assert (s["world_size"], s["tensors"], s["sharded"], s["verified"]) == (2, 5, 3, True)
+    assert s["mesh"] == "2 (dp) cpu"  # the DTensor's mesh
     rc, doc = run_json(capsys, "ckpt", "show", root, "--tensors")
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert tensors["w"]["shape"] == [8, 8] and tensors["w"]["ranks"] == [0, 1]
     assert tensors["w"]["grid"] == [2, 1] and tensors["R0/r"]["grid"] == [1]
-    assert set(tensors) == {"w", "rep", "R0/r", "R1/r"}
+    assert set(tensors) == {"w", "rep", "d", "R0/r", "R1/r"} and doc["mesh"] == "2 (dp) cpu"
     out = str(tmp_path / "w.pt")
     assert main(["ckpt", "export", root, out, "--format", "torch"]) == 0
     state = torch.load(out, weights_only=True)

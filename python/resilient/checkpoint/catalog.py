@@ -213,6 +213,7 @@ class StepInfo:
     parent: int | None
     lineage: str  # "current" (load() would try it), "abandoned" (another branch), "damaged"
     world_size: int | None = None
+    mesh: str | None = None  # the DTensors' device mesh(es), e.g. "2x2 (dp_shard, tp)"
     tensors: int | None = None
     sharded: int | None = None  # logical tensors stored as several pieces
     bytes: int | None = None  # tensor payload
@@ -231,6 +232,23 @@ class RootInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def mesh_text(values: Any) -> str | None:
+    """Rank 0's record of the save's DTensor meshes as text ("2x2 (dp_shard, tp) cuda"; several
+    joined by "; "), or None (no DTensors, or a step written before meshes were recorded)."""
+    recs = values.get("ranks", [{}])[0].get("meshes") if isinstance(values, dict) else None
+    if not isinstance(recs, list) or not recs:
+        return None
+    out = []
+    for m in recs:
+        if not isinstance(m, dict):
+            continue
+        shape = "x".join(str(x) for x in m.get("shape") or [])
+        names = m.get("dim_names")
+        out.append(shape + (f" ({', '.join(map(str, names))})" if names else "")
+                   + f" {m.get('device_type', '?')}")
+    return "; ".join(out) or None
 
 
 def list_root(path: str, verify: bool = False, progress: Progress = no_progress) -> RootInfo:
@@ -259,6 +277,7 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
         try:
             with StepReader(path, s, engine) as r:
                 si.world_size = r.manifest.world_size
+                si.mesh = mesh_text(r.values)
                 si.tensors = len(r.logical)
                 si.sharded = sum(1 for lg in r.logical.values() if len(lg.pieces) > 1)
                 si.bytes = sum(e["nbytes"] for e in r.entries.values())
@@ -302,6 +321,7 @@ def describe_step(path: str, step: int | None = None, tensors: bool = False) -> 
             "step": r.step,
             "lineage": li if li is None or li is roots.DAMAGED else asdict(li),
             "world_size": r.manifest.world_size,
+            "mesh": mesh_text(r.values),
             "meta": json.loads(r.manifest.meta_json),
             "shards": mf["shards"],
             "bytes": sum(e["nbytes"] for e in r.entries.values()),

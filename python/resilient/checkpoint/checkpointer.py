@@ -196,13 +196,18 @@ def tensor_descriptor(
     return desc
 
 
-def _local_chunks(tensors: dict[str, Any]) -> tuple[dict[str, ShardSpec], set[str]]:
+def _local_chunks(tensors: dict[str, Any],
+                  meshes: dict[int, Any] | None = None) -> tuple[dict[str, ShardSpec], set[str]]:
     """Replaces each DTensor in `tensors` by its local chunk (in place); returns the chunks'
     places, and the names of those no other rank holds (no Replicate placement: FSDP), which
-    need no replica check. TypeError naming a DTensor that has no single local chunk."""
+    need no replica check; `meshes` collects their device meshes. TypeError naming a DTensor
+    that has no single local chunk."""
     places, alone = {}, set()
     for name, t in tensors.items():
         if type(t) is not torch.Tensor and is_dtensor(t):
+            if meshes is not None:
+                mesh = t.device_mesh
+                meshes[id(mesh)] = mesh
             try:
                 tensors[name], places[name] = local_chunk(t)
             except ValueError as e:
@@ -210,6 +215,18 @@ def _local_chunks(tensors: dict[str, Any]) -> tuple[dict[str, ShardSpec], set[st
             if not any(p.is_replicate() for p in t.placements):
                 alone.add(name)
     return places, alone
+
+
+def _mesh_records(meshes: Any) -> list[dict[str, Any]]:
+    """The distinct device meshes of a save's DTensors: device type, shape, dimension names."""
+    out = []
+    for mesh in meshes:
+        names = getattr(mesh, "mesh_dim_names", None)
+        rec = {"device_type": str(mesh.device_type), "shape": [int(x) for x in mesh.shape],
+               "dim_names": list(names) if names else None}
+        if rec not in out:
+            out.append(rec)
+    return out
 
 
 def _stored_pieces(pieces: list, held: list[Held]) -> list[tuple]:
@@ -399,7 +416,8 @@ class Checkpointer:
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
-        chunks, alone = _local_chunks(enc.tensors)  # DTensor -> its local chunk and place
+        meshes: dict[int, Any] = {}
+        chunks, alone = _local_chunks(enc.tensors, meshes)  # DTensor -> local chunk and place
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
         _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
@@ -469,6 +487,8 @@ class Checkpointer:
             "state": enc.doc if self.rank == 0 else None,
             "rank_state": rank_doc,
         }
+        if meshes and self.rank == 0:  # what `resilient ckpt ls/show` report as the mesh
+            values["meshes"] = _mesh_records(meshes.values())
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it

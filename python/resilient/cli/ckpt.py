@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> None:
         c.set_defaults(func=lambda args: _guarded(run, args))
         return c
 
-    c = command("ls", _ls, "committed steps of a root: lineage, sizes, world size, sharding")
+    c = command("ls", _ls,
+                "committed steps of a root: lineage, sizes, world size, mesh, sharding")
     c.add_argument("root", help="checkpoint root directory")
     c.add_argument("--verify", action="store_true", help="also re-check every chunk (reads "
                    "all data)")
@@ -183,14 +184,14 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"{info.root}: {len(info.steps)} committed step(s), head {head}"
           + (f", latest -> {info.latest_hint}" if info.latest_hint else ""))
     if info.steps:
-        rows = [["STEP", "SEQ", "PARENT", "LINEAGE", "WORLD", "TENSORS", "SHARDED", "BYTES",
-                 "ON DISK", "VERIFIED"]]
+        rows = [["STEP", "SEQ", "PARENT", "LINEAGE", "WORLD", "MESH", "TENSORS", "SHARDED",
+                 "BYTES", "ON DISK", "VERIFIED"]]
         for s in info.steps:
             verified = {True: "yes", False: "NO", None: "-"}[s.verified]
             rows.append([str(s.step), _dash(s.seq), _dash(s.parent), s.lineage,
-                         _dash(s.world_size), _dash(s.tensors), _dash(s.sharded), size(s.bytes),
-                         size(s.stored_bytes), verified])
-        _table(rows, {0, 1, 2, 4, 5, 6, 7, 8})
+                         _dash(s.world_size), _dash(s.mesh), _dash(s.tensors), _dash(s.sharded),
+                         size(s.bytes), size(s.stored_bytes), verified])
+        _table(rows, {0, 1, 2, 4, 6, 7, 8, 9})
     for s in info.steps:
         if s.error:
             print(f"step {s.step}: {s.error}")
@@ -216,6 +217,8 @@ def _show(args: argparse.Namespace) -> int:
     print(f"{info['root']} step {info['step']}")
     print(f"  lineage     {lineage}")
     print(f"  world size  {info['world_size']} ({len(info['shards'])} shard file(s))")
+    if info.get("mesh"):
+        print(f"  mesh        {info['mesh']}")
     print(f"  tensors     {info['tensor_count']}, {size(info['bytes'])} "
           f"({size(info['stored_bytes'])} on disk)")
     print(f"  meta        {json.dumps(info['meta'], sort_keys=True)}")
