@@ -1314,10 +1314,16 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
                   skip: set[str]) -> list[tuple[int, int] | None]:
     """A fingerprint of each tensor's bytes (wrapping sums of its 8-byte words and of its
     tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors.
-    None for the tensors in `skip` (held by this rank alone)."""
+    None for the tensors in `skip` (held by this rank alone). Small host tensors (an optimizer's
+    step counters) are summed in Python: a few torch calls each would cost more than the bytes."""
     sums = []
+    out: list[Any] = []
     for name, t in tensors.items():
         if name in skip:
+            out.append(None)
+            continue
+        if t.device.type == "cpu" and t.numel() * t.element_size() <= _SMALL_PRINT_BYTES:
+            out.append(_small_fingerprint(t))
             continue
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         n8 = b.numel() // 8 * 8
@@ -1327,9 +1333,22 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
             words = b[:n8].clone().view(torch.int64)
         tail = b[n8:].to(torch.int64)
         sums.append(torch.stack([words.sum(), tail.sum() + 256 * b.numel()]))
+        out.append(len(sums) - 1)
     host = [s.cpu() if s.device.type != "cpu" else s for s in sums]
-    values = iter(torch.stack(host).tolist() if host else [])
-    return [None if name in skip else tuple(int(x) for x in next(values)) for name in tensors]
+    values = torch.stack(host).tolist() if host else []
+    return [tuple(int(x) for x in values[v]) if isinstance(v, int) else v for v in out]
+
+
+_SMALL_PRINT_BYTES = 256
+
+
+def _small_fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """_fingerprints' value for a small host tensor, computed on its bytes in Python: the
+    wrapping int64 sum of its 8-byte words, and the sum of its tail bytes + 256 x its size."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    n8 = len(b) // 8 * 8
+    words = sum(int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, n8, 8))
+    return (words + 2**63) % 2**64 - 2**63, sum(b[n8:]) + 256 * len(b)
 
 
 def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -> None:

@@ -1,0 +1,42 @@
+"""The replica check's fingerprints (checkpointer._fingerprints): small host tensors take a
+pure-Python path that must give exactly the torch path's values, for any dtype, size, value and
+layout; a mismatch would make equal replicas look different (or different ones equal)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient.checkpoint import checkpointer as ck
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def _torch_path(t: torch.Tensor) -> tuple[int, int]:
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n8 = b.numel() // 8 * 8
+    words = b[:n8].clone().view(torch.int64)
+    tail = b[n8:].to(torch.int64)
+    return tuple(int(x) for x in torch.stack([words.sum(), tail.sum() + 256 * b.numel()]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), raw=st.binary(min_size=0, max_size=256),
+       transpose=st.booleans())
+def test_small_host_fingerprints_equal_the_torch_path(dtype, raw, transpose):
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = raw[: len(raw) // size * size]
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if raw else \
+        torch.empty(0, dtype=dtype)
+    if transpose and t.numel() % 2 == 0 and t.numel() > 0:
+        t = t.reshape(2, -1).t()  # not contiguous
+    assert ck._small_fingerprint(t) == _torch_path(t)
+    assert ck._fingerprints({"a": t}, set()) == [_torch_path(t)]
+
+
+def test_mixed_small_large_and_skipped_keep_their_order():
+    small, large = torch.tensor(3.0), torch.arange(1000, dtype=torch.float32)
+    got = ck._fingerprints({"s": small, "x": large, "l": large, "t": small}, {"x"})
+    assert got == [_torch_path(small), None, _torch_path(large), _torch_path(small)]
