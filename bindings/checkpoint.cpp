@@ -255,18 +255,21 @@ void register_checkpoint(pyb::module_& m) {
             }
             std::vector<TensorSpec> specs = to_specs(extra);
             nlohmann::json values = parse_values(values_json);
+            // Taken out while the GIL is held: release() on another thread cannot reach it.
+            Staging staging = std::move(*staged.staging);
+            staged.staging.reset();
             Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+            bool restaged = false;
             {
               pyb::gil_scoped_release release;
               const auto& o = c.options();
-              Status s = restage(*staged.staging, kept, specs, c.pool(), o.chunk_bytes, o.timeout);
-              if (s.ok()) {
-                h = c.save_staged(step, std::move(*staged.staging), std::move(values), commit);
-                staged.staging.reset();
-              } else {
-                h = s.prepend("saving step " + std::to_string(step));
-              }
+              Status s = restage(staging, kept, specs, c.pool(), o.chunk_bytes, o.timeout);
+              restaged = s.ok();
+              h = restaged ? c.save_staged(step, std::move(staging), std::move(values), commit)
+                           : Result<std::shared_ptr<SaveHandle>>(
+                                 s.prepend("saving step " + std::to_string(step)));
             }
+            if (!restaged) staged.staging.emplace(std::move(staging));  // unchanged: still held
             return unwrap(std::move(h));
           },
           pyb::arg("step"), pyb::arg("staged"), pyb::arg("keep"), pyb::arg("extra"),

@@ -445,6 +445,33 @@ def test_overlapping_async_saves_of_one_writer_commit_distinct_steps(tmp_path):
     assert newest["n"] == got[1]["n"]
 
 
+def test_a_failed_write_gives_its_staging_back(tmp_path):
+    """A save that fails in write_data (here: its engine) releases the staged slabs at once,
+    not when the failed future's traceback is collected; the next save commits without
+    waiting for the failed one (which never will)."""
+    from resilient.dcp import ResilientStager, ResilientStorageWriter
+
+    model, opt = _trained(5)
+    writer = ResilientStorageWriter(str(tmp_path / "f"))
+    stager = ResilientStager(writer)
+    dcp.async_save(_state(model, opt, 0), storage_writer=writer, async_stager=stager).result()
+    real = writer._engine
+
+    def broken(*args):
+        raise OSError("the disk went away")
+
+    writer._engine = broken
+    future = dcp.async_save(_state(model, opt, 1), storage_writer=writer, async_stager=stager)
+    with pytest.raises(BaseException) as err:
+        future.result()
+    assert "the disk went away" in str(_dcp_error(err.value))
+    assert not writer._staged  # released although `err` still holds the traceback
+    writer._engine = real
+    dcp.async_save(_state(model, opt, 2), storage_writer=writer, async_stager=stager).result()
+    assert writer.last_step == 1 and not writer._staged
+    writer.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_through_the_writer_and_a_pinned_stager(tmp_path):
     """CUDA tensors reach the engine through its streams; ResilientStager stages them into the

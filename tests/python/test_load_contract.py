@@ -370,7 +370,11 @@ def test_a_failed_save_is_raised_by_the_next_save(tmp_path, small_tmpfs):
 
 
 SLOW_SAVER = textwrap.dedent("""
-    import sys, time, torch, resilient
+    import signal, sys, time, torch, resilient
+    # A shell runs background jobs with SIGINT ignored, and Python keeps an inherited SIG_IGN:
+    # under a CI runner started with `&` the Ctrl-C below would be dropped. Take it as an
+    # interactive process does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ck = resilient.Checkpointer(sys.argv[1])
     ck.save(1, {"w": torch.ones(1 << 10)}).wait()
     h = ck.save(2, {"w": torch.ones(4 << 20)})
@@ -384,10 +388,10 @@ SLOW_SAVER = textwrap.dedent("""
 
 
 def test_ctrl_c_interrupts_wait_and_leaves_the_previous_checkpoint(tmp_path):
-    # Every write of step 2 waits 5 s, so the save is still running when SIGINT comes 0.5 s
-    # after "waiting" (with 0.4 s, parallel writes finished first on a loaded machine).
+    # Every write of step 2 waits 2 s, so the save is still running when SIGINT comes 0.5 s
+    # after "waiting".
     env = dict(os.environ, RESILIENT_FAULT_OPS="write", RESILIENT_FAULT_ERRNO="0",
-               RESILIENT_FAULT_DELAY_MS="5000", RESILIENT_FAULT_PATH="step-000000000002",
+               RESILIENT_FAULT_DELAY_MS="2000", RESILIENT_FAULT_PATH="step-000000000002",
                RESILIENT_EXIT_TIMEOUT_S="2", RESILIENT_O_DIRECT="off")
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, str(tmp_path / "c")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -237,18 +237,19 @@ class RootInfo:
 def mesh_text(values: Any) -> str | None:
     """Rank 0's record of the save's DTensor meshes as text ("2x2 (dp_shard, tp) cuda"; several
     joined by "; "), or None (no DTensors, or a step written before meshes were recorded)."""
-    recs = values.get("ranks", [{}])[0].get("meshes") if isinstance(values, dict) else None
-    if not isinstance(recs, list) or not recs:
+    try:
+        recs = values["ranks"][0].get("meshes")
+        out = []
+        for m in recs or []:
+            shape, names = m.get("shape"), m.get("dim_names")
+            if not isinstance(shape, list) or not (names is None or isinstance(names, list)):
+                continue  # not what a save writes: information only, so left out
+            out.append("x".join(str(x) for x in shape)
+                       + (f" ({', '.join(map(str, names))})" if names else "")
+                       + f" {m.get('device_type', '?')}")
+        return "; ".join(out) or None
+    except (TypeError, KeyError, IndexError, AttributeError):
         return None
-    out = []
-    for m in recs:
-        if not isinstance(m, dict):
-            continue
-        shape = "x".join(str(x) for x in m.get("shape") or [])
-        names = m.get("dim_names")
-        out.append(shape + (f" ({', '.join(map(str, names))})" if names else "")
-                   + f" {m.get('device_type', '?')}")
-    return "; ".join(out) or None
 
 
 def list_root(path: str, verify: bool = False, progress: Progress = no_progress) -> RootInfo:

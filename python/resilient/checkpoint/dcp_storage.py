@@ -56,7 +56,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -127,6 +127,15 @@ class _Staged:
 
     state: Any  # _C.StagedState
     index: dict[int, int]
+    held: list = field(default_factory=list)  # the placeholders' storages: no key is reused
+    kinds: list = field(default_factory=list)  # each staged tensor's (shape, dtype)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -153,6 +162,8 @@ def _state_doc(fqns: list[str], paths: dict[str, tuple] | None = None) -> Any:
     try:
         for f in fqns:
             path = paths[f]
+            if not isinstance(path, (tuple, list)):
+                raise TypeError(f)  # not DefaultSavePlanner's mapping: keep it flat
             node = tree
             for c in path[:-1]:
                 node = node.setdefault(c, {})
@@ -280,14 +291,31 @@ class ResilientStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stores this rank's items through its native engine; returns once they are durable.
-        Items a ResilientStager staged into the pool are written from there, without a copy."""
+        Items a ResilientStager staged into the pool are written from there, without a copy;
+        the staging is released whatever happens (written, or back to the pool on an error)."""
         info = plan.storage_data
         if not isinstance(info, _SaveInfo):
             raise ValueError("the save plan was not prepared by a ResilientStorageWriter")
         self._info = info
+        met: list[_Staged] = []  # the stagings this save's items came from
+        try:
+            results = self._write(plan, planner, info, met)
+        except BaseException:
+            with self._mutex:  # rank 0: this save never commits; a later one need not wait
+                if self._pending.pop(info.save_id, None) is not None:
+                    self._mutex.notify_all()
+            raise
+        finally:
+            for record in met:
+                self._drop_staged(record)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, info: _SaveInfo,
+               met: list[_Staged]) -> list[WriteResult]:
         others: list[tuple] = []  # (entry, tensor, global shape, offset): copied by the engine
         kept: list[tuple] = []  # (index in the staging, entry, global shape, offset)
-        staged: _Staged | None = None
         results: list[WriteResult] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -310,17 +338,18 @@ class ResilientStorageWriter(StorageWriter):
                                        storage_data=_Stored(name, info.save_id)))
             if t.device.type == "meta":
                 record, index = self._staged_item(item.index.fqn, t)
-                if staged is not None and record is not staged:
+                if record not in met:
+                    met.append(record)
+                if len(met) > 1:
                     raise ValueError("one save's items come from two stagings (stage once per "
                                      "async_save)")
-                staged = record
                 kept.append((index, name, gshape, offset))
             else:
                 others.append((name, t, gshape, offset))
         keep: list[torch.Tensor] = []
         descs: list[dict[str, Any]] = []
         for name, t, gshape, offset in others:
-            if staged is not None:
+            if met:
                 t = t.cpu()  # added to the staging, which holds host bytes
             d = tensor_descriptor(name, t, keep)
             d["global_shape"], d["global_offset"] = gshape, offset
@@ -330,28 +359,28 @@ class ResilientStorageWriter(StorageWriter):
                   "state": _state_doc(list(info.fqns), dict(info.paths)) if self.rank == 0
                   else None}
         engine = self._engine(info.root, self.rank, info.world_size)
-        if staged is None:
+        if not met:
             native = engine.save(info.step, descs, json.dumps(values), False, "blocking")
         else:
-            self._forget(staged)
-            native = engine.save_staged(info.step, staged.state, kept, descs, json.dumps(values),
-                                        False)
+            native = engine.save_staged(info.step, met[0].state, kept, descs,
+                                        json.dumps(values), False)
         del keep  # the engine copied every tensor before save() returned
         native.wait(self.timeout)
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def _staged_item(self, fqn: str, t: torch.Tensor) -> tuple[_Staged, int]:
         with self._mutex:
             record = self._staged.get(_storage_key(t))
-        if record is None or not record.state.held:
+        index = record.index[_storage_key(t)] if record is not None else None
+        if (record is None or not record.state.held
+                or record.kinds[index][1] != t.dtype
+                or t.numel() != _numel(record.kinds[index][0])):
             raise ValueError(
                 f"DCP item {fqn!r} is a placeholder (a meta tensor) that this writer did not "
                 "stage, or whose staging was already written or dropped: a state staged by "
                 "ResilientStager(writer) is written by that writer, in the process that staged "
                 "it (async_save's async_checkpointer_type THREAD), once")
-        return record, record.index[_storage_key(t)]
+        return record, index
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Rank 0, after every rank's data is durable: the metadata record, the lineage record,
@@ -420,7 +449,9 @@ class ResilientStorageWriter(StorageWriter):
         descs = [tensor_descriptor(str(i), t, keep) for i, t in enumerate(tensors)]
         state = self._pool_engine().stage(descs)
         del keep
-        record = _Staged(state, {_storage_key(p): i for i, p in enumerate(placeholders)})
+        record = _Staged(state, {_storage_key(p): i for i, p in enumerate(placeholders)},
+                         [p.untyped_storage() for p in placeholders],
+                         [(tuple(t.shape), t.dtype) for t in tensors])
         with self._mutex:
             for key in record.index:
                 self._staged[key] = record
@@ -457,13 +488,15 @@ class ResilientStorageWriter(StorageWriter):
     # -- resources ------------------------------------------------------------------------
     def _engine(self, root: str, rank: int, world_size: int) -> Any:
         key = (root, rank, world_size)
-        engine = self._engines.get(key)
-        if engine is None:  # one engine at a time; each shares the first one's host pool
-            shared = next(iter(self._engines.values()), None)
-            engine = _engine(root, rank, world_size, self.options, shared)
-            for old in self._engines.values():
-                old.close(self.timeout)
-            self._engines = {key: engine}
+        with self._mutex:
+            engine = self._engines.get(key)
+            if engine is None:  # one engine at a time; each shares the first one's host pool
+                shared = next(iter(self._engines.values()), None)
+                options = {"timeout_s": self.timeout, **self.options}
+                engine = _engine(root, rank, world_size, options, shared)
+                for old in self._engines.values():
+                    old.close(self.timeout)
+                self._engines = {key: engine}
         return engine
 
     def _release(self) -> None:
