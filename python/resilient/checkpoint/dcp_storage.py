@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -129,13 +130,6 @@ class _Staged:
     index: dict[int, int]
     held: list = field(default_factory=list)  # the placeholders' storages: no key is reused
     kinds: list = field(default_factory=list)  # each staged tensor's (shape, dtype)
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -370,11 +364,12 @@ class ResilientStorageWriter(StorageWriter):
 
     def _staged_item(self, fqn: str, t: torch.Tensor) -> tuple[_Staged, int]:
         with self._mutex:
-            record = self._staged.get(_storage_key(t))
-        index = record.index[_storage_key(t)] if record is not None else None
+            key = _storage_key(t)
+            record = self._staged.get(key)
+        index = record.index[key] if record is not None else None
         if (record is None or not record.state.held
                 or record.kinds[index][1] != t.dtype
-                or t.numel() != _numel(record.kinds[index][0])):
+                or t.numel() != math.prod(record.kinds[index][0])):
             raise ValueError(
                 f"DCP item {fqn!r} is a placeholder (a meta tensor) that this writer did not "
                 "stage, or whose staging was already written or dropped: a state staged by "
