@@ -62,6 +62,8 @@ _LAZY = {
     "RecoveryConfig": "resilient.recovery",
     "RecoveryStopped": "resilient.recovery",
     "CheckpointManager": "resilient.checkpoint.manager",
+    "FileTier": "resilient.checkpoint.tiers",
+    "S3Tier": "resilient.checkpoint.s3",
     "RNGState": "resilient.checkpoint.manager",
     "ResumableSampler": "resilient.checkpoint.sampler",
     "forever": "resilient.checkpoint.manager",

@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CHAOS_STORE",
             # resilient run -> its workers
             "RESILIENT_LAUNCHER", "RESILIENT_JOIN", "RESILIENT_JOIN_FOR_RANK",
-            "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE"}
+            "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE",
+            # testing: stops a tier copy at a stage (test_tiers kills it there)
+            "RESILIENT_TIER_PAUSE_AT"}
 
 
 def test_the_settings_document_is_generated_from_the_table():

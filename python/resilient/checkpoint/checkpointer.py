@@ -61,6 +61,8 @@ from resilient.checkpoint.plan import (
 )
 from resilient.checkpoint.ranks import Ranks, wait_key
 from resilient.checkpoint.reader import Reader
+from resilient.checkpoint.tiers import Drainer, FileTier, fetch_into_root, make_tier, newer_in_tiers
+from resilient.checkpoint.tiers import close_timeout as tiers_close_timeout
 from resilient.errors import (
     CheckpointNotFoundError,
     CollectiveError,
@@ -292,6 +294,11 @@ class Checkpointer:
             with a warning); "direct": every rank reads the pieces it needs from the shared
             directory; "redistribute": rank r reads the shards of saved ranks s with
             s % world == r and broadcasts them over the gloo group.
+        tiers: slower tiers that rank 0 copies each committed step to in the background, in
+            order (paths, "s3://bucket/prefix" URLs, or FileTier/S3Tier objects with their own
+            keep; default RESILIENT_TIERS). The root is then the fast tier (node-local NVMe or
+            tmpfs for a one-host job); load() takes a newer or verified copy from a tier when
+            the root lacks one. See docs/io.md, "Tiers".
         options: engine options (zstd_level, chunk_bytes, pool_bytes, io_uring, o_direct,
             pin_memory, queue_depth, request_bytes ...: docs/SETTINGS.md).
     """
@@ -311,6 +318,7 @@ class Checkpointer:
         split_bytes: int | None = None,
         check_replicas: bool | None = None,
         restore: str | None = None,
+        tiers: list[Any] | None = None,
         **options: Any,
     ):
         self.root = os.fspath(root)
@@ -330,6 +338,14 @@ class Checkpointer:
             raise ValueError("restore must be 'direct', 'redistribute' or 'shared', not "
                              f"{self.restore!r}")
         self.create = bool(create)
+        if tiers is None:
+            tiers = settings.get("RESILIENT_TIERS") or []
+        self._tiers = [make_tier(t, self.keep) for t in tiers]
+        for t in self._tiers:
+            if isinstance(t, FileTier) and os.path.realpath(t.path) == os.path.realpath(
+                    self.root):
+                raise ValueError(f"tier {t.path!r} is the checkpoint root itself")
+        self._drainer: Drainer | None = None
         self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         error = None
@@ -429,6 +445,11 @@ class Checkpointer:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
+                if self._tiers and self._drainer is None and self.rank == 0:
+                    self._drainer = Drainer(self.root, self._tiers)
+                    head = self.latest_step() if roots.is_root(self.root) else None
+                    if head is not None:  # a copy that a crash or an earlier close cut short
+                        self._drainer.offer(head)
             prints = (_fingerprints(enc.tensors, alone)
                       if self.check_replicas and self.world_size > 1
                       else None)
@@ -603,6 +624,8 @@ class Checkpointer:
                 self._failed.append(handle)
         handle._finish(exc)
         if exc is None and self.rank == 0:
+            if self._drainer is not None:
+                self._drainer.offer(handle.step)
             self._retain()
         handle._retained.set()
 
@@ -714,7 +737,8 @@ class Checkpointer:
         """Rank 0, after a commit was reported: deletes what retention no longer keeps (off the
         save's critical path: deleting a large step takes a while)."""
         try:
-            deleted = roots.apply_retention(self.root, self.steps(), self.keep)
+            protect = self._drainer.protected() if self._drainer is not None else frozenset()
+            deleted = roots.apply_retention(self.root, self.steps(), self.keep, protect)
             for path in roots.stale_saves(self.root, self._created):  # crashed saves' leftovers
                 name = f".trash-{os.path.basename(path)[5:]}-{os.urandom(4).hex()}"
                 os.rename(path, os.path.join(self.root, name))
@@ -789,6 +813,7 @@ class Checkpointer:
         found: Any = None
         if self.rank == 0:
             try:
+                self._fetch_newer(step)
                 found = self._candidates(step)
             except Exception as e:  # every rank must hear it, not wait in the broadcast
                 found = ("error", f"cannot list {self.root}: {type(e).__name__}: {e}")
@@ -805,8 +830,21 @@ class Checkpointer:
             return None
         skipped: list[tuple[int, str]] = []
         self._dirty = None
-        for s in steps:
+        refetched: set[int] = set()
+        queue_ = list(steps)
+        while queue_:
+            s = queue_.pop(0)
             why = self._try_load(s, state, rank_state, strict, world_change)
+            if why is not None and self._tiers and s not in refetched:
+                refetched.add(s)
+                got = None
+                if self.rank == 0:  # the root's copy fails: a tier's may verify
+                    got = fetch_into_root(self.root, self._tiers, s, seqs.get(s))
+                if self._ranks.broadcast(got) is not None:
+                    log.warning("step %d failed to load from %s (%s); retrying with the copy "
+                                "from tier %s", s, self.root, why, got)
+                    queue_.insert(0, s)
+                    continue
             if why is None:
                 self.last_load.skipped = skipped
                 if self.rank == 0:
@@ -825,6 +863,32 @@ class Checkpointer:
         self.last_load = LoadReport(skipped=skipped)
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped)
         raise CorruptCheckpointError(f"no checkpoint in {self.root} verifies: {detail}")
+
+    def _fetch_newer(self, step: int | None) -> None:
+        """Rank 0, before a load: with tiers, fetch into the root the step to load when only a
+        tier has it (`step`), or the newest commit of any tier when it is newer than the root's
+        (a fresh node)."""
+        if not self._tiers:
+            return
+        if step is not None:
+            if not os.path.isdir(roots.step_dir(self.root, step)):
+                fetch_into_root(self.root, self._tiers, step)
+        else:
+            newer = newer_in_tiers(self.root, self._tiers)
+            if newer is not None:
+                fetch_into_root(self.root, self._tiers, newer[0], newer[1])
+        self._max_seq = None  # the next commit's seq counts the fetched step
+
+    def tier_status(self) -> list[dict[str, Any]]:
+        """Rank 0: per tier, its URL, the steps it holds, the step pending or being copied, the
+        last error and failure count, the bytes copied (empty without tiers or before the
+        first save)."""
+        return self._drainer.status() if self._drainer is not None else []
+
+    def wait_tiers(self, timeout: float | None = None) -> bool:
+        """Rank 0: waits until every tier holds the newest committed step (a failing tier keeps
+        retrying: bound it with `timeout`). False when `timeout` ran out first."""
+        return True if self._drainer is None else self._drainer.wait(timeout)
 
     def _candidates(self, step: int | None) -> Any:
         """Rank 0: (steps to try newest first, seq by step), or why there are none (a str)."""
@@ -1042,6 +1106,9 @@ class Checkpointer:
             self._thread.join(timeout)
         if self.rank == 0 and self.world_size > 1:
             self._wait_outcomes_read(30.0 if timeout is None else min(timeout, 30.0))
+        if self._drainer is not None:
+            limit = tiers_close_timeout()
+            self._drainer.close(limit if timeout is None else min(limit, timeout))
         self._purge.put(None)  # deleted steps' space is freed before close() returns
         if threading.current_thread() is not self._thread:
             self._purger.join(timeout)

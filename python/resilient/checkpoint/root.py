@@ -174,6 +174,13 @@ def read_lineage(root: str, step: int) -> Lineage | str | None:
         raw = os.read(fd, _MAX_LINEAGE_BYTES + 1)
     finally:
         os.close(fd)
+    return parse_lineage(raw, step)
+
+
+def parse_lineage(raw: bytes, step: int) -> Lineage | str:
+    """A lineage record's bytes (as lineage.json holds them) as a Lineage, or DAMAGED."""
+    if len(raw) > _MAX_LINEAGE_BYTES:
+        return DAMAGED
     try:
         body, digest = raw.decode().rstrip("\n").split("\n")
         if _C.xxh3_hex(body.encode()) != digest:
@@ -192,14 +199,19 @@ def read_lineage(root: str, step: int) -> Lineage | str | None:
         return DAMAGED
 
 
-def write_lineage(directory: str, step: int, seq: int,
-                  parent: tuple[int, int | None] | None) -> None:
-    """Writes a step's lineage record: one line of JSON, then its XXH3-64 (hex)."""
+def lineage_record(step: int, seq: int, parent: tuple[int, int | None] | None) -> str:
+    """The text of a lineage record: one line of JSON, then its XXH3-64 (hex)."""
     doc = {"seq": seq, "step": step, "parent": None if parent is None else {
         "step": parent[0], "seq": parent[1]}}
     body = json.dumps(doc, separators=(",", ":"))
+    return f"{body}\n{_C.xxh3_hex(body.encode())}\n"
+
+
+def write_lineage(directory: str, step: int, seq: int,
+                  parent: tuple[int, int | None] | None) -> None:
+    """Writes a step's lineage record into its (temporary) directory."""
     # The commit fsyncs the step's directory after its manifest, and renames it last.
-    write_atomic(os.path.join(directory, LINEAGE), f"{body}\n{_C.xxh3_hex(body.encode())}\n",
+    write_atomic(os.path.join(directory, LINEAGE), lineage_record(step, seq, parent),
                  sync_dir=False, in_step=True)
 
 
@@ -207,9 +219,15 @@ def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage |
     """The current lineage (newest first) among committed `steps`, and each step's record. A
     DAMAGED record ends the walk (its parent is unknown); it is never chosen as the head."""
     info = {s: read_lineage(root, s) for s in steps}
+    return chain_of(info), info
+
+
+def chain_of(info: dict[int, Lineage | str | None]) -> list[int]:
+    """The current lineage (newest first) of steps with these lineage records."""
+    steps = sorted(info)
     recorded = [s for s in steps if isinstance(info[s], Lineage)]
     if not recorded:
-        return sorted((s for s in steps if info[s] is None), reverse=True), info
+        return sorted((s for s in steps if info[s] is None), reverse=True)
     head = max(recorded, key=lambda s: (info[s].seq, s))  # type: ignore[union-attr]
     chain, seen, cur = [head], {head}, head
     while True:
@@ -228,7 +246,7 @@ def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage |
         chain.append(p)
         seen.add(p)
         cur = p
-    return chain, info
+    return chain
 
 
 def max_seq(info: dict[int, Lineage | str | None]) -> int:
@@ -237,13 +255,14 @@ def max_seq(info: dict[int, Lineage | str | None]) -> int:
     return max((li.seq for li in info.values() if isinstance(li, Lineage)), default=0) + damaged
 
 
-def apply_retention(root: str, steps: list[int], keep: int) -> list[int]:
+def apply_retention(root: str, steps: list[int], keep: int,
+                    protect: frozenset[int] = frozenset()) -> list[int]:
     """Deletes every committed step outside the newest `keep` of the current lineage (all of
     the lineage when keep <= 0, but always the abandoned branches) by renaming it to a
     `.trash-step-*` directory (purge_trash() frees the space), and points `latest` at the head.
-    Returns the deleted steps."""
+    Steps in `protect` (still being copied to a slower tier) stay. Returns the deleted steps."""
     chain, info = history(root, steps)
-    kept = set(chain if keep <= 0 else chain[:keep])
+    kept = set(chain if keep <= 0 else chain[:keep]) | protect
     damaged = [s for s in steps if info[s] == DAMAGED]
     if damaged:  # the lineage is not known for sure: delete nothing
         import logging

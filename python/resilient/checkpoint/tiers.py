@@ -1,0 +1,478 @@
+"""Tiered persistence: the checkpoint root is the fast tier; committed steps drain in the
+background to slower tiers (a shared file system path, an S3-compatible object store).
+
+    ck = Checkpointer("/local_nvme/ckpt", tiers=["/lustre/run1/ckpt", "s3://bucket/run1"])
+
+A save commits to the root as always (the save's durability is the root's). Rank 0 then copies
+each committed step to every tier, on a thread per tier, newest first: when a tier falls behind,
+the steps committed meanwhile are skipped and only the newest is copied, so a slow or failed tier
+never holds up training or the root's commits. Local retention keeps a step while a tier still
+copies it. A failed copy is retried with backoff (1 s doubling to 60 s) and shows in
+``Checkpointer.tier_status()``, the root's ``tiers.json``, the metrics and ``resilient ckpt ls``.
+
+Each tier is committed crash-consistently on its own:
+- a file tier is a checkpoint root of its own (load it directly with ``Checkpointer(path)``):
+  files are copied into ``.tmp-step-N``, fsynced, ``manifest.json`` last, then renamed into
+  place, exactly like the root's own commit;
+- an object-store tier holds ``<prefix>/step-N/<file>`` objects, uploaded with ``manifest.json``
+  last: a step is committed when its manifest object exists. Large files go up as parallel
+  multipart uploads that a later run resumes (parts whose MD5 matches are kept).
+
+A tier's ``lineage.json`` names the tier's previous step as parent (a tier holds only the steps it
+was given), so the tier's own lineage and retention work as the root's. ``load()`` takes the
+fastest tier that verifies: the root, unless a tier holds a newer commit (a fresh node whose local
+disk is empty) or the root's copy of a step fails verification; then that step is fetched from the
+first tier that has it into the root, and loaded from there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from typing import Any
+
+from resilient import settings
+from resilient.checkpoint import root as roots
+
+log = logging.getLogger("resilient.checkpoint.tiers")
+
+MANIFEST = "manifest.json"
+STATUS = "tiers.json"
+_COPY_BYTES = 64 << 20
+
+
+def _pause_point(stage: str) -> None:
+    """Testing: RESILIENT_TIER_PAUSE_AT=<stage>:<path> stops this thread at `stage` of a copy,
+    after creating <path>, so a test can kill -9 the process there."""
+    spec = os.environ.get("RESILIENT_TIER_PAUSE_AT", "")
+    want, _, marker = spec.partition(":")
+    if want != stage:
+        return
+    with open(marker, "w") as f:
+        f.write(stage)
+    while True:
+        time.sleep(3600)
+
+
+def step_files(step_path: str) -> list[str]:
+    """The files of a committed step directory in copy order: the manifest last."""
+    names = sorted(n for n in os.listdir(step_path) if n != MANIFEST)
+    if not os.path.exists(os.path.join(step_path, MANIFEST)):
+        raise FileNotFoundError(f"{step_path} has no {MANIFEST} (not a committed step)")
+    return [*names, MANIFEST]
+
+
+class Tier:
+    """A slower place that committed steps are copied to. `keep`: steps the tier keeps (its
+    own retention; None: the checkpointer's keep; <= 0: all)."""
+
+    url: str
+    keep: int | None
+
+    def steps(self) -> dict[int, Any]:
+        """Committed steps and their lineage records (roots.Lineage, DAMAGED or None)."""
+        raise NotImplementedError
+
+    def push(self, src: str, step: int, lineage: str) -> int:
+        """Copies committed step directory `src` as `step` with lineage record `lineage`;
+        returns the bytes copied."""
+        raise NotImplementedError
+
+    def fetch(self, step: int, dest: str) -> int:
+        """Copies the tier's `step` into the (new, empty) directory `dest`; returns bytes."""
+        raise NotImplementedError
+
+    def retain(self, keep: int, protect: frozenset[int] = frozenset()) -> list[int]:
+        """Deletes the steps the tier no longer keeps; returns them."""
+        raise NotImplementedError
+
+    def open(self) -> None:
+        """Called once on the drain thread before the first copy."""
+
+    def close(self) -> None:
+        pass
+
+
+class FileTier(Tier):
+    """A directory on another file system (say a parallel file system), kept as a checkpoint
+    root of its own. The drainer holds its writer lock, so no other job writes into it."""
+
+    def __init__(self, path: str | os.PathLike, keep: int | None = None):
+        self.path = os.fspath(path)
+        self.url = self.path
+        self.keep = keep
+        self._lock = roots.WriterLock(self.path)
+
+    def open(self) -> None:
+        roots.ensure_root(self.path)
+        self._lock.acquire()
+        for stale in roots.stale_saves(self.path, time.time() + 1):  # a crashed drain's
+            shutil.rmtree(stale, ignore_errors=True)
+        roots.purge_trash(self.path)
+
+    def close(self) -> None:
+        self._lock.release()
+
+    def steps(self) -> dict[int, Any]:
+        from resilient import _C
+
+        if not roots.is_root(self.path):
+            return {}
+        return roots.history(self.path, list(_C.committed_steps(self.path)))[1]
+
+    def push(self, src: str, step: int, lineage: str) -> int:
+        tmp = roots.tmp_dir(self.path, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.mkdir(tmp)
+        total = 0
+        names = step_files(src)
+        roots.write_atomic(os.path.join(tmp, roots.LINEAGE), lineage, sync_dir=False,
+                           in_step=True)
+        for name in names:
+            if name == MANIFEST:
+                _pause_point("file-before-manifest")
+            if name != roots.LINEAGE:
+                total += _copy_file(os.path.join(src, name), os.path.join(tmp, name))
+                _pause_point("file-data")
+        roots._fsync_dir(tmp)
+        _pause_point("file-before-rename")
+        final = roots.step_dir(self.path, step)
+        if os.path.lexists(final):  # a step of an abandoned branch, or an older copy
+            os.rename(final, os.path.join(
+                self.path, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}"))
+        os.rename(tmp, final)
+        roots._fsync_dir(self.path)
+        _pause_point("file-after-rename")
+        return total
+
+    def fetch(self, step: int, dest: str) -> int:
+        src = roots.step_dir(self.path, step)
+        return sum(_copy_file(os.path.join(src, n), os.path.join(dest, n))
+                   for n in step_files(src))
+
+    def retain(self, keep: int, protect: frozenset[int] = frozenset()) -> list[int]:
+        from resilient import _C
+
+        deleted = roots.apply_retention(self.path, list(_C.committed_steps(self.path)), keep,
+                                        protect)
+        if deleted:
+            roots.purge_trash(self.path)
+        return deleted
+
+
+def _copy_file(src: str, dst: str) -> int:
+    """Copies one file (copy_file_range where the kernel has it), fsyncs it; returns bytes."""
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            size = os.fstat(fin).st_size
+            done = 0
+            while done < size:
+                try:
+                    n = os.copy_file_range(fin, fout, min(_COPY_BYTES, size - done))
+                except OSError:  # across file systems on older kernels: plain copy
+                    n = os.write(fout, os.pread(fin, min(_COPY_BYTES, size - done), done))
+                    os.lseek(fout, done + n, os.SEEK_SET)
+                if n == 0:
+                    raise OSError(f"{src} shrank while being copied")
+                done += n
+            os.fsync(fout)
+            return done
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
+
+
+def make_tier(spec: Any, keep: int) -> Tier:
+    """A Tier from a Tier, a path, or an "s3://bucket/prefix" URL."""
+    if isinstance(spec, Tier):
+        if spec.keep is None:
+            spec.keep = keep
+        return spec
+    text = os.fspath(spec)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"a tier is a path, an s3:// URL or a Tier, not {spec!r}")
+    if text.startswith("s3://"):
+        from resilient.checkpoint.s3 import S3Tier
+
+        return S3Tier(text, keep=keep)
+    if "://" in text:
+        raise ValueError(f"unsupported tier URL {text!r} (a path or s3://bucket/prefix)")
+    return FileTier(text, keep=keep)
+
+
+class _State:
+    """What one tier's drain thread is doing and has done."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+        self.wanted: int | None = None  # newest committed step not yet copied
+        self.busy: int | None = None  # step being copied now
+        self.steps: list[int] = []  # committed in the tier, after the last copy
+        self.error: str | None = None
+        self.failures = 0
+        self.bytes = 0
+        self.last_ok: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.tier.url, "steps": self.steps, "pending": self.wanted,
+                "copying": self.busy, "error": self.error, "failures": self.failures,
+                "bytes": self.bytes, "last_ok": self.last_ok}
+
+
+class Drainer:
+    """Rank 0's background copies of the root's committed steps to each tier."""
+
+    def __init__(self, root: str, tiers: list[Tier]):
+        self.root = root
+        self._cv = threading.Condition()
+        self._stop = False
+        self._states = [_State(t) for t in tiers]
+        for st in self._states:
+            st.thread = threading.Thread(target=self._run, args=(st,), daemon=True,
+                                         name=f"resilient-tier-{st.tier.url}")
+            st.thread.start()
+
+    def offer(self, step: int) -> None:
+        """A step was committed to the root: every tier copies it when free (the newest wins)."""
+        with self._cv:
+            for st in self._states:
+                st.wanted = step
+            self._cv.notify_all()
+
+    def protected(self) -> frozenset[int]:
+        """Steps the root must keep: wanted or being copied by some tier."""
+        with self._cv:
+            return frozenset(s for st in self._states for s in (st.wanted, st.busy)
+                             if s is not None)
+
+    def status(self) -> list[dict[str, Any]]:
+        with self._cv:
+            return [st.to_dict() for st in self._states]
+
+    def idle(self) -> bool:
+        with self._cv:
+            return all(st.wanted is None and st.busy is None for st in self._states)
+
+    def wait(self, timeout: float | None = None, failing_too: bool = True) -> bool:
+        """Until no tier has a copy pending or running (failed copies keep retrying; without
+        `failing_too`, a tier whose last attempt failed counts as done). False when `timeout`
+        ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def busy(st: _State) -> bool:
+            if st.busy is not None:
+                return True
+            return st.wanted is not None and (failing_too or st.error is None)
+
+        with self._cv:
+            while any(busy(st) for st in self._states):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(0.1 if left is None else min(0.1, left))
+        return True
+
+    def close(self, timeout: float | None) -> None:
+        """Waits (bounded) for the copies in flight, except to tiers that are failing, then
+        stops the threads; what is left is copied by the next run with these tiers."""
+        self.wait(timeout, failing_too=False)
+        for st in self.status():
+            if st["pending"] is not None or st["copying"] is not None:
+                log.warning(
+                    "tier %s: step %s is not copied (%s); it stays committed in %s and the "
+                    "next run with this tier copies it", st["url"],
+                    st["copying"] if st["copying"] is not None else st["pending"],
+                    st["error"] or "still copying at close", self.root)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for st in self._states:
+            if st.thread is not threading.current_thread():
+                st.thread.join(1.0)  # type: ignore[union-attr]
+
+    # -- the drain threads ----------------------------------------------------------------
+    def _run(self, st: _State) -> None:
+        backoff = 1.0
+        opened = False
+        while True:
+            with self._cv:
+                while not self._stop and st.wanted is None:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                step, st.wanted, st.busy = st.wanted, None, st.wanted
+            try:
+                if not opened:
+                    st.tier.open()
+                    opened = True
+                copied = self._copy(st, step)
+                with self._cv:
+                    st.error, st.last_ok = None, time.time()
+                    st.bytes += copied
+                backoff = 1.0
+            except Exception as e:  # noqa: BLE001 -- a tier's failure never reaches training
+                # A step the root no longer has (deleted meanwhile) is not retried.
+                retry = os.path.isdir(roots.step_dir(self.root, step))
+                self._failed(st, step, e, retry=retry)
+                if not retry:
+                    continue
+                with self._cv:
+                    st.busy = None
+                    self._cv.notify_all()
+                    self._cv.wait_for(lambda: self._stop, backoff)
+                backoff = min(60.0, backoff * 2)
+            finally:
+                with self._cv:
+                    st.busy = None
+                    self._cv.notify_all()
+            self._write_status()
+        if opened:
+            try:
+                st.tier.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing tier %s: %s", st.tier.url, e)
+
+    def _failed(self, st: _State, step: int, e: BaseException, retry: bool) -> None:
+        msg = f"step {step}: {type(e).__name__}: {e}"
+        log.warning("copying to tier %s failed: %s%s", st.tier.url, msg,
+                    " (retrying)" if retry else "")
+        with self._cv:
+            st.error, st.failures = msg, st.failures + 1
+            if retry and st.wanted is None:
+                st.wanted = step
+
+    def _copy(self, st: _State, step: int) -> int:
+        """Copies `step` unless the tier already holds this commit of it; then the tier's
+        retention. Returns the bytes copied."""
+        li = roots.read_lineage(self.root, step)
+        if not isinstance(li, roots.Lineage):
+            raise ValueError(f"step {step} of {self.root} has no valid lineage record")
+        have = st.tier.steps()
+        copied = 0
+        newest = max((t.seq for t in have.values() if isinstance(t, roots.Lineage)), default=-1)
+        if newest > li.seq:  # the tier holds a newer commit (another run's): never go back
+            log.warning("tier %s holds a newer commit than step %d of %s; not copied",
+                        st.tier.url, step, self.root)
+        elif newest < li.seq:
+            parent = _tier_parent(self.root, step, li, have)
+            src = roots.step_dir(self.root, step)
+            copied = st.tier.push(src, step, roots.lineage_record(step, li.seq, parent))
+            log.info("step %d copied to tier %s (%d bytes)", step, st.tier.url, copied)
+        keep = st.tier.keep if st.tier.keep is not None else 0
+        st.tier.retain(keep, frozenset({step}))
+        with self._cv:
+            st.steps = sorted(st.tier.steps())
+        return copied
+
+    def _write_status(self) -> None:
+        try:
+            doc = {"format": "resilient-tiers", "version": 1, "updated": time.time(),
+                   "tiers": self.status()}
+            roots.write_atomic(os.path.join(self.root, STATUS), json.dumps(doc) + "\n",
+                               sync_dir=False)
+        except OSError as e:
+            log.debug("cannot write %s: %s", STATUS, e)
+
+
+def _tier_parent(root: str, step: int, li: roots.Lineage, have: dict[int, Any]
+                 ) -> tuple[int, int] | None:
+    """The tier's parent of `step`: its nearest ancestor in the root's lineage that the tier
+    holds (the same commit), else the tier's newest older commit, else none."""
+    cur: Any = li
+    seen = {step}
+    while isinstance(cur, roots.Lineage) and cur.parent_step is not None:
+        p = cur.parent_step
+        t = have.get(p)
+        if isinstance(t, roots.Lineage) and t.seq == cur.parent_seq:
+            return (p, t.seq)
+        if p in seen:
+            break
+        seen.add(p)
+        try:
+            cur = roots.read_lineage(root, p)
+        except OSError:
+            break
+    older = [(t.seq, s) for s, t in have.items() if isinstance(t, roots.Lineage) and t.seq < li.seq]
+    if older:
+        seq, s = max(older)
+        return (s, seq)
+    return None
+
+
+def fetch_into_root(root: str, tiers: list[Tier], step: int, seq: int | None = None
+                    ) -> str | None:
+    """Copies `step` (the commit with `seq`, when given) from the first tier that has it into
+    `root`, replacing the root's copy; returns the tier's URL, or None when none could."""
+    for t in tiers:
+        try:
+            li = t.steps().get(step)
+            if not isinstance(li, roots.Lineage) or (seq is not None and li.seq != seq):
+                continue
+            roots.ensure_root(root)
+            tmp = roots.tmp_dir(root, step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.mkdir(tmp)
+            try:
+                n = t.fetch(step, tmp)
+                roots._fsync_dir(tmp)
+                final = roots.step_dir(root, step)
+                if os.path.lexists(final):
+                    os.rename(final, os.path.join(
+                        root, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}"))
+                os.rename(tmp, final)
+                roots._fsync_dir(root)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            log.warning("step %d fetched from tier %s into %s (%d bytes)", step, t.url, root, n)
+            return t.url
+        except Exception as e:  # noqa: BLE001 -- the next tier may have it
+            log.warning("cannot fetch step %d from tier %s: %s: %s", step, t.url,
+                        type(e).__name__, e)
+    return None
+
+
+def newer_in_tiers(root: str, tiers: list[Tier]) -> tuple[int, int] | None:
+    """(step, seq) of the newest commit any tier holds, when it is newer than every commit of
+    `root` (a fresh node's empty root, or a root that lost its newest steps); else None."""
+    from resilient import _C
+
+    local = -1
+    if roots.is_root(root):
+        info = roots.history(root, list(_C.committed_steps(root)))[1]
+        local = roots.max_seq(info) if info else -1
+    best: tuple[int, int] | None = None
+    for t in tiers:
+        try:
+            have = t.steps()
+        except Exception as e:  # noqa: BLE001 -- an unreachable tier is skipped
+            log.warning("cannot list tier %s: %s: %s", t.url, type(e).__name__, e)
+            continue
+        for s, li in have.items():
+            if isinstance(li, roots.Lineage) and li.seq > local and (
+                    best is None or li.seq > best[1]):
+                best = (s, li.seq)
+    return best
+
+
+def read_status(root: str) -> dict[str, Any] | None:
+    """The root's tiers.json, or None."""
+    try:
+        with open(os.path.join(root, STATUS)) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) and isinstance(doc.get("tiers"), list) else None
+    except (OSError, ValueError):
+        return None
+
+
+def close_timeout() -> float:
+    return float(settings.get("RESILIENT_TIER_CLOSE_TIMEOUT_S"))

@@ -1,0 +1,179 @@
+"""Tiered persistence to a file tier: background copies, the tier as a root of its own, its
+retention, load from the fastest tier that verifies, kill -9 during each stage of a copy, and a
+failing tier that leaves training and the local commits alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from resilient.checkpoint import Checkpointer
+from resilient.checkpoint import root as roots
+from resilient.checkpoint.tiers import FileTier, read_status
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(300, 200), "b": torch.randn(77), "step": seed}
+
+
+def _load(root: str, **kw) -> tuple[int | None, dict]:
+    target = {"w": torch.zeros(300, 200), "b": torch.zeros(77), "step": 0}
+    with Checkpointer(root, distributed=False, **kw) as ck:
+        step = ck.load(target)
+    return step, target
+
+
+def _steps(path: str) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(path) if n.startswith("step-"))
+
+
+def test_steps_drain_to_the_tier_which_is_a_root_with_its_own_retention(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with Checkpointer(local, keep=2, create=True, distributed=False,
+                      tiers=[FileTier(shared, keep=3)]) as ck:
+        for s in range(1, 6):
+            ck.save(s, _state(s)).wait()
+            assert ck.wait_tiers(30)
+        status = ck.tier_status()
+    assert _steps(local) == [4, 5]
+    assert _steps(shared) == [3, 4, 5]
+    assert status[0]["steps"] == [3, 4, 5] and status[0]["error"] is None
+    assert read_status(local)["tiers"][0]["url"] == shared
+    assert not [n for n in os.listdir(shared) if n.startswith((".tmp", ".trash"))]
+    # The tier loads on its own, with its own lineage (newest first) and verified data.
+    with Checkpointer(shared, distributed=False) as ck:
+        assert ck.lineage() == [5, 4, 3]
+        for s in (3, 4, 5):
+            ck.verify(s)
+    step, got = _load(shared)
+    assert step == 5 and torch.equal(got["w"], _state(5)["w"]) and got["step"] == 5
+
+
+def test_a_fresh_node_loads_the_newest_step_from_the_tier(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with Checkpointer(local, create=True, distributed=False, tiers=[shared]) as ck:
+        for s in (10, 20):
+            ck.save(s, _state(s)).wait()
+    os.rename(local, str(tmp_path / "lost"))  # the node's local disk is gone
+    step, got = _load(local, tiers=[shared])
+    assert step == 20 and torch.equal(got["b"], _state(20)["b"])
+    assert _steps(local) == [20]
+    # The next commit continues the lineage after the fetched step.
+    with Checkpointer(local, distributed=False, tiers=[shared]) as ck:
+        ck.load({"w": torch.zeros(300, 200), "b": torch.zeros(77), "step": 0})
+        ck.save(30, _state(30)).wait()
+        assert ck.wait_tiers(30)
+        assert ck.lineage() == [30, 20]
+    with Checkpointer(shared, distributed=False) as ck:
+        assert ck.lineage()[:2] == [30, 20]
+
+
+def test_a_corrupt_local_copy_is_replaced_by_the_tiers_and_the_same_step_loads(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with Checkpointer(local, create=True, distributed=False, tiers=[shared]) as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s)).wait()
+    data = os.path.join(roots.step_dir(local, 2), "rank-00000.data")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    step, got = _load(local, tiers=[shared])
+    assert step == 2 and torch.equal(got["w"], _state(2)["w"])
+    # Without the tier, the same flip would have fallen back to step 1.
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    step, _ = _load(local)
+    assert step == 1
+
+
+def test_a_failing_tier_leaves_saves_and_local_retention_alone(tmp_path):
+    local = str(tmp_path / "local")
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the tier's directory would be")
+    bad = str(blocked / "tier")
+    with Checkpointer(local, keep=2, create=True, distributed=False, tiers=[bad]) as ck:
+        for s in range(1, 6):
+            ck.save(s, _state(s)).wait()
+        ck.wait_cleanup(30)
+        deadline = time.monotonic() + 10
+        while not ck.tier_status()[0]["failures"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = ck.tier_status()[0]
+        assert status["failures"] >= 1 and "NotADirectoryError" in status["error"]
+        assert status["pending"] == 5 or status["copying"] == 5
+        # The step waiting for the tier is kept; older ones are deleted as usual.
+        assert _steps(local) == [4, 5]
+        assert not ck.wait_tiers(0.2)
+    step, _ = _load(local)
+    assert step == 5
+
+
+def test_a_tier_that_is_the_root_or_a_bad_url_is_refused(tmp_path):
+    local = str(tmp_path / "local")
+    with pytest.raises(ValueError, match="checkpoint root itself"):
+        Checkpointer(local, create=True, distributed=False, tiers=[local])
+    with pytest.raises(ValueError, match="unsupported tier URL"):
+        Checkpointer(local, create=True, distributed=False, tiers=["gs://bucket/x"])
+
+
+_CHILD = textwrap.dedent("""
+    import os, sys, time, torch
+    from resilient.checkpoint import Checkpointer
+    local, shared, pause = sys.argv[1:4]
+    def state(s):
+        torch.manual_seed(s)
+        return {"w": torch.randn(300, 200), "b": torch.randn(77), "step": s}
+    ck = Checkpointer(local, create=True, distributed=False, tiers=[shared])
+    ck.save(1, state(1)).wait()
+    assert ck.wait_tiers(30)
+    os.environ["RESILIENT_TIER_PAUSE_AT"] = pause
+    ck.save(2, state(2)).wait()
+    time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("stage", ["file-data", "file-before-manifest", "file-before-rename",
+                                   "file-after-rename"])
+def test_kill_9_during_a_copy_then_the_newest_verified_step_loads(tmp_path, stage):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    marker = str(tmp_path / "paused")
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    child = subprocess.Popen([sys.executable, str(script), local, shared, f"{stage}:{marker}"],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):
+            assert child.poll() is None, "the child exited before the pause"
+            assert time.monotonic() < deadline, "the copy never reached the pause"
+            time.sleep(0.05)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(10)
+    # The root has step 2; the tier has step 1, or step 2 once it was renamed into place.
+    assert _load(local)[0] == 2
+    step, got = _load(shared)
+    assert step == (2 if stage == "file-after-rename" else 1)
+    assert torch.equal(got["w"], _state(step)["w"])
+    # The next run's drain finishes the copy and clears what the crash left.
+    with Checkpointer(local, distributed=False, tiers=[shared]) as ck:
+        ck.save(3, _state(3)).wait()
+        assert ck.wait_tiers(30)
+    assert _load(shared)[0] == 3
+    assert not [n for n in os.listdir(shared) if n.startswith((".tmp", ".trash"))]
