@@ -445,11 +445,7 @@ class Checkpointer:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
-                if self._tiers and self._drainer is None and self.rank == 0:
-                    self._drainer = Drainer(self.root, self._tiers)
-                    head = self.latest_step() if roots.is_root(self.root) else None
-                    if head is not None:  # a copy that a crash or an earlier close cut short
-                        self._drainer.offer(head)
+                self._start_drainer()
             prints = (_fingerprints(enc.tensors, alone)
                       if self.check_replicas and self.world_size > 1
                       else None)
@@ -849,6 +845,7 @@ class Checkpointer:
                 self.last_load.skipped = skipped
                 if self.rank == 0:
                     self._head = (s, seqs.get(s))
+                    self._start_drainer()
                 if skipped:
                     log.warning("loaded step %d after skipping %s", s,
                                 "; ".join(f"step {k}: {w}" for k, w in skipped))
@@ -878,6 +875,16 @@ class Checkpointer:
             if newer is not None:
                 fetch_into_root(self.root, self._tiers, newer[0], newer[1])
         self._max_seq = None  # the next commit's seq counts the fetched step
+
+    def _start_drainer(self) -> None:
+        """Rank 0 with tiers, at the first save or load: starts the copies to the tiers, with
+        the root's newest step first (a copy that a crash or an earlier close cut short)."""
+        if not self._tiers or self._drainer is not None or self.rank != 0:
+            return
+        self._drainer = Drainer(self.root, self._tiers)
+        head = self.latest_step() if roots.is_root(self.root) else None
+        if head is not None:
+            self._drainer.offer(head)
 
     def tier_status(self) -> list[dict[str, Any]]:
         """Rank 0: per tier, its URL, the steps it holds, the step pending or being copied, the

@@ -241,10 +241,13 @@ class S3Tier(Tier):
             for i in range(0, len(keys), 1000):
                 self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
             deleted.append(s)
+        # Unfinished uploads of older steps that are not kept (a copy that a crash cut short
+        # and that newer steps overtook) would cost storage forever: aborted.
+        newest = max(kept, default=-1)
         base = f"{self.prefix}/" if self.prefix else ""
         for u in self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=base).get(
                 "Uploads", []):
             d = u["Key"][len(base):].split("/")[0]
-            if _STEP.match(d) and int(d[5:]) not in protect:
+            if _STEP.match(d) and int(d[5:]) not in kept and int(d[5:]) < newest:
                 self._abort(u["Key"], u["UploadId"])
         return deleted
