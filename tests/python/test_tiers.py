@@ -4,6 +4,7 @@ failing tier that leaves training and the local commits alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint import root as roots
@@ -177,3 +180,110 @@ def test_kill_9_during_a_copy_then_the_newest_verified_step_loads(tmp_path, stag
         assert ck.wait_tiers(30)
     assert _load(shared)[0] == 3
     assert not [n for n in os.listdir(shared) if n.startswith((".tmp", ".trash"))]
+
+
+def test_ckpt_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
+    from resilient.cli import main
+
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with Checkpointer(local, keep=3, create=True, distributed=False,
+                      tiers=[FileTier(shared, keep=1), str(blocked / "tier")]) as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s)).wait()
+            ck.wait_tiers(0.0)
+        deadline = time.monotonic() + 10
+        while not (ck.tier_status()[1]["failures"] and ck.tier_status()[0]["steps"] == [2]):
+            assert time.monotonic() < deadline, ck.tier_status()
+            time.sleep(0.05)
+    capsys.readouterr()
+    assert main(["ckpt", "ls", local, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["tiers"] for s in doc["steps"]] == [[], [shared]]
+    assert doc["tiers"][0]["url"] == shared and "NotADirectoryError" in doc["tiers"][1]["error"]
+    assert main(["ckpt", "ls", local]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "TIERS" in lines[1]
+    assert lines[2].split()[-1] == "root" and lines[3].split()[-1] == "root,1"
+    assert f"tier 1: {shared} (up to date)" in out
+    assert f"tier 2: {blocked / 'tier'}" in out and "NotADirectoryError" in out
+
+
+def test_tier_metrics_show_progress_and_failures(tmp_path):
+    from resilient.telemetry.metrics import RankMetrics
+
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    bad = str(blocked / "tier")
+    with Checkpointer(local, create=True, distributed=False, tiers=[shared, bad]) as ck:
+        m = RankMetrics(0)
+        m.attach_tiers(ck)
+        ck.save(7, _state(7)).wait()
+        deadline = time.monotonic() + 10
+        while not (ck.tier_status()[1]["failures"] and ck.tier_status()[0]["steps"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text = m.text()
+    assert f'resilient_tier_newest_step{{rank="0",tier="{shared}"}} 7.0' in text
+    assert f'resilient_tier_pending{{rank="0",tier="{shared}"}} 0.0' in text
+    assert f'resilient_tier_failing{{rank="0",tier="{bad}"}} 1.0' in text
+    assert f'resilient_tier_pending{{rank="0",tier="{bad}"}} 1.0' in text
+    assert f'resilient_tier_newest_step{{rank="0",tier="{bad}"}} -1.0' in text
+    assert f'resilient_tier_failures_total{{rank="0",tier="{bad}"}}' in text
+    assert f'resilient_tier_bytes_total{{rank="0",tier="{shared}"}} 0.0' not in text
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(st.just(("save",)), st.tuples(st.just("rollback"), st.integers(0, 5)),
+                              st.just(("wipe",)), st.just(("corrupt",))), min_size=1, max_size=8),
+       keep=st.integers(1, 3), tier_keep=st.integers(1, 3))
+def test_any_history_leaves_the_tier_with_the_roots_head_and_loads_restore_it(
+        tmp_path_factory, ops, keep, tier_keep):
+    """Saves, rollbacks (load(step=k) then save), a wiped local root and a corrupted newest
+    local step, in any order: after the tier caught up it holds the root's newest commit,
+    at most `tier_keep` steps of its own lineage, and a load with the tier restores the newest
+    commit's exact data."""
+    base = tmp_path_factory.mktemp("prop")
+    local, shared = str(base / "local"), str(base / "shared")
+    step, saved, seed = 0, {}, 0  # saved: step -> seed of its newest commit's data
+    head: int | None = None
+    for op in ops:
+        if op[0] == "save":
+            step, seed = step + 1, seed + 1
+            with Checkpointer(local, keep=keep, create=True, distributed=False,
+                              tiers=[FileTier(shared, keep=tier_keep)]) as ck:
+                ck.save(step, _state(seed)).wait()
+                assert ck.wait_tiers(30)
+            saved[step], head = seed, step
+        elif op[0] == "rollback" and head is not None:
+            with Checkpointer(local, keep=keep, distributed=False, tiers=[shared]) as ck:
+                have = ck.lineage() or [head]
+            k = have[min(op[1], len(have) - 1)]
+            target = {"w": torch.zeros(300, 200), "b": torch.zeros(77), "step": 0}
+            step, seed = k + 1, seed + 1  # the same step numbers again, on a new branch
+            with Checkpointer(local, keep=keep, distributed=False,
+                              tiers=[FileTier(shared, keep=tier_keep)]) as ck:
+                assert ck.load(target, step=k) == k
+                assert torch.equal(target["w"], _state(saved[k])["w"])
+                ck.save(step, _state(seed)).wait()
+                assert ck.wait_tiers(30)
+            saved[step], head = seed, step
+        elif op[0] == "wipe" and os.path.isdir(local):
+            os.rename(local, str(base / f"wiped-{time.monotonic_ns()}"))
+        elif op[0] == "corrupt" and head is not None and os.path.isdir(
+                roots.step_dir(local, head)):
+            with open(os.path.join(roots.step_dir(local, head), "rank-00000.data"), "r+b") as f:
+                f.seek(64)
+                b = f.read(1)
+                f.seek(64)
+                f.write(bytes([b[0] ^ 1]))
+    if head is None:
+        return
+    with Checkpointer(shared, distributed=False) as ck:
+        assert ck.lineage()[0] == head and len(ck.steps()) <= tier_keep
+    step_loaded, got = _load(local, tiers=[shared])
+    assert step_loaded == head and torch.equal(got["w"], _state(saved[head])["w"])

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from resilient import _C
-from resilient.checkpoint import codec
+from resilient.checkpoint import codec, tiers
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.plan import Saved, split_piece_name
 from resilient.checkpoint.reader import Reader
@@ -220,6 +220,7 @@ class StepInfo:
     stored_bytes: int | None = None  # data files on disk
     verified: bool | None = None  # None: not checked (ls --verify checks)
     error: str | None = None
+    tiers: list[str] = field(default_factory=list)  # URLs of the slower tiers that hold it
 
 
 @dataclass
@@ -229,6 +230,8 @@ class RootInfo:
     latest_hint: str | None
     steps: list[StepInfo] = field(default_factory=list)
     in_progress: list[str] = field(default_factory=list)  # .tmp-step-* directories
+    tiers: list[dict[str, Any]] = field(default_factory=list)  # tiers.json: the drain's state
+    tiers_updated: float | None = None  # when the drain last wrote tiers.json
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -267,6 +270,11 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
     out = RootInfo(os.path.abspath(path), chain[0] if chain else None, latest)
     out.in_progress = sorted(n for n in os.listdir(path) if n.startswith(".tmp-step-"))
     current = set(chain)
+    status = tiers.read_status(path)
+    if status is not None:
+        out.tiers = [t for t in status["tiers"] if isinstance(t, dict)]
+        updated = status.get("updated")
+        out.tiers_updated = updated if isinstance(updated, (int, float)) else None
     engine = open_engine(path) if steps else None
     for i, s in enumerate(steps):
         li = info[s]
@@ -275,6 +283,8 @@ def list_root(path: str, verify: bool = False, progress: Progress = no_progress)
         else:
             kind = "current" if s in current else "abandoned"
             si = StepInfo(s, li.seq if li else None, li.parent_step if li else None, kind)
+        si.tiers = [str(t.get("url")) for t in out.tiers
+                    if isinstance(t.get("steps"), list) and s in t["steps"]]
         try:
             with StepReader(path, s, engine) as r:
                 si.world_size = r.manifest.world_size

@@ -61,7 +61,14 @@ from resilient.checkpoint.plan import (
 )
 from resilient.checkpoint.ranks import Ranks, wait_key
 from resilient.checkpoint.reader import Reader
-from resilient.checkpoint.tiers import Drainer, FileTier, fetch_into_root, make_tier, newer_in_tiers
+from resilient.checkpoint.tiers import (
+    Drainer,
+    FileTier,
+    fetch_into_root,
+    make_tier,
+    newer_in_tiers,
+    newest_seq,
+)
 from resilient.checkpoint.tiers import close_timeout as tiers_close_timeout
 from resilient.errors import (
     CheckpointNotFoundError,
@@ -346,6 +353,7 @@ class Checkpointer:
                     self.root):
                 raise ValueError(f"tier {t.path!r} is the checkpoint root itself")
         self._drainer: Drainer | None = None
+        self._no_tier_wait = False
         self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         error = None
@@ -717,6 +725,8 @@ class Checkpointer:
             if self._max_seq is None or self._head is None:
                 chain, info = roots.history(self.root, steps)
                 self._max_seq = roots.max_seq(info)
+                if self._tiers:
+                    self._max_seq = max(self._max_seq, newest_seq(self._tiers))
                 if self._head is None and chain:
                     li = info[chain[0]]
                     self._head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
@@ -1113,8 +1123,8 @@ class Checkpointer:
             self._thread.join(timeout)
         if self.rank == 0 and self.world_size > 1:
             self._wait_outcomes_read(30.0 if timeout is None else min(timeout, 30.0))
-        if self._drainer is not None:
-            limit = tiers_close_timeout()
+        if self._drainer is not None:  # abandon() (a lost rank): the copies are not waited for
+            limit = 0.0 if self._no_tier_wait else tiers_close_timeout()
             self._drainer.close(limit if timeout is None else min(limit, timeout))
         self._purge.put(None)  # deleted steps' space is freed before close() returns
         if threading.current_thread() is not self._thread:
@@ -1165,6 +1175,7 @@ class Checkpointer:
             for h in pending:
                 h._observed = True
         lost = [h.step for h in pending if h._error is not None]
+        self._no_tier_wait = True
         self._shutdown(timeout)
         return lost
 

@@ -169,6 +169,7 @@ class CheckpointManager:
             lost = old.abandon("a rank of the group was lost", timeout)
         else:
             handles = list(old._in_flight)
+            old._no_tier_wait = True  # recovery does not wait for copies to slower tiers
             try:
                 old.close(old.timeout if timeout is None else timeout)
             except TimeoutError:

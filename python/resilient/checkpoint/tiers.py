@@ -359,10 +359,14 @@ class Drainer:
         have = st.tier.steps()
         copied = 0
         newest = max((t.seq for t in have.values() if isinstance(t, roots.Lineage)), default=-1)
-        if newest > li.seq:  # the tier holds a newer commit (another run's): never go back
-            log.warning("tier %s holds a newer commit than step %d of %s; not copied",
-                        st.tier.url, step, self.root)
-        elif newest < li.seq:
+        mine = have.get(step)
+        if isinstance(mine, roots.Lineage) and mine.seq == li.seq:
+            pass  # this commit is there already
+        elif newest >= li.seq:  # the tier holds a newer commit (another root's): never go back
+            raise RuntimeError(
+                f"the tier holds a commit (seq {newest}) at least as new as step {step} of "
+                f"{self.root} (seq {li.seq}): another root writes to this tier")
+        else:
             parent = _tier_parent(self.root, step, li, have)
             src = roots.step_dir(self.root, step)
             copied = st.tier.push(src, step, roots.lineage_record(step, li.seq, parent))
@@ -461,6 +465,19 @@ def newer_in_tiers(root: str, tiers: list[Tier]) -> tuple[int, int] | None:
             if isinstance(li, roots.Lineage) and li.seq > local and (
                     best is None or li.seq > best[1]):
                 best = (s, li.seq)
+    return best
+
+
+def newest_seq(tiers: list[Tier]) -> int:
+    """The largest commit seq any reachable tier holds (0 when none), so that a root that
+    starts afresh (a new node that did not load) commits after everything in its tiers."""
+    best = 0
+    for t in tiers:
+        try:
+            best = max([best, *(li.seq for li in t.steps().values()
+                                 if isinstance(li, roots.Lineage))])
+        except Exception as e:  # noqa: BLE001 -- an unreachable tier: its copy reports it
+            log.warning("cannot list tier %s: %s: %s", t.url, type(e).__name__, e)
     return best
 
 

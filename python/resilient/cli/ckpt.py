@@ -185,13 +185,21 @@ def _ls(args: argparse.Namespace) -> int:
           + (f", latest -> {info.latest_hint}" if info.latest_hint else ""))
     if info.steps:
         rows = [["STEP", "SEQ", "PARENT", "LINEAGE", "WORLD", "MESH", "TENSORS", "SHARDED",
-                 "BYTES", "ON DISK", "VERIFIED"]]
+                 "BYTES", "ON DISK", "VERIFIED", "TIERS"]]
+        urls = [str(t.get("url")) for t in info.tiers]
         for s in info.steps:
             verified = {True: "yes", False: "NO", None: "-"}[s.verified]
+            held = ",".join(["root", *(str(urls.index(u) + 1) for u in s.tiers if u in urls)])
             rows.append([str(s.step), _dash(s.seq), _dash(s.parent), s.lineage,
                          _dash(s.world_size), _dash(s.mesh), _dash(s.tensors), _dash(s.sharded),
-                         size(s.bytes), size(s.stored_bytes), verified])
+                         size(s.bytes), size(s.stored_bytes), verified, held])
         _table(rows, {0, 1, 2, 4, 6, 7, 8, 9})
+    for i, t in enumerate(info.tiers):
+        state = (f"copying step {t.get('copying')}" if t.get("copying") is not None else
+                 f"step {t.get('pending')} pending" if t.get("pending") is not None else
+                 "up to date")
+        error = f"; last error: {t.get('error')}" if t.get("error") else ""
+        print(f"tier {i + 1}: {t.get('url')} ({state}{error})")
     for s in info.steps:
         if s.error:
             print(f"step {s.step}: {s.error}")

@@ -16,7 +16,10 @@ training), resilient_checkpoint_durable_seconds (histogram: save() to durable),
 resilient_checkpoint_bytes_total, resilient_checkpoint_throughput_bytes_per_second,
 resilient_checkpoint_saves_total{result}, resilient_checkpoint_last_durable_timestamp_seconds,
 resilient_checkpoint_age_seconds (now - last durable, at scrape time; -1 before the first),
-resilient_recoveries_total{path}, resilient_recovery_seconds (histogram), resilient_step.
+resilient_recoveries_total{path}, resilient_recovery_seconds (histogram), resilient_step;
+with tiers (attach_tiers), labelled rank and tier: resilient_tier_newest_step,
+resilient_tier_pending, resilient_tier_failing, resilient_tier_failures_total,
+resilient_tier_bytes_total.
 """
 
 from __future__ import annotations
@@ -142,6 +145,11 @@ class RankMetrics:
         """resilient_detect_* (heartbeat RTT, phi suspicion, generation, counters)."""
         self.registry.register(detector.prometheus_collector())
 
+    def attach_tiers(self, checkpointer: Any) -> None:
+        """resilient_tier_* from a Checkpointer's tier_status() at each scrape (rank 0, which
+        drains): newest step held, copy pending (0/1), failed attempts, bytes copied."""
+        self.registry.register(_TierCollector(checkpointer, self.rank))
+
     def attach_straggler(self, monitor: Any) -> Any:
         """resilient_straggler_* scores, updated after every window."""
         return PrometheusExporter(monitor, registry=self.registry)
@@ -166,6 +174,38 @@ class RankMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
+
+
+class _TierCollector:
+    def __init__(self, checkpointer: Any, rank: str):
+        self.checkpointer, self.rank = checkpointer, rank
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["rank", "tier"]
+        newest = GaugeMetricFamily("resilient_tier_newest_step",
+                                   "Newest step the tier holds (-1: none)", labels=labels)
+        pending = GaugeMetricFamily("resilient_tier_pending",
+                                    "1 while a newer committed step waits for or is being "
+                                    "copied to the tier", labels=labels)
+        failing = GaugeMetricFamily("resilient_tier_failing",
+                                    "1 when the tier's last copy attempt failed", labels=labels)
+        failures = CounterMetricFamily("resilient_tier_failures", "Failed copy attempts",
+                                       labels=labels)
+        copied = CounterMetricFamily("resilient_tier_bytes", "Bytes copied to the tier",
+                                     labels=labels)
+        for st in self.checkpointer.tier_status():
+            lv = [self.rank, str(st["url"])]
+            newest.add_metric(lv, max(st["steps"], default=-1))
+            pending.add_metric(lv, int(st["pending"] is not None or st["copying"] is not None))
+            failing.add_metric(lv, int(st["error"] is not None))
+            failures.add_metric(lv, st["failures"])
+            copied.add_metric(lv, st["bytes"])
+        yield from (newest, pending, failing, failures, copied)
 
 
 __all__ = ["RankMetrics", "metrics_port"]
