@@ -180,6 +180,9 @@ def test_user_errors_exit_2_naming_the_path(tmp_path, kind, root, capsys):
         assert rc == 2, (argv, err)
         assert (root if kind == "step" else path) in err
         assert err.startswith(f"resilient ckpt {argv[0]}: error: ") and not out
+        rc, out, err = run_cli(capsys, "ckpt", *argv, "--json")  # scripts get JSON too
+        doc = json.loads(out)
+        assert rc == 2 and doc["command"] == argv[0] and doc["error"] in err
 
 
 def test_root_without_steps(tmp_path, capsys):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.tiers import FileTier, read_status
+from resilient.errors import ResilientError
 
 
 def _state(seed: int) -> dict:
@@ -122,6 +123,32 @@ def test_a_failing_tier_leaves_saves_and_local_retention_alone(tmp_path):
         assert not ck.wait_tiers(0.2)
     step, _ = _load(local)
     assert step == 5
+
+
+def test_a_root_that_starts_afresh_without_loading_is_not_copied_over_a_newer_tier(tmp_path):
+    local, shared = str(tmp_path / "local"), str(tmp_path / "shared")
+    with Checkpointer(local, create=True, distributed=False, tiers=[shared]) as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s)).wait()
+        assert ck.wait_tiers(30)
+    os.rename(local, str(tmp_path / "lost"))
+    with Checkpointer(local, create=True, distributed=False, tiers=[shared]) as ck:
+        ck.save(1, _state(9)).wait()  # no load(): its commit is older than the tier's
+        deadline = time.monotonic() + 10
+        while not ck.tier_status()[0]["failures"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "another root writes to this tier" in ck.tier_status()[0]["error"]
+    step, got = _load(shared)
+    assert step == 2 and torch.equal(got["w"], _state(2)["w"])
+
+
+def test_an_unreachable_tier_with_an_empty_root_is_an_error_not_a_fresh_start(tmp_path):
+    local = str(tmp_path / "local")
+    with pytest.raises(ResilientError, match="cannot be listed"):
+        _load(local, create=True, tiers=[str(tmp_path / "unmounted" / "ckpt")])
+    (tmp_path / "first-run").mkdir()  # a tier that does not exist yet: a first run
+    assert _load(local, create=True, tiers=[str(tmp_path / "first-run" / "ckpt")])[0] is None
 
 
 def test_a_tier_that_is_the_root_or_a_bad_url_is_refused(tmp_path):
@@ -252,12 +279,14 @@ def test_any_history_leaves_the_tier_with_the_roots_head_and_loads_restore_it(
     step, saved, seed = 0, {}, 0  # saved: step -> seed of its newest commit's data
     head: int | None = None
     for op in ops:
-        if op[0] == "save":
-            step, seed = step + 1, seed + 1
+        if op[0] == "save":  # a (re)started run: load (CheckpointManager.restore), then save
+            target = {"w": torch.zeros(300, 200), "b": torch.zeros(77), "step": 0}
             with Checkpointer(local, keep=keep, create=True, distributed=False,
                               tiers=[FileTier(shared, keep=tier_keep)]) as ck:
+                assert ck.load(target) == head
+                step, seed = step + 1, seed + 1
                 ck.save(step, _state(seed)).wait()
-                assert ck.wait_tiers(30)
+                assert ck.wait_tiers(10)
             saved[step], head = seed, step
         elif op[0] == "rollback" and head is not None:
             with Checkpointer(local, keep=keep, distributed=False, tiers=[shared]) as ck:
@@ -270,7 +299,7 @@ def test_any_history_leaves_the_tier_with_the_roots_head_and_loads_restore_it(
                 assert ck.load(target, step=k) == k
                 assert torch.equal(target["w"], _state(saved[k])["w"])
                 ck.save(step, _state(seed)).wait()
-                assert ck.wait_tiers(30)
+                assert ck.wait_tiers(10)
             saved[step], head = seed, step
         elif op[0] == "wipe" and os.path.isdir(local):
             os.rename(local, str(base / f"wiped-{time.monotonic_ns()}"))

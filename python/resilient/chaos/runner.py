@@ -242,7 +242,7 @@ class Runner:
             from resilient.errors import CorruptCheckpointError
         except ImportError:
             return
-        with Checkpointer(self.ckpt, keep=0) as ck:
+        with Checkpointer(self.ckpt, keep=0, tiers=[]) as ck:
             for s in ck.steps():
                 try:
                     ck.verify(s)

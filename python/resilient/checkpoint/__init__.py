@@ -28,7 +28,7 @@ from resilient.checkpoint.ranks import default_store
 def read_global(root: str, step: int | None = None) -> dict:
     """This process alone: the tensors of `step` (default: newest of the lineage) assembled to
     their global shapes by logical name; per-rank tensors as "R<rank>/<name>"."""
-    with Checkpointer(root, keep=0, distributed=False) as ck:
+    with Checkpointer(root, keep=0, distributed=False, tiers=[]) as ck:
         return ck.read_global(step)
 
 

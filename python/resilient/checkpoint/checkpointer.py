@@ -67,7 +67,6 @@ from resilient.checkpoint.tiers import (
     fetch_into_root,
     make_tier,
     newer_in_tiers,
-    newest_seq,
 )
 from resilient.checkpoint.tiers import close_timeout as tiers_close_timeout
 from resilient.errors import (
@@ -353,6 +352,7 @@ class Checkpointer:
                     self.root):
                 raise ValueError(f"tier {t.path!r} is the checkpoint root itself")
         self._drainer: Drainer | None = None
+        self._tier_seq = 0  # the newest commit seq the tiers held at load (commits go after it)
         self._no_tier_wait = False
         self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
@@ -626,10 +626,10 @@ class Checkpointer:
             with self._lock_ids:
                 handle._observed = handle.save_id in self._raised_ids  # raised by save()
                 self._failed.append(handle)
+        if exc is None and self.rank == 0 and self._drainer is not None:
+            self._drainer.offer(handle.step)  # before wait() returns: wait_tiers() then sees it
         handle._finish(exc)
         if exc is None and self.rank == 0:
-            if self._drainer is not None:
-                self._drainer.offer(handle.step)
             self._retain()
         handle._retained.set()
 
@@ -725,8 +725,7 @@ class Checkpointer:
             if self._max_seq is None or self._head is None:
                 chain, info = roots.history(self.root, steps)
                 self._max_seq = roots.max_seq(info)
-                if self._tiers:
-                    self._max_seq = max(self._max_seq, newest_seq(self._tiers))
+                self._max_seq = max(self._max_seq, self._tier_seq)
                 if self._head is None and chain:
                     li = info[chain[0]]
                     self._head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
@@ -823,7 +822,10 @@ class Checkpointer:
                 found = self._candidates(step)
             except Exception as e:  # every rank must hear it, not wait in the broadcast
                 found = ("error", f"cannot list {self.root}: {type(e).__name__}: {e}")
-        found = self._ranks.broadcast(found)
+        # Rank 0 may have fetched a step from a slower tier first (minutes for a large one).
+        found = self._ranks.broadcast(
+            (found, bool(self._tiers)), timeout=self.timeout if self._tiers else None)
+        found, tiered = found
         if isinstance(found, str):
             raise CheckpointNotFoundError(found, self.root)
         if found[0] == "error":
@@ -836,17 +838,19 @@ class Checkpointer:
             return None
         skipped: list[tuple[int, str]] = []
         self._dirty = None
-        refetched: set[int] = set()
+        tried: dict[int, set[str]] = {}  # step -> tiers its copy was fetched from
         queue_ = list(steps)
         while queue_:
             s = queue_.pop(0)
             why = self._try_load(s, state, rank_state, strict, world_change)
-            if why is not None and self._tiers and s not in refetched:
-                refetched.add(s)
+            if why is not None and tiered:
                 got = None
                 if self.rank == 0:  # the root's copy fails: a tier's may verify
-                    got = fetch_into_root(self.root, self._tiers, s, seqs.get(s))
-                if self._ranks.broadcast(got) is not None:
+                    got = fetch_into_root(self.root, self._tiers, s, seqs.get(s),
+                                          exclude=tried.setdefault(s, set()))
+                got = self._ranks.broadcast(got, timeout=self.timeout)
+                if got is not None:
+                    tried.setdefault(s, set()).add(got)
                     log.warning("step %d failed to load from %s (%s); retrying with the copy "
                                 "from tier %s", s, self.root, why, got)
                     queue_.insert(0, s)
@@ -877,19 +881,23 @@ class Checkpointer:
         (a fresh node)."""
         if not self._tiers:
             return
+        newer, self._tier_seq = newer_in_tiers(self.root, self._tiers)
         if step is not None:
             if not os.path.isdir(roots.step_dir(self.root, step)):
                 fetch_into_root(self.root, self._tiers, step)
-        else:
-            newer = newer_in_tiers(self.root, self._tiers)
-            if newer is not None:
-                fetch_into_root(self.root, self._tiers, newer[0], newer[1])
+        elif newer is not None:
+            fetch_into_root(self.root, self._tiers, newer[0], newer[1])
         self._max_seq = None  # the next commit's seq counts the fetched step
 
     def _start_drainer(self) -> None:
         """Rank 0 with tiers, at the first save or load: starts the copies to the tiers, with
         the root's newest step first (a copy that a crash or an earlier close cut short)."""
         if not self._tiers or self._drainer is not None or self.rank != 0:
+            return
+        try:
+            self._lock.acquire()  # only the root's writer drains (not a job that only loads)
+        except RootInUseError as e:
+            log.info("not copying %s to its tiers: %s", self.root, e)
             return
         self._drainer = Drainer(self.root, self._tiers)
         head = self.latest_step() if roots.is_root(self.root) else None

@@ -332,7 +332,7 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     if os.path.exists(root) and not roots.is_root(root) and os.listdir(root):
         raise CheckpointNotFoundError(roots.why_not_root(root).split(" (pass")[0] +
                                       "; refusing to import into it", root)
-    with Checkpointer(root, keep=0, create=True, distributed=False) as ck:
+    with Checkpointer(root, keep=0, create=True, distributed=False, tiers=[]) as ck:
         if step in ck.steps():
             raise FileExistsError(f"{root} already has step {step}; pass another --step")
         ck.save(step, state, rank_state).wait()

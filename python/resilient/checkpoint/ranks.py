@@ -89,15 +89,16 @@ class Ranks:
         dist.broadcast_object_list(run, src=0, group=self.group)
         self.run_id = run[0]
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         """Every rank's `obj` (small control objects, pickled as all_gather_object does), in
-        two gloo all-gathers that are polled, not waited on: abort() ends them."""
+        two gloo all-gathers that are polled, not waited on: abort() ends them. `timeout`:
+        for a collective that some rank enters late on purpose (default collective_timeout)."""
         if not self.distributed:
             return [obj]
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group,
-                                   async_op=True))
+                                   async_op=True), timeout)
         n = max(int(x) for x in sizes)
         mine = torch.zeros(n, dtype=torch.uint8)
         mine[:data.numel()] = data
@@ -105,16 +106,17 @@ class Ranks:
         self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
         return [pickle.loads(o[:int(x)].numpy().tobytes()) for o, x in zip(out, sizes)]
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, timeout: float | None = None) -> Any:
         """Rank 0's `obj` on every rank."""
-        return self.gather(obj if self.rank == 0 else None)[0]
+        return self.gather(obj if self.rank == 0 else None, timeout)[0]
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, timeout: float | None = None) -> None:
         """Waits for a gloo collective by polling it: a peer killed mid-collective can leave a
         survivor blocked in gloo (its neighbours gave up on the collective but their connections
         stay open) until the group's timeout; abort() (the detector's verdict) ends it at once,
         and so does the store's mark of another rank's abort."""
-        deadline = time.monotonic() + self.collective_timeout
+        limit = self.collective_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         polls = 0
         while not work.is_completed():
             aborted = self._aborted
@@ -131,7 +133,7 @@ class Ranks:
             if time.monotonic() > deadline:
                 self.broken = "a collective timed out"
                 raise CollectiveError(f"a checkpoint collective did not finish within "
-                                      f"{self.collective_timeout:g} s")
+                                      f"{limit:g} s")
             # A gather on a healthy group takes well under a millisecond: back off from 50 us,
             # so polling adds little to the save's stall, to 2 ms while it waits longer.
             time.sleep(min(0.002, 0.00005 * (1 << min(polls, 6))))

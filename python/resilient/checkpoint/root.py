@@ -151,6 +151,7 @@ class Lineage:
     seq: int
     parent_step: int | None
     parent_seq: int | None
+    id: str | None = None  # random per commit (absent in older roots): seqs of two roots differ
 
 
 #: The lineage record of a step exists but fails its checksum or does not parse.
@@ -186,23 +187,28 @@ def parse_lineage(raw: bytes, step: int) -> Lineage | str:
         if _C.xxh3_hex(body.encode()) != digest:
             return DAMAGED
         doc = json.loads(body)
-        seq, parent = doc["seq"], doc.get("parent")
+        seq, parent, ident = doc["seq"], doc.get("parent"), doc.get("id")
         if not isinstance(seq, int) or isinstance(seq, bool) or doc.get("step") != step:
             return DAMAGED
+        if ident is not None and not isinstance(ident, str):
+            return DAMAGED
         if parent is None:
-            return Lineage(seq, None, None)
+            return Lineage(seq, None, None, ident)
         ps, pq = parent["step"], parent.get("seq")
         if not isinstance(ps, int) or (pq is not None and not isinstance(pq, int)):
             return DAMAGED
-        return Lineage(seq, ps, pq)
+        return Lineage(seq, ps, pq, ident)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return DAMAGED
 
 
-def lineage_record(step: int, seq: int, parent: tuple[int, int | None] | None) -> str:
+def lineage_record(step: int, seq: int, parent: tuple[int, int | None] | None,
+                   ident: str | None = None) -> str:
     """The text of a lineage record: one line of JSON, then its XXH3-64 (hex)."""
-    doc = {"seq": seq, "step": step, "parent": None if parent is None else {
+    doc: dict = {"seq": seq, "step": step, "parent": None if parent is None else {
         "step": parent[0], "seq": parent[1]}}
+    if ident is not None:
+        doc["id"] = ident
     body = json.dumps(doc, separators=(",", ":"))
     return f"{body}\n{_C.xxh3_hex(body.encode())}\n"
 
@@ -211,7 +217,8 @@ def write_lineage(directory: str, step: int, seq: int,
                   parent: tuple[int, int | None] | None) -> None:
     """Writes a step's lineage record into its (temporary) directory."""
     # The commit fsyncs the step's directory after its manifest, and renames it last.
-    write_atomic(os.path.join(directory, LINEAGE), lineage_record(step, seq, parent),
+    write_atomic(os.path.join(directory, LINEAGE),
+                 lineage_record(step, seq, parent, uuid.uuid4().hex[:16]),
                  sync_dir=False, in_step=True)
 
 

@@ -112,7 +112,8 @@ class S3Tier(Tier):
         return info
 
     def push(self, src: str, step: int, lineage: str) -> int:
-        seq = str(json.loads(lineage.split("\n", 1)[0])["seq"])
+        doc = json.loads(lineage.split("\n", 1)[0])
+        seq = f"{doc['seq']}:{doc.get('id') or ''}"  # which commit an object belongs to
         try:  # an older commit of this step: uncommitted before any of its objects changes
             self.s3.delete_object(Bucket=self.bucket, Key=self._key(step, MANIFEST))
         except self.s3.exceptions.NoSuchKey:
@@ -180,8 +181,8 @@ class S3Tier(Tier):
 
     def _resumable(self, key: str) -> tuple[str | None, dict[int, tuple[str, int]]]:
         """The newest unfinished upload of `key` and its parts (others are aborted)."""
-        uploads = [u for u in self.s3.list_multipart_uploads(
-            Bucket=self.bucket, Prefix=key).get("Uploads", []) if u["Key"] == key]
+        uploads = [u for page in self.s3.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=key) for u in page.get("Uploads", []) if u["Key"] == key]
         if not uploads:
             return None, {}
         uploads.sort(key=lambda u: u["Initiated"])
@@ -237,17 +238,30 @@ class S3Tier(Tier):
             if s in kept:
                 continue
             self.s3.delete_object(Bucket=self.bucket, Key=self._key(s, MANIFEST))
-            keys = [{"Key": o["Key"]} for o in self._keys(self._key(s))]
-            for i in range(0, len(keys), 1000):
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
+            self._delete([{"Key": o["Key"]} for o in self._keys(self._key(s))])
             deleted.append(s)
-        # Unfinished uploads of older steps that are not kept (a copy that a crash cut short
-        # and that newer steps overtook) would cost storage forever: aborted.
+        # What a copy that a crash cut short left of older steps that are not kept (objects
+        # without a manifest, unfinished uploads) would cost storage forever: deleted.
         newest = max(kept, default=-1)
         base = f"{self.prefix}/" if self.prefix else ""
-        for u in self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=base).get(
-                "Uploads", []):
-            d = u["Key"][len(base):].split("/")[0]
-            if _STEP.match(d) and int(d[5:]) not in kept and int(d[5:]) < newest:
-                self._abort(u["Key"], u["UploadId"])
+
+        def stale(key: str) -> bool:
+            d = key[len(base):].split("/")[0]
+            return bool(_STEP.match(d)) and int(d[5:]) not in kept and int(d[5:]) < newest
+
+        orphans = [{"Key": o["Key"]} for o in self._keys(base) if stale(o["Key"])]
+        self._delete(orphans)
+        for page in self.s3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=base):
+            for u in page.get("Uploads", []):
+                if stale(u["Key"]):
+                    self._abort(u["Key"], u["UploadId"])
         return deleted
+
+    def _delete(self, keys: list[dict[str, str]]) -> None:
+        for i in range(0, len(keys), 1000):
+            out = self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
+            if out.get("Errors"):
+                e = out["Errors"][0]
+                raise OSError(f"{self.url}: cannot delete {e.get('Key')}: {e.get('Code')} "
+                              f"{e.get('Message')}")

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from typing import Any
 
 from resilient import settings
 from resilient.checkpoint import root as roots
+from resilient.errors import ResilientError
 
 log = logging.getLogger("resilient.checkpoint.tiers")
 
@@ -92,10 +94,18 @@ class Tier:
         raise NotImplementedError
 
     def open(self) -> None:
-        """Called once on the drain thread before the first copy."""
+        """Called on the drain thread before its first copy: claims the tier for that
+        drainer (a tier object that an earlier checkpointer's thread still copies to is
+        refused until that copy ends; the new drainer retries)."""
+        use = self.__dict__.setdefault("_in_use", threading.Lock())
+        if not use.acquire(blocking=False):
+            raise RuntimeError(f"tier {self.url} is still being copied to by an earlier "
+                               "checkpointer of this process")
 
     def close(self) -> None:
-        pass
+        use = self.__dict__.get("_in_use")
+        if use is not None and use.locked():
+            use.release()
 
 
 class FileTier(Tier):
@@ -109,19 +119,28 @@ class FileTier(Tier):
         self._lock = roots.WriterLock(self.path)
 
     def open(self) -> None:
-        roots.ensure_root(self.path)
-        self._lock.acquire()
+        super().open()
+        try:
+            roots.ensure_root(self.path)
+            self._lock.acquire()
+        except BaseException:
+            super().close()
+            raise
         for stale in roots.stale_saves(self.path, time.time() + 1):  # a crashed drain's
             shutil.rmtree(stale, ignore_errors=True)
         roots.purge_trash(self.path)
 
     def close(self) -> None:
         self._lock.release()
+        super().close()
 
     def steps(self) -> dict[int, Any]:
         from resilient import _C
 
         if not roots.is_root(self.path):
+            parent = os.path.dirname(os.path.abspath(self.path))
+            if not os.path.isdir(parent):  # an unmounted file system, a mistyped path
+                raise FileNotFoundError(f"tier {self.path}: {parent} does not exist")
             return {}
         return roots.history(self.path, list(_C.committed_steps(self.path)))[1]
 
@@ -167,18 +186,24 @@ class FileTier(Tier):
 
 def _copy_file(src: str, dst: str) -> int:
     """Copies one file (copy_file_range where the kernel has it), fsyncs it; returns bytes."""
-    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
+        st = os.fstat(fin)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{src} is not a regular file (refused)")
         fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            size = os.fstat(fin).st_size
-            done = 0
+            size, done, plain = st.st_size, 0, False
             while done < size:
-                try:
-                    n = os.copy_file_range(fin, fout, min(_COPY_BYTES, size - done))
-                except OSError:  # across file systems on older kernels: plain copy
-                    n = os.write(fout, os.pread(fin, min(_COPY_BYTES, size - done), done))
-                    os.lseek(fout, done + n, os.SEEK_SET)
+                want = min(_COPY_BYTES, size - done)
+                n = -1
+                if not plain:
+                    try:
+                        n = os.copy_file_range(fin, fout, want, done, done)
+                    except OSError:  # across file systems on older kernels: plain copies
+                        plain = True
+                if plain:
+                    n = os.pwrite(fout, os.pread(fin, want, done), done)
                 if n == 0:
                     raise OSError(f"{src} shrank while being copied")
                 done += n
@@ -360,7 +385,7 @@ class Drainer:
         copied = 0
         newest = max((t.seq for t in have.values() if isinstance(t, roots.Lineage)), default=-1)
         mine = have.get(step)
-        if isinstance(mine, roots.Lineage) and mine.seq == li.seq:
+        if isinstance(mine, roots.Lineage) and (mine.seq, mine.id) == (li.seq, li.id):
             pass  # this commit is there already
         elif newest >= li.seq:  # the tier holds a newer commit (another root's): never go back
             raise RuntimeError(
@@ -369,7 +394,7 @@ class Drainer:
         else:
             parent = _tier_parent(self.root, step, li, have)
             src = roots.step_dir(self.root, step)
-            copied = st.tier.push(src, step, roots.lineage_record(step, li.seq, parent))
+            copied = st.tier.push(src, step, roots.lineage_record(step, li.seq, parent, li.id))
             log.info("step %d copied to tier %s (%d bytes)", step, st.tier.url, copied)
         keep = st.tier.keep if st.tier.keep is not None else 0
         st.tier.retain(keep, frozenset({step}))
@@ -390,45 +415,68 @@ class Drainer:
 def _tier_parent(root: str, step: int, li: roots.Lineage, have: dict[int, Any]
                  ) -> tuple[int, int] | None:
     """The tier's parent of `step`: its nearest ancestor in the root's lineage that the tier
-    holds (the same commit), else the tier's newest older commit, else none."""
+    holds (the same commit). When the root no longer has the records to walk further, the
+    tier's newest commit older than the oldest ancestor reached (it can only be an ancestor
+    or older); when the walk ended at the first commit, none (an abandoned branch's steps
+    in the tier are not ancestors)."""
     cur: Any = li
     seen = {step}
     while isinstance(cur, roots.Lineage) and cur.parent_step is not None:
-        p = cur.parent_step
+        p, pseq = cur.parent_step, cur.parent_seq
         t = have.get(p)
-        if isinstance(t, roots.Lineage) and t.seq == cur.parent_seq:
+        if isinstance(t, roots.Lineage) and t.seq == pseq:
             return (p, t.seq)
-        if p in seen:
-            break
-        seen.add(p)
         try:
-            cur = roots.read_lineage(root, p)
+            nxt = roots.read_lineage(root, p) if p not in seen else None
         except OSError:
-            break
-    older = [(t.seq, s) for s, t in have.items() if isinstance(t, roots.Lineage) and t.seq < li.seq]
-    if older:
-        seq, s = max(older)
-        return (s, seq)
+            nxt = None
+        seen.add(p)
+        if not isinstance(nxt, roots.Lineage) or nxt.seq != pseq:
+            # The record is gone (retention) or replaced: ancestors are older than pseq.
+            if pseq is None:
+                return None
+            older = [(t.seq, s) for s, t in have.items()
+                     if isinstance(t, roots.Lineage) and t.seq <= pseq]
+            if not older:
+                return None
+            seq, s = max(older)
+            return (s, seq)
+        cur = nxt
     return None
 
 
-def fetch_into_root(root: str, tiers: list[Tier], step: int, seq: int | None = None
-                    ) -> str | None:
-    """Copies `step` (the commit with `seq`, when given) from the first tier that has it into
-    `root`, replacing the root's copy; returns the tier's URL, or None when none could."""
+def fetch_into_root(root: str, tiers: list[Tier], step: int, seq: int | None = None,
+                    exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """Copies `step` (the commit with `seq`, when given; the root's own commit when the root
+    has a record of it) from the first tier not in `exclude` that has it into `root`,
+    replacing the root's copy (its lineage record is kept); returns the tier's URL, or None."""
+    final = roots.step_dir(root, step)
+    local: Any = None
+    if os.path.isdir(final):
+        try:
+            local = roots.read_lineage(root, step)
+        except OSError:
+            local = None
     for t in tiers:
+        if t.url in exclude:
+            continue
         try:
             li = t.steps().get(step)
             if not isinstance(li, roots.Lineage) or (seq is not None and li.seq != seq):
                 continue
+            if isinstance(local, roots.Lineage) and (local.seq, local.id) != (li.seq, li.id):
+                continue  # another commit of this step number
             roots.ensure_root(root)
             tmp = roots.tmp_dir(root, step)
             shutil.rmtree(tmp, ignore_errors=True)
             os.mkdir(tmp)
             try:
                 n = t.fetch(step, tmp)
+                if isinstance(local, roots.Lineage):  # the root's chain stays as it was
+                    os.unlink(os.path.join(tmp, roots.LINEAGE))
+                    _copy_file(os.path.join(final, roots.LINEAGE),
+                               os.path.join(tmp, roots.LINEAGE))
                 roots._fsync_dir(tmp)
-                final = roots.step_dir(root, step)
                 if os.path.lexists(final):
                     os.rename(final, os.path.join(
                         root, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}"))
@@ -445,9 +493,12 @@ def fetch_into_root(root: str, tiers: list[Tier], step: int, seq: int | None = N
     return None
 
 
-def newer_in_tiers(root: str, tiers: list[Tier]) -> tuple[int, int] | None:
-    """(step, seq) of the newest commit any tier holds, when it is newer than every commit of
-    `root` (a fresh node's empty root, or a root that lost its newest steps); else None."""
+def newer_in_tiers(root: str, tiers: list[Tier]) -> tuple[tuple[int, int] | None, int]:
+    """((step, seq) of the newest commit any tier holds when it is newer than every commit of
+    `root` (a fresh node's empty root, or a root that lost its newest steps), else None; the
+    largest seq the tiers hold). A tier that cannot be listed is skipped with a warning when
+    the root has committed steps, and is an error when it has none: whether a checkpoint
+    exists is then unknown, and starting afresh would be silently wrong."""
     from resilient import _C
 
     local = -1
@@ -455,30 +506,25 @@ def newer_in_tiers(root: str, tiers: list[Tier]) -> tuple[int, int] | None:
         info = roots.history(root, list(_C.committed_steps(root)))[1]
         local = roots.max_seq(info) if info else -1
     best: tuple[int, int] | None = None
+    top = 0
     for t in tiers:
         try:
             have = t.steps()
-        except Exception as e:  # noqa: BLE001 -- an unreachable tier is skipped
+        except Exception as e:  # noqa: BLE001
+            if local < 0:
+                raise ResilientError(
+                    f"{root} holds no checkpoint and tier {t.url} cannot be listed "
+                    f"({type(e).__name__}: {e}): whether it holds one is unknown; fix the tier "
+                    "or leave it out to start afresh") from e
             log.warning("cannot list tier %s: %s: %s", t.url, type(e).__name__, e)
             continue
         for s, li in have.items():
-            if isinstance(li, roots.Lineage) and li.seq > local and (
-                    best is None or li.seq > best[1]):
+            if not isinstance(li, roots.Lineage):
+                continue
+            top = max(top, li.seq)
+            if li.seq > local and (best is None or li.seq > best[1]):
                 best = (s, li.seq)
-    return best
-
-
-def newest_seq(tiers: list[Tier]) -> int:
-    """The largest commit seq any reachable tier holds (0 when none), so that a root that
-    starts afresh (a new node that did not load) commits after everything in its tiers."""
-    best = 0
-    for t in tiers:
-        try:
-            best = max([best, *(li.seq for li in t.steps().values()
-                                 if isinstance(li, roots.Lineage))])
-        except Exception as e:  # noqa: BLE001 -- an unreachable tier: its copy reports it
-            log.warning("cannot list tier %s: %s: %s", t.url, type(e).__name__, e)
-    return best
+    return best, top
 
 
 def read_status(root: str) -> dict[str, Any] | None:

@@ -101,7 +101,10 @@ def _guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace)
 
 
 def _error(args: argparse.Namespace, message: str) -> None:
+    """The error on stderr; with --json also as {"error": ...} on stdout, for scripts."""
     print(f"resilient ckpt {args.ckpt_command}: error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _print_json({"error": message, "command": args.ckpt_command})
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
