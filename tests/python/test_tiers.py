@@ -116,7 +116,7 @@ def test_a_failing_tier_leaves_saves_and_local_retention_alone(tmp_path):
         while not ck.tier_status()[0]["failures"] and time.monotonic() < deadline:
             time.sleep(0.05)
         status = ck.tier_status()[0]
-        assert status["failures"] >= 1 and "NotADirectoryError" in status["error"]
+        assert status["failures"] >= 1 and "does not exist" in status["error"]
         assert status["pending"] == 5 or status["copying"] == 5
         # The step waiting for the tier is kept; older ones are deleted as usual.
         assert _steps(local) == [4, 5]
@@ -149,6 +149,16 @@ def test_an_unreachable_tier_with_an_empty_root_is_an_error_not_a_fresh_start(tm
         _load(local, create=True, tiers=[str(tmp_path / "unmounted" / "ckpt")])
     (tmp_path / "first-run").mkdir()  # a tier that does not exist yet: a first run
     assert _load(local, create=True, tiers=[str(tmp_path / "first-run" / "ckpt")])[0] is None
+    # Draining never creates the missing parent (copies would land on the local disk).
+    with Checkpointer(local, create=True, distributed=False,
+                      tiers=[str(tmp_path / "unmounted" / "ckpt")]) as ck:
+        ck.save(1, _state(1)).wait()
+        deadline = time.monotonic() + 10
+        while not ck.tier_status()[0]["failures"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "not mounted" in ck.tier_status()[0]["error"]
+    assert not (tmp_path / "unmounted").exists()
 
 
 def test_a_tier_that_is_the_root_or_a_bad_url_is_refused(tmp_path):
@@ -228,14 +238,14 @@ def test_ckpt_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     assert main(["ckpt", "ls", local, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [s["tiers"] for s in doc["steps"]] == [[], [shared]]
-    assert doc["tiers"][0]["url"] == shared and "NotADirectoryError" in doc["tiers"][1]["error"]
+    assert doc["tiers"][0]["url"] == shared and "does not exist" in doc["tiers"][1]["error"]
     assert main(["ckpt", "ls", local]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "TIERS" in lines[1]
     assert lines[2].split()[-1] == "root" and lines[3].split()[-1] == "root,1"
     assert f"tier 1: {shared} (up to date)" in out
-    assert f"tier 2: {blocked / 'tier'}" in out and "NotADirectoryError" in out
+    assert f"tier 2: {blocked / 'tier'}" in out and "does not exist" in out
 
 
 def test_tier_metrics_show_progress_and_failures(tmp_path):

@@ -121,6 +121,7 @@ class FileTier(Tier):
     def open(self) -> None:
         super().open()
         try:
+            self._check_parent()
             roots.ensure_root(self.path)
             self._lock.acquire()
         except BaseException:
@@ -138,9 +139,7 @@ class FileTier(Tier):
         from resilient import _C
 
         if not roots.is_root(self.path):
-            parent = os.path.dirname(os.path.abspath(self.path))
-            if not os.path.isdir(parent):  # an unmounted file system, a mistyped path
-                raise FileNotFoundError(f"tier {self.path}: {parent} does not exist")
+            self._check_parent()
             return {}
         return roots.history(self.path, list(_C.committed_steps(self.path)))[1]
 
@@ -168,6 +167,15 @@ class FileTier(Tier):
         roots._fsync_dir(self.path)
         _pause_point("file-after-rename")
         return total
+
+    def _check_parent(self) -> None:
+        """The tier's directory may be created, its parent must exist: a missing parent is an
+        unmounted file system or a mistyped path, and creating it would put the "shared" copies
+        on the local disk."""
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"tier {self.path}: {parent} does not exist (a file system "
+                                    "that is not mounted?)")
 
     def fetch(self, step: int, dest: str) -> int:
         src = roots.step_dir(self.path, step)
