@@ -8,6 +8,7 @@ import collections
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -452,7 +453,9 @@ def test_manifest_values_say_which_format(tmp_path):
     doc = json.loads((tmp_path / "c" / "step-000000000001" / "manifest.json").read_text())
     assert doc["values"]["format"] == "resilient.sharded/1" and doc["world_size"] == 1
     body, digest = (tmp_path / "c" / "step-000000000001" / "lineage.json").read_text().split()
-    assert json.loads(body) == {"seq": 1, "step": 1, "parent": None}
+    doc = json.loads(body)
+    assert re.fullmatch(r"[0-9a-f]{16}", doc.pop("id"))  # tells two roots' commits apart
+    assert doc == {"seq": 1, "step": 1, "parent": None}
     assert digest == resilient._C.xxh3_hex(body.encode())
 
 
