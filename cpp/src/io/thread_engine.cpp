@@ -107,10 +107,13 @@ void ThreadEngine::worker_loop() {
 }
 
 void ThreadEngine::work_on(Batch& b) {
-  const int fd = b.file->fd();
   for (;;) {
     size_t i = b.next.fetch_add(1);
     if (i >= b.pieces.size()) return;
+    // Only now, with a piece claimed, is the caller still waiting and the file alive: a worker
+    // that wakes after the others finished the batch must not touch it (TSan found the read
+    // of a File the caller had already closed).
+    const int fd = b.file->fd();
     Piece& p = b.pieces[i];
     Status error;
     while (!b.cancelled.load(std::memory_order_relaxed)) {
