@@ -64,3 +64,22 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int | None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
     return proc.returncode
+
+
+def kill_at_marker(args: list[str], marker: str, timeout: float, what: str) -> None:
+    """Starts `args` in a session of its own, waits (bounded) until it creates `marker` (a
+    pause point it reached), then SIGKILLs its whole group; fails the test if it exits or times
+    out first."""
+    import time
+
+    proc = subprocess.Popen(args, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(marker):
+            assert proc.poll() is None, f"{what}: the child exited before the pause"
+            assert time.monotonic() < deadline, f"{what}: the child never reached the pause"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -17,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from procs import kill_at_marker
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.tiers import FileTier, read_status
@@ -192,20 +191,8 @@ def test_kill_9_during_a_copy_then_the_newest_verified_step_loads(tmp_path, stag
     marker = str(tmp_path / "paused")
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    child = subprocess.Popen([sys.executable, str(script), local, shared, f"{stage}:{marker}"],
-                             start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(marker):
-            assert child.poll() is None, "the child exited before the pause"
-            assert time.monotonic() < deadline, "the copy never reached the pause"
-            time.sleep(0.05)
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(10)
+    kill_at_marker([sys.executable, str(script), local, shared, f"{stage}:{marker}"], marker,
+                   60, "the copy")
     # The root has step 2; the tier has step 1, or step 2 once it was renamed into place.
     assert _load(local)[0] == 2
     step, got = _load(shared)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -17,6 +15,7 @@ import time
 import pytest
 import torch
 
+from procs import kill_at_marker
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint.s3 import S3Tier
 from seaweed import ACCESS_KEY, SECRET_KEY, Weed, _free_ports, weed_binary
@@ -123,20 +122,8 @@ def test_kill_9_during_an_upload_then_the_next_run_resumes_it(aws, tmp_path, mon
     monkeypatch.setenv("RESILIENT_S3_PART_BYTES", "5MiB")  # 14 MB of data: 3 parts
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    child = subprocess.Popen([sys.executable, str(script), local, url, f"{stage}:{marker}"],
-                             start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not os.path.exists(marker):
-            assert child.poll() is None, "the child exited before the pause"
-            assert time.monotonic() < deadline, "the upload never reached the pause"
-            time.sleep(0.05)
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(10)
+    kill_at_marker([sys.executable, str(script), local, url, f"{stage}:{marker}"], marker,
+                   90, "the upload")
     s3 = aws.client()
     uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix="run/").get("Uploads", [])
     if stage == "s3-multipart":

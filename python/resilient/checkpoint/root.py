@@ -281,9 +281,8 @@ def apply_retention(root: str, steps: list[int], keep: int,
     for s in steps:
         if s in kept:
             continue
-        trash = os.path.join(root, f".trash-step-{s:012d}-{uuid.uuid4().hex[:8]}")  # any width
-        try:
-            os.rename(step_dir(root, s), trash)  # a half-deleted step never looks committed
+        try:  # renamed first: a half-deleted step never looks committed
+            os.rename(step_dir(root, s), trash_path(root, s))
         except FileNotFoundError:
             continue
         deleted.append(s)
@@ -293,6 +292,22 @@ def apply_retention(root: str, steps: list[int], keep: int,
     if chain and _read(latest) != f"step-{chain[0]:012d}\n":  # after a rollback
         write_atomic(latest, f"step-{chain[0]:012d}\n")
     return deleted
+
+
+def trash_path(root: str, step: int) -> str:
+    """A new `.trash-step-*` name for a step directory that is being deleted or replaced."""
+    return os.path.join(root, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}")  # any width
+
+
+def install_step(root: str, step: int, tmp: str) -> None:
+    """Makes the complete directory `tmp` (of `root`) the committed `step`: fsyncs it, moves
+    any older directory of that step to the trash, renames `tmp` into place, fsyncs `root`."""
+    _fsync_dir(tmp)
+    final = step_dir(root, step)
+    if os.path.lexists(final):  # a step of an abandoned branch, or an older copy
+        os.rename(final, trash_path(root, step))
+    os.rename(tmp, final)
+    _fsync_dir(root)
 
 
 def purge_trash(root: str) -> None:

@@ -34,7 +34,6 @@ import shutil
 import stat
 import threading
 import time
-import uuid
 from typing import Any
 
 from resilient import settings
@@ -157,14 +156,8 @@ class FileTier(Tier):
             if name != roots.LINEAGE:
                 total += _copy_file(os.path.join(src, name), os.path.join(tmp, name))
                 _pause_point("file-data")
-        roots._fsync_dir(tmp)
         _pause_point("file-before-rename")
-        final = roots.step_dir(self.path, step)
-        if os.path.lexists(final):  # a step of an abandoned branch, or an older copy
-            os.rename(final, os.path.join(
-                self.path, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}"))
-        os.rename(tmp, final)
-        roots._fsync_dir(self.path)
+        roots.install_step(self.path, step, tmp)
         _pause_point("file-after-rename")
         return total
 
@@ -484,12 +477,7 @@ def fetch_into_root(root: str, tiers: list[Tier], step: int, seq: int | None = N
                     os.unlink(os.path.join(tmp, roots.LINEAGE))
                     _copy_file(os.path.join(final, roots.LINEAGE),
                                os.path.join(tmp, roots.LINEAGE))
-                roots._fsync_dir(tmp)
-                if os.path.lexists(final):
-                    os.rename(final, os.path.join(
-                        root, f".trash-step-{step:012d}-{uuid.uuid4().hex[:8]}"))
-                os.rename(tmp, final)
-                roots._fsync_dir(root)
+                roots.install_step(root, step, tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
