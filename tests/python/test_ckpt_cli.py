@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from damage import flip_byte
 from resilient.checkpoint import Checkpointer
 from resilient.cli import main
 
@@ -77,11 +78,7 @@ def test_show_outlines_state_and_tensors(root, capsys):
 
 
 def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, offset, 0x01)
 
 
 def test_verify_clean_root_passes(root, capsys):

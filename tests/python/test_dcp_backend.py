@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 
+from damage import flip_byte
 from full_state import full_values
 from procs import run_bounded
 
@@ -127,11 +128,7 @@ def test_module_and_optimizer_round_trip_bit_exact_one_step_per_save(tmp_path):
         assert torch.equal(v, second.state_dict()[k]), k
     # verify checks the DCP metadata record too
     meta = os.path.join(root, "step-000000000000", "dcp-metadata.json")
-    with open(meta, "r+b") as f:
-        f.seek(40)
-        b = f.read(1)
-        f.seek(40)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(meta, 40, 0x01)
     steps, problems = verify_root(root)
     assert [(p.step, os.path.basename(p.file)) for p in problems] == [(0, "dcp-metadata.json")]
     assert "checksum mismatch" in problems[0].message
@@ -209,11 +206,7 @@ def test_nothing_resilient_writes_is_pickle(tmp_path):
 
 
 def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(path, offset, 0x40)
 
 
 def _dcp_error(exc: BaseException) -> BaseException:

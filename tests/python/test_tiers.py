@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from damage import flip_byte
 from procs import kill_at_marker
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint import root as roots
@@ -85,19 +86,11 @@ def test_a_corrupt_local_copy_is_replaced_by_the_tiers_and_the_same_step_loads(t
         for s in (1, 2):
             ck.save(s, _state(s)).wait()
     data = os.path.join(roots.step_dir(local, 2), "rank-00000.data")
-    with open(data, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(data, 100)
     step, got = _load(local, tiers=[shared])
     assert step == 2 and torch.equal(got["w"], _state(2)["w"])
     # Without the tier, the same flip would have fallen back to step 1.
-    with open(data, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(data, 100)
     step, _ = _load(local)
     assert step == 1
 
@@ -302,11 +295,7 @@ def test_any_history_leaves_the_tier_with_the_roots_head_and_loads_restore_it(
             os.rename(local, str(base / f"wiped-{time.monotonic_ns()}"))
         elif op[0] == "corrupt" and head is not None and os.path.isdir(
                 roots.step_dir(local, head)):
-            with open(os.path.join(roots.step_dir(local, head), "rank-00000.data"), "r+b") as f:
-                f.seek(64)
-                b = f.read(1)
-                f.seek(64)
-                f.write(bytes([b[0] ^ 1]))
+            flip_byte(os.path.join(roots.step_dir(local, head), "rank-00000.data"), 64, 1)
     if head is None:
         return
     with Checkpointer(shared, distributed=False) as ck:

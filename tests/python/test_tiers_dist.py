@@ -32,6 +32,7 @@ def _scenario(rank: int, local: str, shared: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from damage import flip_byte
     from resilient.checkpoint import Checkpointer
     from resilient.checkpoint import root as roots
     from resilient.checkpoint.tiers import FileTier
@@ -59,12 +60,7 @@ def _scenario(rank: int, local: str, shared: str) -> dict:
     out["fresh_equal"] = all(torch.equal(target[k], v) for k, v in _state(2).items())
     dist.barrier()
     if rank == 1:  # rank 1's shard of the root's copy is damaged
-        path = os.path.join(roots.step_dir(local, 2), "rank-00001.data")
-        with open(path, "r+b") as f:
-            f.seek(128)
-            b = f.read(1)
-            f.seek(128)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(os.path.join(roots.step_dir(local, 2), "rank-00001.data"), 128)
     dist.barrier()
     target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
     with Checkpointer(local, tiers=[shared], timeout=60) as ck:
