@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--restore", action="store_true", help="load each step after saving it")
     args = ap.parse_args()
-    from resilient.cli.bench.world import free_port
+    from resilient.ports import free_port
 
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         mp.spawn(worker, args=(args, free_port(), os.path.join(root, "ck")), nprocs=args.world)

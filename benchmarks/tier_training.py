@@ -24,9 +24,10 @@ import time
 import torch
 
 from resilient.checkpoint import Checkpointer
+from resilient.ports import free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
-from seaweed import ACCESS_KEY, SECRET_KEY, Weed, _free_ports  # noqa: E402
+from seaweed import ACCESS_KEY, SECRET_KEY, Weed  # noqa: E402
 
 
 class SlowProxy:
@@ -37,7 +38,7 @@ class SlowProxy:
         import multiprocessing
 
         self.target, self.delay = target, delay_s
-        self.port = _free_ports(1)[0]
+        self.port = free_port()
         self.proc = multiprocessing.get_context("spawn").Process(target=self._serve,
                                                                  daemon=True)
         self.proc.start()
@@ -110,7 +111,7 @@ def main() -> None:
             raise SystemExit("the quota was never enforced")
         time.sleep(1)
     proxy = SlowProxy(weed.s3_port, delay_s=0.005)  # about 13 MB/s upstream
-    down = f"http://127.0.0.1:{_free_ports(1)[0]}"
+    down = f"http://127.0.0.1:{free_port()}"
     from resilient.checkpoint.s3 import S3Tier
 
     conditions = {

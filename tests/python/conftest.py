@@ -26,9 +26,7 @@ def pytest_report_header(config):
 
 @pytest.fixture
 def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group)."""
-    import socket
+    """A TCP port free a moment ago (for a test's own process group or store)."""
+    from resilient.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()

@@ -8,22 +8,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from resilient.ports import free_ports
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def status(port: int, timeout: float = 1.0) -> dict:
@@ -43,7 +34,7 @@ class EtcdCluster:
         if not os.path.exists(ETCD):
             raise AssertionError("etcd is not installed (scripts/setup.sh installs etcd-server)")
         self.root, self.n = Path(root), members
-        ports = _free_ports(2 * members)
+        ports = free_ports(2 * members)
         self.client, self.peer = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen | None] = [None] * members
 

@@ -9,25 +9,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from resilient.ports import free_ports
+
 ACCESS_KEY, SECRET_KEY = "resilient-test", "resilient-test-secret"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def weed_binary() -> str | None:
@@ -42,7 +31,7 @@ class Weed:
     def __init__(self, workdir: str, s3_port: int | None = None):
         self.dir = workdir
         os.makedirs(workdir, exist_ok=True)
-        ports = _free_ports(10)
+        ports = free_ports(10)
         if s3_port is not None:
             ports[6] = s3_port
         self.ports = ports

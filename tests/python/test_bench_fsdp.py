@@ -71,7 +71,7 @@ def _verifier_checks() -> dict:
 
     from resilient.cli.bench import fsdp_state
     from resilient.cli.bench.shapes import model_shapes
-    from resilient.cli.bench.world import free_port
+    from resilient.ports import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -61,8 +60,8 @@ def test_rank_zero_hosting_the_store_waits_until_the_outcome_was_read(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     mp.start_processes(_worker, args=(port, sys.argv[1], sys.argv[2]), nprocs=2,
                        start_method="spawn")

@@ -696,13 +696,12 @@ if __name__ == "__main__":
     if sys.argv[1] == "kill":
         _kill_child(sys.argv[2], sys.argv[3])
     else:
-        import socket
 
         import torch.multiprocessing as mp
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from resilient.ports import free_port
+
+        port = free_port()
         world = int(sys.argv[2])
         mp.start_processes(_fsdp_worker, args=(world, port, sys.argv[3], sys.argv[4]),
                            nprocs=world, start_method="spawn")

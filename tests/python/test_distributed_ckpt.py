@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -136,10 +135,10 @@ def test_two_rank_sharded_checkpoints(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     root_dir, results_dir = sys.argv[1], sys.argv[2]
     mp.start_processes(
-        _worker, args=(free_port, root_dir, results_dir), nprocs=WORLD, start_method="spawn"
+        _worker, args=(port, root_dir, results_dir), nprocs=WORLD, start_method="spawn"
     )

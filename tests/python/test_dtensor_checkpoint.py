@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -256,9 +255,9 @@ def test_a_dtensor_on_a_mesh_of_another_device_type_is_refused(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     phase, world, root_dir, results_dir, kind = (sys.argv[1], int(sys.argv[2]), sys.argv[3],
                                                  sys.argv[4], sys.argv[5])
     mp.start_processes(_worker, args=(phase, world, port, root_dir, results_dir, kind),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -207,9 +206,9 @@ def test_recovery_state_broadcast_restores_objects_in_place(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     phase, world, root_dir, results_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     mp.start_processes(_worker, args=(phase, world, port, root_dir, results_dir), nprocs=world,
                        start_method="spawn")

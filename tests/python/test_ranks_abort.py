@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -71,8 +70,8 @@ def test_an_abort_ends_a_gather_that_waits_for_a_silent_peer(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(free_port, sys.argv[1]), nprocs=WORLD,
+    from resilient.ports import free_port
+
+    port = free_port()
+    mp.start_processes(_worker, args=(port, sys.argv[1]), nprocs=WORLD,
                        start_method="spawn")

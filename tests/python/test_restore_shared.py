@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -231,9 +230,9 @@ def test_layout_places_pieces_apart_aligned_and_balances_readers(sizes, readers)
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     phase, world = sys.argv[1], int(sys.argv[2])
     mp.start_processes(_worker, args=(world, port, phase, sys.argv[3], sys.argv[4]),
                        nprocs=world, start_method="spawn")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from collections import Counter
 
@@ -76,9 +75,9 @@ def test_an_epoch_survives_a_grown_and_a_shrunk_world(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from resilient.ports import free_port
+
+    port = free_port()
     world = int(sys.argv[1])
     mp.start_processes(_worker, args=(world, port, sys.argv[2], int(sys.argv[3]), sys.argv[4]),
                        nprocs=world, start_method="spawn")

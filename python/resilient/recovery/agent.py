@@ -55,7 +55,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -71,16 +70,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
+from resilient.ports import free_port
 from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, JOIN_STORE_ENV, LAUNCHER_ENV
 
 log = logging.getLogger("resilient.recovery")
 
-
-def free_port() -> int:
-    """A TCP port free on this host now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

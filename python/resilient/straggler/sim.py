@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
 from resilient import settings
+from resilient.ports import free_port
 
 
 @dataclass
@@ -151,11 +151,6 @@ def _worker(rank: int, world: int, init_method: str, scenarios: list[Scenario],
         json.dump(results, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_world(scenarios: list[Scenario], world: int = 4,
               timeout_s: float = 150.0) -> list[list[ScenarioResult]]:
@@ -168,7 +163,7 @@ def run_world(scenarios: list[Scenario], world: int = 4,
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="straggler-sim-") as out_dir:
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.start_processes(_worker, args=(world, init, scenarios, out_dir), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s

@@ -375,7 +375,8 @@ def run_fsdp_bench(args: argparse.Namespace) -> int:
     """Runs both jobs and prints a table (or JSON with --json)."""
     import torch
 
-    from resilient.cli.bench.world import free_port, spawn
+    from resilient.cli.bench.world import spawn
+    from resilient.ports import free_port
 
     if args.world_size is None:
         args.world_size = 4 if args.device == "cpu" else torch.cuda.device_count()

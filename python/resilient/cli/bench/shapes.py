@@ -10,6 +10,7 @@ MODELS = {
     "gpt-125m": (12, 768, 3072, 50304),
     "gpt-350m": (24, 1024, 4096, 50304),
     "gpt-1b": (24, 2048, 8192, 50304),
+    "gpt-1b-narrow": (24, 64, 256, 512),  # gpt-1b's tensor count at 3 MB: per-save overhead
     "gpt-7b": (32, 4096, 11008, 32000),
 }
 

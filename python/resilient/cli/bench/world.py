@@ -21,12 +21,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from resilient.ports import free_port
 
 WORLD_METHODS = ["sharded", "sharded_redist", "sharded_shm", "every_rank", "dcp"]
 _RESTORE = {"sharded": "direct", "sharded_redist": "redistribute", "sharded_shm": "shared"}
@@ -40,12 +41,6 @@ def dir_bytes(path: Path) -> int:
 
     return sum(f.stat().st_size for f in path.rglob("*") if kept(f))
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(worker: Callable[..., None], nprocs: int, args: tuple) -> None:
