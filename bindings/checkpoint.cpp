@@ -25,18 +25,38 @@ Duration seconds_or_forever(std::optional<double> s) {
   return s ? from_seconds(std::max(0.0, *s)) : std::chrono::hours(24 * 365);
 }
 
+// The descriptor's keys as Python strings made once: a save passes thousands of descriptors,
+// and a lookup by C string makes a new Python string each time. Never freed (an object freed
+// after the interpreter's end would crash the exit).
+struct DescriptorKeys {
+  pyb::str name{"name"}, dtype{"dtype"}, shape{"shape"}, ptr{"ptr"}, nbytes{"nbytes"},
+      device{"device"}, stream{"stream"}, global_shape{"global_shape"},
+      global_offset{"global_offset"};
+};
+
+// d[key], or an invalid handle when absent; KeyError when `required`.
+pyb::handle item(const pyb::dict& d, const pyb::str& key, bool required) {
+  PyObject* v = PyDict_GetItemWithError(d.ptr(), key.ptr());  // borrowed
+  if (v == nullptr) {
+    if (PyErr_Occurred()) throw pyb::error_already_set();
+    if (required) throw pyb::key_error(key.cast<std::string>());
+  }
+  return v;
+}
+
 TensorSpec to_spec(const pyb::dict& d) {
+  static const DescriptorKeys* const keys = new DescriptorKeys();
   TensorSpec t;
-  t.name = d["name"].cast<std::string>();
-  t.dtype = d["dtype"].cast<std::string>();
-  t.shape = d["shape"].cast<std::vector<int64_t>>();
-  t.data = reinterpret_cast<const void*>(d["ptr"].cast<uintptr_t>());
-  t.nbytes = d["nbytes"].cast<uint64_t>();
-  if (d.contains("device")) t.device = d["device"].cast<int>();
-  if (d.contains("stream")) t.stream = d["stream"].cast<uintptr_t>();
-  if (d.contains("global_shape")) t.global_shape = d["global_shape"].cast<std::vector<int64_t>>();
-  if (d.contains("global_offset"))
-    t.global_offset = d["global_offset"].cast<std::vector<int64_t>>();
+  t.name = item(d, keys->name, true).cast<std::string>();
+  t.dtype = item(d, keys->dtype, true).cast<std::string>();
+  t.shape = item(d, keys->shape, true).cast<std::vector<int64_t>>();
+  t.data = reinterpret_cast<const void*>(item(d, keys->ptr, true).cast<uintptr_t>());
+  t.nbytes = item(d, keys->nbytes, true).cast<uint64_t>();
+  if (auto v = item(d, keys->device, false)) t.device = v.cast<int>();
+  if (auto v = item(d, keys->stream, false)) t.stream = v.cast<uintptr_t>();
+  if (auto v = item(d, keys->global_shape, false)) t.global_shape = v.cast<std::vector<int64_t>>();
+  if (auto v = item(d, keys->global_offset, false))
+    t.global_offset = v.cast<std::vector<int64_t>>();
   return t;
 }
 
@@ -285,11 +305,10 @@ void register_checkpoint(pyb::module_& m) {
               throw pyb::value_error("mode must be 'blocking' or 'overlap'");
             const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
             std::vector<TensorSpec> specs = to_specs(tensors);
-            nlohmann::json values = parse_values(values_json);
             Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
             {
               pyb::gil_scoped_release release;
-              h = c.save(step, specs, std::move(values), commit, save_mode);
+              h = c.save_json(step, specs, values_json, commit, save_mode);
             }
             return unwrap(std::move(h));
           },

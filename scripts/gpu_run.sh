@@ -20,19 +20,25 @@ unpack() {
   pip install -q --no-index --no-deps .devdeps/wheels/*.whl 2>&1 | tail -n 2
 }
 
-build() {
-  unpack
-  log "configure"
+configure() {  # $1: source tree, $2: build directory, rest: extra cmake arguments
+  local src=$1 dir=$2; shift 2
   # No native etcd client there (no libcurl headers; no GPU step talks to etcd).
   # The system g++, named: the machine's CXX points at /opt/gcc, whose g++ links libstdc++
   # statically into _C.so, and that copy's iostreams crash on first use (RESULTS.md, issue 6).
-  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESILIENT_TESTS=ON \
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_C_COMPILER=/usr/bin/gcc -DCMAKE_CXX_COMPILER=/usr/bin/g++ \
     -DCMAKE_PREFIX_PATH=/opt/deps/usr -DOPENSSL_ROOT_DIR=/opt/deps/usr -DRESILIENT_ETCD=OFF \
     -DCMAKE_INCLUDE_PATH=/opt/deps/usr/include -DCMAKE_LIBRARY_PATH=$LIBDIR \
     -DGTest_DIR=$LIBDIR/cmake/GTest \
     -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python)" \
-    >"$OUT/configure.log" 2>&1 || { tail -n 30 "$OUT/configure.log"; return 1; }
+    "$@" >"$OUT/configure$(basename "$dir").log" 2>&1 ||
+    { tail -n 30 "$OUT/configure$(basename "$dir").log"; return 1; }
+}
+
+build() {
+  unpack
+  log "configure"
+  configure . build/gpu -DRESILIENT_TESTS=ON || return 1
   log "build"
   cmake --build build/gpu -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -m 20 -A 5 error "$OUT/build.log"; return 1; }
   if ! readelf -d build/gpu/bindings/_C*.so | grep -q 'libstdc++.so'; then
@@ -40,8 +46,18 @@ build() {
     return 1
   fi
   cp build/gpu/bindings/_C*.so python/resilient/
-  # A carried .baseline/resilient (an earlier commit's Python package) runs on the same _C.so.
-  [ -d .baseline/resilient ] && cp build/gpu/bindings/_C*.so .baseline/resilient/
+  # A carried .baseline/resilient (an earlier commit's Python package) runs on the same _C.so,
+  # unless .baseline-src (an earlier commit's whole tree) is carried: then on its own.
+  if [ -d .baseline-src ]; then
+    log "build the baseline's native module"
+    configure .baseline-src build/gpu-base -DRESILIENT_TESTS=OFF || return 1
+    cmake --build build/gpu-base -j "$(nproc)" --target _C >"$OUT/build-base.log" 2>&1 ||
+      { grep -m 20 -A 5 error "$OUT/build-base.log"; return 1; }
+    rm -rf .baseline && mkdir .baseline && cp -r .baseline-src/python/resilient .baseline/
+    cp build/gpu-base/bindings/_C*.so .baseline/resilient/
+  elif [ -d .baseline/resilient ]; then
+    cp build/gpu/bindings/_C*.so .baseline/resilient/
+  fi
   # Use the machine's own OpenSSL at run time (the carried one was only for linking).
   rm -f $LIBDIR/libssl.so.3 $LIBDIR/libcrypto.so.3
   python -c "import resilient._C, torch; print('built; torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -99,6 +99,34 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
   }
 }
 
+// save_json parses the values on the writer thread: the same checkpoint as save(); text that is
+// not JSON fails that save on its handle and leaves the last checkpoint as it was.
+TEST_F(EngineTest, ValuesAsJsonTextAreParsedByTheWriter) {
+  auto c = make();
+  fill(5);
+  auto h = c->save_json(1, specs(), R"({"step": 1, "doc": [1, "x", null]})");
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  ASSERT_TRUE((*h)->wait(30s).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->values["step"], 1);
+  EXPECT_EQ(m->values["doc"][1], "x");
+  for (const char* bad : {"{\"step\": ", "not json", "{} trailing"}) {
+    auto b = c->save_json(2, specs(), bad);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    Status s = (*b)->wait(30s);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad << ": " << s.to_string();
+    EXPECT_NE(s.to_string().find("not valid JSON"), std::string::npos) << s.to_string();
+  }
+  auto steps = c->steps();
+  ASSERT_TRUE(steps.ok());
+  EXPECT_EQ(*steps, std::vector<int64_t>{1});
+  auto empty = c->save_json(3, specs(), "");  // no values: an empty object
+  ASSERT_TRUE(empty.ok());
+  ASSERT_TRUE((*empty)->wait(30s).ok());
+  EXPECT_TRUE(c->manifest(3)->values.empty());
+}
+
 // Restore reads consecutive extents in one call (as many as fill queue_depth x request_bytes),
 // with several threads, and chunks larger than the reader's slabs into heap buffers: every
 // combination restores the same bytes.

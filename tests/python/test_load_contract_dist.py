@@ -65,6 +65,14 @@ def _phase_save2(rank: int, world: int, root: str) -> dict:
     if holder is not None:
         holder.kill()
         holder.wait(30)
+    differ = resilient.Checkpointer(os.path.join(root, "..", "differ"), keep=3,
+                                    collective_timeout=10)
+    try:  # every rank raises, naming both steps, and nothing is written
+        differ.save(10 + rank, {"model": m})
+        out["differ"] = "saved"
+    except CollectiveError as e:
+        out["differ"] = str(e)
+    out["differ_steps"] = differ.steps()
     guarded = resilient.Checkpointer(root, keep=3, collective_timeout=2)
     t0 = time.monotonic()
     if rank == 0:
@@ -166,6 +174,9 @@ def test_world_size_changes_replica_checks_and_guarded_saves(tmp_path):
         assert "'ema'" in r["replica"] and "rank_state" in r["replica"], r["replica"]
         assert r["steps"] == [2]
     assert "collective" in saved[0]["guarded"] and "1 of 2" in saved[0]["guarded"]
+    for r in saved:
+        assert "different arguments" in r["differ"] and "10" in r["differ"], r["differ"]
+        assert "11" in r["differ"] and r["differ_steps"] == []
     for r in saved:  # a root locked by another process: every rank refuses, nothing written
         assert "another process" in r["locked"], r["locked"]
         assert not any(n.startswith(".tmp-step-000000000001") for n in r["locked_leftovers"])

@@ -178,6 +178,22 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step,
                                                        std::span<const TensorSpec> tensors,
                                                        nlohmann::json values, bool commit,
                                                        SaveMode mode) {
+  return enqueue(step, tensors, std::move(values), {}, commit, mode);
+}
+
+Result<std::shared_ptr<SaveHandle>> Checkpointer::save_json(int64_t step,
+                                                            std::span<const TensorSpec> tensors,
+                                                            std::string values_json, bool commit,
+                                                            SaveMode mode) {
+  if (values_json.empty()) values_json = "{}";
+  return enqueue(step, tensors, nlohmann::json::object(), std::move(values_json), commit, mode);
+}
+
+Result<std::shared_ptr<SaveHandle>> Checkpointer::enqueue(int64_t step,
+                                                          std::span<const TensorSpec> tensors,
+                                                          nlohmann::json values,
+                                                          std::string values_json, bool commit,
+                                                          SaveMode mode) {
   if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
   const TimePoint start = SteadyClock::instance().now();
   auto staging =
@@ -191,8 +207,9 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save(int64_t step,
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Job{step, std::move(staging).value(), std::move(values), commit, handle, start,
-                         issue_s, to_seconds(SteadyClock::instance().now() - start)});
+    queue_.push_back(Job{step, std::move(staging).value(), std::move(values),
+                         std::move(values_json), commit, handle, start, issue_s,
+                         to_seconds(SteadyClock::instance().now() - start)});
     pending_.push_back(handle);
   }
   cv_.notify_all();
@@ -226,7 +243,8 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save_staged(int64_t step, Stag
   auto handle = std::make_shared<SaveHandle>(step, nullptr);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Job{step, std::move(staging), std::move(values), commit, handle, start, 0, 0});
+    queue_.push_back(
+        Job{step, std::move(staging), std::move(values), {}, commit, handle, start, 0, 0});
     pending_.push_back(handle);
   }
   cv_.notify_all();
@@ -294,6 +312,12 @@ void Checkpointer::writer_loop() {
 }
 
 Status Checkpointer::write_job(Job& job, SaveStats& stats) {
+  if (!job.values_json.empty()) {
+    job.values = nlohmann::json::parse(job.values_json, nullptr, false);
+    if (job.values.is_discarded())
+      return Status(StatusCode::kInvalidArgument, "the values are not valid JSON");
+    std::string().swap(job.values_json);
+  }
   // Every file of the save is opened relative to this directory, never through a link.
   RESILIENT_ASSIGN_OR_RETURN(io::Dir dir, prepare_tmp_dir(options_.root, job.step, job.commit));
   // The further data files' engines, made by the first save (a checkpointer that only reads

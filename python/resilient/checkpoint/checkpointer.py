@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import operator
 import os
 import queue
 import re
@@ -50,7 +51,7 @@ import torch
 from resilient import _C, settings
 from resilient.checkpoint import codec, contract, views
 from resilient.checkpoint import root as roots
-from resilient.checkpoint.dtensor import is_dtensor, local_chunk
+from resilient.checkpoint.dtensor import is_dtensor, local_chunk, local_chunk_info
 from resilient.checkpoint.plan import (
     Held,
     Saved,
@@ -172,9 +173,9 @@ def tensor_descriptor(
     Called once per tensor inside save(), so the common case (a dense, contiguous CPU or CUDA
     tensor) takes as few calls into torch as possible.
     """
-    device = t.device
-    if device.type not in ("cpu", "cuda") or t.layout != torch.strided:
-        why = contract.unwritable(t) or f"{t.layout} tensors on {device}"
+    cuda = t.is_cuda
+    if not (cuda or t.is_cpu) or t.layout is not torch.strided:
+        why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
     if type(t) is not torch.Tensor and is_dtensor(t):
         raise TypeError(f"tensor {name!r}: a DTensor reaches the engine as its local chunk")
@@ -183,25 +184,26 @@ def tensor_descriptor(
     if not t.is_contiguous():
         t = t.contiguous()
     keep.append(t)
-    desc = {
-        "name": name,
-        "dtype": codec.dtype_name(t.dtype),
-        "shape": t.shape,
-        "ptr": t.data_ptr(),
-        "nbytes": t.nbytes,
-        "device": -1,
-    }
-    if device.type == "cuda":
+    dtype = t.dtype
+    dname = _DTYPE_NAMES.get(dtype)
+    if dname is None:
+        dname = _DTYPE_NAMES[dtype] = codec.dtype_name(dtype)
+    desc = {"name": name, "dtype": dname, "shape": t.shape, "ptr": t.data_ptr(),
+            "nbytes": t.nbytes, "device": -1}
+    if cuda:
         # The engine copies on its own stream, ordered after the stream that produced the tensor;
         # `keep` holds a reference so the caching allocator cannot reuse the memory meanwhile.
-        index = device.index
+        index = t.get_device()
         desc["device"] = index
         streams = {} if streams is None else streams  # one lookup per device and save
         stream = streams.get(index)
         if stream is None:
-            stream = streams[index] = torch.cuda.current_stream(device).cuda_stream
+            stream = streams[index] = torch.cuda.current_stream(index).cuda_stream
         desc["stream"] = stream
     return desc
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _local_chunks(tensors: dict[str, Any],
@@ -213,15 +215,15 @@ def _local_chunks(tensors: dict[str, Any],
     places, alone = {}, set()
     for name, t in tensors.items():
         if type(t) is not torch.Tensor and is_dtensor(t):
+            try:
+                tensors[name], places[name], replicated = local_chunk_info(t)
+            except ValueError as e:
+                raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
+            if not replicated:
+                alone.add(name)
             if meshes is not None:
                 mesh = t.device_mesh
                 meshes[id(mesh)] = mesh
-            try:
-                tensors[name], places[name] = local_chunk(t)
-            except ValueError as e:
-                raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
-            if not any(p.is_replicate() for p in t.placements):
-                alone.add(name)
     return places, alone
 
 
@@ -378,6 +380,7 @@ class Checkpointer:
         self.options = opts
         self._native = _C.Checkpointer(opts)
         self._plan_key: Any = None
+        self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
         self._held_cache: dict[tuple, Held] = {}  # (name, shape, dtype) -> Held (specs are fixed)
         self._everyone: list = []
@@ -441,7 +444,7 @@ class Checkpointer:
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
         meshes: dict[int, Any] = {}
-        chunks, alone = _local_chunks(enc.tensors, meshes)  # DTensor -> local chunk and place
+        chunks, alone = _local_chunks(enc.tensors, meshes if self.rank == 0 else None)
         held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
         _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
@@ -459,7 +462,11 @@ class Checkpointer:
                       else None)
         except Exception as e:
             problem, prints = e, None
-        key = hash((tuple(held), self.split_bytes))
+        last, split, key = self._key_of  # Held are cached: the same list hashes the same
+        if (split != self.split_bytes or len(held) != len(last)
+                or not all(map(operator.is_, held, last))):
+            key = hash((tuple(held), self.split_bytes))
+            self._key_of = (held, self.split_bytes, key)
         failed = [h for h in self._failed if not h._observed]
         report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
         why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
@@ -1415,10 +1422,13 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
         if name in skip:
             out.append(None)
             continue
-        if t.device.type == "cpu" and t.numel() * t.element_size() <= _SMALL_PRINT_BYTES:
+        if t.is_cpu and t.nbytes <= _SMALL_PRINT_BYTES:
             out.append(_small_fingerprint(t))
             continue
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if t.numel() == 0:  # no bytes (and views of its strides may not exist)
+            out.append((0, 0))
+            continue
+        b = _bytes_of(t)
         n8 = b.numel() // 8 * 8
         try:
             words = b[:n8].view(torch.int64)
@@ -1435,10 +1445,22 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
 _SMALL_PRINT_BYTES = 256
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes written for `t` (conjugate and negative views resolved), as a 1-D uint8 view
+    of a dense copy where `t` is not dense (a size-1 dimension may have any stride)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dim() and t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _small_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """_fingerprints' value for a small host tensor, computed on its bytes in Python: the
     wrapping int64 sum of its 8-byte words, and the sum of its tail bytes + 256 x its size."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    try:  # the bytes in C order, as contiguous() lays them out
+        b = (t.detach() if t.requires_grad else t).numpy().tobytes()
+    except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
+        b = _bytes_of(t).numpy().tobytes() if t.numel() else b""
     n8 = len(b) // 8 * 8
     words = sum(int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, n8, 8))
     return (words + 2**63) % 2**64 - 2**63, sum(b[n8:]) + 256 * len(b)

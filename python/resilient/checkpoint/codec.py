@@ -67,42 +67,73 @@ def _is_namedtuple(obj: Any) -> bool:
 
 def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
     """Encodes `state`; tensor names are the '/'-joined key paths (unique, deterministic).
-    `state_of(obj)`: what a Stateful object saves (default: its ``state_dict()``)."""
-    out = Encoded(doc=None)
-    state_of = state_of or (lambda obj: obj.state_dict())
+    `state_of(obj)`: what a Stateful object saves (default: its ``state_dict()``).
 
-    def name_for(path: tuple[str, ...]) -> str:
-        base = "/".join(path) or "tensor"
+    Runs in every save (a few thousand nodes for a large model's state and its optimizer), so
+    the walk carries its path as one string and tests the common exact types first."""
+    out = Encoded(doc=None)
+    tensors = out.tensors
+    state_of = state_of or (lambda obj: obj.state_dict())
+    tensor_type, ndarray = torch.Tensor, np.ndarray
+
+    def name_for(path: str) -> str:
+        base = path or "tensor"
         name, n = base, 1
-        while name in out.tensors:
+        while name in tensors:
             n += 1
             name = f"{base}#{n}"
         return name
 
-    def pairs(obj: dict, path: tuple[str, ...]) -> list:
-        return [[enc(k, (*path, "$key")), enc(v, (*path, key_str(k)))] for k, v in obj.items()]
+    def pairs(obj: dict, path: str, depth: int) -> list:
+        key_path = f"{path}/$key" if depth else "$key"
+        prefix = f"{path}/" if depth else ""
+        return [[k if type(k) is str and _plain_str(k) else enc(k, key_path, depth + 1),
+                 enc(v, prefix + key_str(k), depth + 1)] for k, v in obj.items()]
 
-    def enc(obj: Any, path: tuple[str, ...]) -> Any:
-        if len(path) > MAX_DEPTH:
-            raise ValueError(f"{'/'.join(path[:8])}...: state nested deeper than {MAX_DEPTH}")
-        if isinstance(obj, torch.Tensor):
+    def enc(obj: Any, path: str, depth: int) -> Any:
+        # `path` is the '/'-join of the keys leading here; `depth` how many there are.
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{'/'.join(path.split('/')[:8])}...: state nested deeper than "
+                             f"{MAX_DEPTH}")
+        kind = type(obj)
+        if kind is str:
+            obj.encode("utf-8")  # lone surrogates cannot be stored; fail here, clearly
+            return obj
+        if isinstance(obj, tensor_type):
             name = name_for(path)
-            out.tensors[name] = obj
+            tensors[name] = obj
             return {TENSOR: name}
-        if isinstance(obj, np.ndarray):
+        prefix = f"{path}/" if depth else ""
+        if kind is dict:
+            plain = True
+            for k in obj:
+                if type(k) is not str or k.startswith("$"):
+                    plain = False
+                    break
+            if plain and _is_sorted(obj):  # a JSON object keeps sorted keys only
+                return {k: enc(v, prefix + k.replace("/", "%2F"), depth + 1)
+                        for k, v in obj.items()}
+            return {DICT: pairs(obj, path, depth)}
+        if kind is list:
+            return [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
+        if obj is None or kind is bool:
+            return obj
+        if kind is int:
+            return obj if _INT64_MIN <= obj <= _INT64_MAX else {BIGINT: str(obj)}
+        if kind is float:
+            return obj if math.isfinite(obj) else {FLOAT: repr(obj)}
+        if isinstance(obj, ndarray):
             if obj.dtype.hasobject:
-                raise TypeError(
-                    f"{'/'.join(path)}: numpy object arrays cannot be saved without pickle"
-                )
+                raise TypeError(f"{path}: numpy object arrays cannot be saved without pickle")
             name = name_for(path)
-            out.tensors[name] = torch.from_numpy(np.ascontiguousarray(obj))
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(obj))
             return {NDARRAY: name}
-        if obj is None or isinstance(obj, (bool, str)):
+        if isinstance(obj, (bool, str)):  # subclasses
             if isinstance(obj, str):
-                obj.encode("utf-8")  # lone surrogates cannot be stored; fail here, clearly
+                obj.encode("utf-8")
             return obj
         if isinstance(obj, np.generic):
-            return {NPSCALAR: obj.dtype.str, "value": enc(obj.item(), path)}
+            return {NPSCALAR: obj.dtype.str, "value": enc(obj.item(), path, depth)}
         if isinstance(obj, int):
             return obj if _INT64_MIN <= obj <= _INT64_MAX else {BIGINT: str(obj)}
         if isinstance(obj, float):
@@ -110,30 +141,44 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if isinstance(obj, (bytes, bytearray)):
             return {BYTES: base64.b64encode(bytes(obj)).decode("ascii")}
         if _is_namedtuple(obj):
-            values = [enc(v, (*path, str(f))) for f, v in zip(obj._fields, obj)]
+            values = [enc(v, prefix + str(f), depth + 1) for f, v in zip(obj._fields, obj)]
             return {NAMEDTUPLE: {"name": type(obj).__name__, "fields": list(obj._fields),
                                  "values": values}}
         if isinstance(obj, tuple):
-            return {TUPLE: [enc(v, (*path, str(i))) for i, v in enumerate(obj)]}
+            return {TUPLE: [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
-            return [enc(v, (*path, str(i))) for i, v in enumerate(obj)]
+            return [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, OrderedDict):
-            return {ODICT: pairs(obj, path)}
+            return {ODICT: pairs(obj, path, depth)}
         if isinstance(obj, dict):
             keys = list(obj)
             plain = all(isinstance(k, str) and not k.startswith("$") for k in keys)
-            if plain and keys == sorted(keys):  # a JSON object keeps sorted keys only
-                return {k: enc(v, (*path, key_str(k))) for k, v in obj.items()}
-            return {DICT: pairs(obj, path)}
+            if plain and keys == sorted(keys):
+                return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
+            return {DICT: pairs(obj, path, depth)}
         if is_stateful(obj):
-            return {STATEFUL: enc(state_of(obj), path)}
+            return {STATEFUL: enc(state_of(obj), path, depth)}
         raise TypeError(
-            f"{'/'.join(path) or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
+            f"{path or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
             "use tensors, numpy arrays, plain values, containers or objects with state_dict()"
         )
 
-    out.doc = enc(state, ())
+    out.doc = enc(state, "", 0)
     return out
+
+
+def _plain_str(key: str) -> bool:
+    """A str key that enc() returns as it is (one it does not need to check or tag)."""
+    return key.isascii()
+
+
+def _is_sorted(obj: dict) -> bool:
+    prev = None
+    for k in obj:
+        if prev is not None and k < prev:
+            return False
+        prev = k
+    return True
 
 
 def tag_of(obj: dict) -> str | None:

@@ -79,16 +79,22 @@ def why_not_local(t: Any) -> str | None:
     return None
 
 
-# local_chunk's answer by placement spec object: id(spec) -> (spec, why_not_local, place). The
-# spec is held, so its id is not reused while cached. A parameter keeps its spec object from
-# save to save (module.state_dict(keep_vars=True) hands out the parameters themselves), and
-# hashing a spec for _BY_SPEC costs microseconds per DTensor per save.
-_BY_SPEC_OBJECT: dict[int, tuple[Any, str | None, ShardSpec | None]] = {}
+# local_chunk's answer by placement spec object: id(spec) -> (spec, why_not_local, place,
+# replicated). The spec is held, so its id is not reused while cached. A parameter keeps its spec
+# object from save to save (module.state_dict(keep_vars=True) hands out the parameters
+# themselves), and hashing a spec for _BY_SPEC costs microseconds per DTensor per save.
+_BY_SPEC_OBJECT: dict[int, tuple[Any, str | None, ShardSpec | None, bool]] = {}
 
 
 def local_chunk(t: Any) -> tuple[torch.Tensor, ShardSpec]:
     """(this rank's local tensor, sharing the DTensor's storage; its place in the global tensor).
     ValueError naming why for a DTensor that has no single local chunk."""
+    local, place, _ = local_chunk_info(t)
+    return local, place
+
+
+def local_chunk_info(t: Any) -> tuple[torch.Tensor, ShardSpec, bool]:
+    """local_chunk(t), and whether other ranks hold the same chunk (a Replicate placement)."""
     local = local_tensor(t)
     spec = getattr(t, "_spec", None)
     hit = _BY_SPEC_OBJECT.get(id(spec)) if spec is not None else None
@@ -101,15 +107,16 @@ def local_chunk(t: Any) -> tuple[torch.Tensor, ShardSpec]:
             place = ShardSpec(tuple(int(x) for x in t.shape),
                               tuple(int(x) for x in chunk.offsets),
                               tuple(int(x) for x in chunk.sizes))
+        replicated = any(p.is_replicate() for p in t.placements)
         if spec is not None:
             if len(_BY_SPEC_OBJECT) > 1 << 14:
                 _BY_SPEC_OBJECT.clear()
-            _BY_SPEC_OBJECT[id(spec)] = (spec, why, place)
+            _BY_SPEC_OBJECT[id(spec)] = (spec, why, place, replicated)
     else:
-        _, why, place = hit
+        _, why, place, replicated = hit
     if why is not None:
         raise ValueError(why)
-    return (local.detach() if local.requires_grad else local), place
+    return (local.detach() if local.requires_grad else local), place, replicated
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -117,4 +124,5 @@ def storage_ptr(t: torch.Tensor) -> int:
     return local_tensor(t).data_ptr() if is_dtensor(t) else t.data_ptr()
 
 
-__all__ = ["is_dtensor", "local_chunk", "local_tensor", "storage_ptr", "why_not_local"]
+__all__ = ["is_dtensor", "local_chunk", "local_chunk_info", "local_tensor", "storage_ptr",
+           "why_not_local"]

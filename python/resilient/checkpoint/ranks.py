@@ -6,10 +6,13 @@ load code is the same for 1 and N ranks. With N ranks, small objects travel over
 and the commit protocol's reports over the job's store.
 
 Every collective call of a checkpointer first *enters*: each rank adds itself to a counter in
-the store; the last one in marks the entry complete. A rank that waits longer than
-``collective_timeout`` (default 30 s) for that mark raises CollectiveError saying how many ranks
-arrived, instead of blocking in gloo for the process group's timeout (the usual cause is a save
-guarded by ``if rank == 0``). The entry also checks that every rank passed the same step.
+the store and waits until every rank is in. A rank that waits longer than
+``collective_timeout`` (default 30 s) raises CollectiveError saying how many ranks arrived,
+instead of blocking in gloo for the process group's timeout (the usual cause is a save guarded
+by ``if rank == 0``). The entry also checks that every rank passed the same step: the first
+rank in leaves its argument in the store and every later one compares its own with it; one
+that differs raises and marks the entry broken, which ends the others' next gather. A rank
+makes the same few store calls whatever the world size.
 """
 
 from __future__ import annotations
@@ -166,47 +169,45 @@ class Ranks:
                                   f"earlier error ({self.broken}); close it and create a new one")
         self._seq += 1
         prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
-        mine = json.dumps(arg)
-        self.store.set(f"{prefix}/arg{self.rank}", mine)
-        if self.store.add(f"{prefix}/count", 1) == self.world_size:
-            self.store.set(f"{prefix}/all", "1")
         broken = f"{prefix}/broken"  # set by a rank that gave up: late arrivals give up too
-        try:
-            wait_key(self.store, f"{prefix}/all", self.collective_timeout, abort=broken)
-        except Exception as e:
-            arrived = self.store.add(f"{prefix}/count", 0)
-            self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
-            self.store.set(broken, f"{op}() is collective and rank {self.rank} gave up waiting "
-                           f"for the others ({self.broken})")
-            raise CollectiveError(
-                f"{op}() is collective: every rank of the process group must call it (rank "
-                f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} ranks "
-                f"did within {self.collective_timeout:g} s; a call guarded by `if rank == 0` "
-                "does this; for a checkpoint written by one process pass distributed=False)"
-            ) from e
-        if self.rank == 0:
-            others = [self.store.get(f"{prefix}/arg{r}").decode() for r in range(self.world_size)]
-            verdict = "ok" if len(set(others)) == 1 else json.dumps(
-                {r: json.loads(a) for r, a in enumerate(others)})
+        # A constant number of store calls per rank, whatever the world size: the first rank in
+        # leaves its argument, each later one reads it back in the same call.
+        mine = json.dumps([self.rank, arg])
+        first = self.store.compare_set(f"{prefix}/arg", "", mine).decode()
+        arrived = self.store.add(f"{prefix}/count", 1)
+        deadline = time.monotonic() + self.collective_timeout
+        delay = 0.0002
+        while arrived < self.world_size:
             if self.store.check([broken]):
-                verdict = self.store.get(broken).decode()
-            self.store.set(f"{prefix}/verdict", verdict)
-        try:
-            wait_key(self.store, f"{prefix}/verdict", self.collective_timeout, abort=broken)
-        except CollectiveError:
-            self.broken = f"{op}({arg!r}): a peer gave up"
-            raise
-        verdict = self.store.get(f"{prefix}/verdict").decode()
-        if verdict != "ok":
+                self.broken = f"{op}({arg!r}): a peer gave up"
+                raise CollectiveError(self.store.get(broken).decode())
+            if time.monotonic() >= deadline:
+                self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
+                self.store.set(broken, f"{op}() is collective and rank {self.rank} gave up "
+                               f"waiting for the others ({self.broken})")
+                raise CollectiveError(
+                    f"{op}() is collective: every rank of the process group must call it (rank "
+                    f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} "
+                    f"ranks did within {self.collective_timeout:g} s; a call guarded by `if rank "
+                    "== 0` does this; for a checkpoint written by one process pass "
+                    "distributed=False)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+            arrived = self.store.add(f"{prefix}/count", 0)
+        other_rank, other = json.loads(first)
+        if json.dumps(other) != json.dumps(arg):  # tell the others (their gather ends on it)
+            verdict = json.dumps({other_rank: other, self.rank: arg})
             self.broken = f"{op}({arg!r}): {verdict[:200]}"
-            if not verdict.startswith("{"):
-                raise CollectiveError(verdict)
-            raise CollectiveError(f"{op}() was called with different arguments on different "
-                                  f"ranks (rank: argument): {verdict}")
+            message = (f"{op}() was called with different arguments on different ranks "
+                       f"(rank: argument): {verdict}")
+            self.store.compare_set(broken, "", message)
+            raise CollectiveError(message)
+        if self.store.check([broken]):  # another rank found a difference or gave up
+            self.broken = f"{op}({arg!r}): a peer gave up"
+            raise CollectiveError(self.store.get(broken).decode())
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
             old = f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}"
-            for key in [f"{old}/count", f"{old}/all", f"{old}/verdict", f"{old}/broken"] + [
-                    f"{old}/arg{r}" for r in range(self.world_size)]:
+            for key in (f"{old}/count", f"{old}/arg", f"{old}/broken"):
                 try:
                     self.store.delete_key(key)
                 except Exception:

@@ -115,6 +115,12 @@ class Checkpointer {
   Result<std::shared_ptr<SaveHandle>> save(int64_t step, std::span<const TensorSpec> tensors,
                                            nlohmann::json values, bool commit = true,
                                            SaveMode mode = SaveMode::kBlocking);
+  /// save() with the values as JSON text, parsed on the writer thread rather than the caller's
+  /// (a large state's document takes milliseconds to parse); text that is not JSON fails the
+  /// save (the handle's error, kInvalidArgument).
+  Result<std::shared_ptr<SaveHandle>> save_json(int64_t step, std::span<const TensorSpec> tensors,
+                                                std::string values_json, bool commit = true,
+                                                SaveMode mode = SaveMode::kBlocking);
   /// The snapshot half of save(): copies `tensors` into slabs of the pool and returns once every
   /// copy (device copies included) completed, so the caller may change its tensors.
   Result<Staging> stage(std::span<const TensorSpec> tensors);
@@ -142,6 +148,7 @@ class Checkpointer {
     int64_t step;
     Staging staging;
     nlohmann::json values;
+    std::string values_json;  // when not empty: parsed into `values` by the writer
     bool commit;
     std::shared_ptr<SaveHandle> handle;
     TimePoint started;
@@ -149,6 +156,9 @@ class Checkpointer {
     double snapshot_s;
   };
   explicit Checkpointer(CheckpointOptions options);
+  Result<std::shared_ptr<SaveHandle>> enqueue(int64_t step, std::span<const TensorSpec> tensors,
+                                              nlohmann::json values, std::string values_json,
+                                              bool commit, SaveMode mode);
   void writer_loop();
   Status write_job(Job& job, SaveStats& stats);
 
