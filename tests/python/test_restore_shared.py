@@ -45,69 +45,84 @@ def _same(a, b) -> bool:
     return torch.equal(*local)
 
 
-def _worker(rank: int, world: int, port: int, phase: str, root: str, out: str) -> None:
-    import torch
+def _worker(rank: int, world: int, port: int, phases: str, root: str, out: str) -> None:
+    """Runs the comma-separated `phases` one after the other in one process group (each
+    process start costs seconds of imports on a small machine)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
 
-    import resilient
     from resilient.checkpoint import shm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     mesh = init_device_mesh("cpu", (world,))
+    shm_dir = shm.DIR
+    for phase in phases.split(","):
+        result = _phase(rank, world, mesh, phase, root, out)
+        shm.DIR = shm_dir  # as the phase found it
+        dist.barrier()
+        _report(result, phase, world, rank, out)
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict:
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    import resilient
+    from resilient.checkpoint import shm
+
     expect, specs = _state(rank, world, mesh)
     result: dict = {}
     if phase == "save":
         with resilient.Checkpointer(root, keep=0, create=True, specs=specs) as ck:
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
-    else:
-        mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared"}.get(phase, phase)
-        if phase == "nobuffer":  # the buffer cannot be created
-            shm.DIR = "/nonexistent-shm-dir"
-        if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
-            shm.DIR = out
-        if phase == "dies" and rank == 1:  # dies after the buffer exists, before the reads agree
-            shm.open_mapped = lambda *_: os._exit(0)
-        target = {"rep": torch.zeros(3000, 100), "w": torch.zeros_like(expect["w"]), "i": 0}
-        for k in ("dt", "dr"):
-            target[k] = distribute_tensor(torch.zeros_like(expect[k].full_tensor()), mesh,
-                                          expect[k].placements)
-        mine = {"r": torch.tensor([-1])}
-        with resilient.Checkpointer(root, specs=specs, restore=mode,
-                                    collective_timeout=10 if phase == "dies" else None) as ck:
-            try:
-                result["step"] = ck.load(target, mine)
-                result["same"] = all(_same(target[k], expect[k])
-                                     for k in ("rep", "w", "dt", "dr"))
-                result["i"], result["r"] = target["i"], int(mine["r"])
-                result["bytes_read"] = ck.last_load.bytes_read
-            except Exception as e:  # noqa: BLE001 -- reported to the test
-                result["error"] = f"{type(e).__name__}: {e}"
-            if phase == "dies":  # no barrier, no close: a rank is gone
-                _report(result, phase, world, rank, out)
-    dist.barrier()
-    _report(result, phase, world, rank, out, barrier=dist.barrier)
+        return result
+    mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared"}.get(phase, phase)
+    if phase == "nobuffer":  # the buffer cannot be created
+        shm.DIR = "/nonexistent-shm-dir"
+    if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
+        shm.DIR = out
+    if phase == "dies" and rank == 1:  # dies after the buffer exists, before the reads agree
+        shm.open_mapped = lambda *_: os._exit(0)
+    target = {"rep": torch.zeros(3000, 100), "w": torch.zeros_like(expect["w"]), "i": 0}
+    for k in ("dt", "dr"):
+        target[k] = distribute_tensor(torch.zeros_like(expect[k].full_tensor()), mesh,
+                                      expect[k].placements)
+    mine = {"r": torch.tensor([-1])}
+    with resilient.Checkpointer(root, specs=specs, restore=mode,
+                                collective_timeout=10 if phase == "dies" else None) as ck:
+        try:
+            result["step"] = ck.load(target, mine)
+            result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
+            result["i"], result["r"] = target["i"], int(mine["r"])
+            result["bytes_read"] = ck.last_load.bytes_read
+        except Exception as e:  # noqa: BLE001 -- reported to the test
+            result["error"] = f"{type(e).__name__}: {e}"
+        if phase == "dies":  # no barrier, no close: a rank is gone
+            _report(result, phase, world, rank, out)
+            sys.stdout.flush()
+            os._exit(0)
+    return result
 
 
-def _report(result: dict, phase: str, world: int, rank: int, out: str, barrier=None) -> None:
+def _report(result: dict, phase: str, world: int, rank: int, out: str) -> None:
     # this job's buffers only (named after the creator's pid): other jobs may run at once
     mine = f"resilient-restore-{os.getpid()}-"
     result["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
     with open(os.path.join(out, f"{phase}-{world}-{rank}.json"), "w") as f:
         json.dump(result, f)
-    if barrier is not None:
-        barrier()
-    sys.stdout.flush()
-    os._exit(0)
 
 
-def _run(phase: str, world: int, root, out, ranks=None) -> list[dict]:
-    rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root), str(out)],
-                             240, f"{phase} at {world}")
+def _run(phases: str, world: int, root, out, ranks=None) -> dict[str, list[dict]]:
+    """Each phase's results (rank order) from one process group running `phases`."""
+    rc, output = run_bounded([sys.executable, __file__, phases, str(world), str(root),
+                              str(out)], 240, f"{phases} at {world}")
     assert rc == 0, output[-4000:]
-    return [json.load(open(out / f"{phase}-{world}-{r}.json")) for r in ranks or range(world)]
+    return {phase: [json.load(open(out / f"{phase}-{world}-{r}.json"))
+                    for r in ranks or range(world)] for phase in phases.split(",")}
 
 
 def _size(root) -> int:
@@ -117,35 +132,50 @@ def _size(root) -> int:
         return sum(e["nbytes"] for e in ck._native.manifest(1).tensors())
 
 
-@pytest.mark.timeout(1200)
-def test_shared_restore_reads_each_byte_once_per_host(tmp_path):
-    root = tmp_path / "ckpt"
-    _run("save", 4, root, tmp_path)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint saved by 4 ranks, once for this module's tests (each loads a copy)."""
+    out = tmp_path_factory.mktemp("saved")
+    _run("save", 4, out / "ckpt", out)
+    return out / "ckpt"
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    return shutil.copytree(saved, tmp_path / "ckpt", symlinks=True)
+
+
+@pytest.mark.timeout(900)
+def test_shared_restore_reads_each_byte_once_per_host(saved, tmp_path):
+    root = _copy(saved, tmp_path)
+    at4 = _run("shared,direct", 4, root, tmp_path)
     size = _size(root)
-    got = _run("shared", 4, root, tmp_path)
-    for r, g in enumerate(got):
+    for r, g in enumerate(at4["shared"]):
         assert g.get("error") is None, g
         assert g["step"] == 1 and g["same"] and g["i"] == 7 and g["r"] == r
         assert g["bytes_read"] == size  # every byte of the checkpoint, once
         assert not g["leftovers"]
-    direct = _run("direct", 4, root, tmp_path)
+    direct = at4["direct"]
     assert direct[0]["same"] and direct[0]["bytes_read"] > 2 * size  # replicated: once per rank
-    for world in (3, 2):  # resharded: rank_state of the ranks >= world is not read
-        got = _run("shared", world, root, tmp_path)
+    # resharded: rank_state of the ranks >= world is not read; then a buffer that cannot be
+    # created, and one the other ranks cannot see: every rank reads directly instead
+    at3 = _run("shared,nobuffer,notshared", 3, root, tmp_path)
+    at2 = _run("shared", 2, root, tmp_path)
+    for got in (at3["shared"], at2["shared"]):
         assert all(g.get("error") is None and g["same"] for g in got), got
         assert got[0]["bytes_read"] < size
         assert not any(g["leftovers"] for g in got)
-    for phase in ("nobuffer", "notshared"):  # every rank reads directly instead
-        fallback = _run(phase, 3, root, tmp_path)
+    for phase in ("nobuffer", "notshared"):
+        fallback = at3[phase]
         assert all(g.get("error") is None and g["same"] for g in fallback), fallback
         assert fallback[0]["bytes_read"] > size  # replicated pieces read by every rank
         assert not any(g["leftovers"] for g in fallback)
 
 
 @pytest.mark.timeout(300)
-def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(tmp_path):
-    root = tmp_path / "ckpt"
-    _run("save", 4, root, tmp_path)
+def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(saved, tmp_path):
+    root = _copy(saved, tmp_path)
     step = root / "step-000000000001"
     data = sorted(p for p in step.rglob("*") if p.is_file() and p.stat().st_size > 100_000)
     assert data, list(step.rglob("*"))
@@ -154,17 +184,15 @@ def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(tmp_path):
         chunk = bytearray(f.read(64))
         f.seek(8192)
         f.write(bytes(b ^ 0xFF for b in chunk))
-    got = _run("shared", 4, root, tmp_path)
-    for g in got:
+    for g in _run("shared", 4, root, tmp_path)["shared"]:
         assert "error" in g and "Corrupt" in g["error"], g
         assert not g["leftovers"]
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_that_dies_mid_load_leaves_no_buffer(tmp_path):
-    root = tmp_path / "ckpt"
-    _run("save", 4, root, tmp_path)
-    got = _run("dies", 4, root, tmp_path, ranks=(0, 2, 3))  # rank 1 exits once the buffer exists
+def test_a_rank_that_dies_mid_load_leaves_no_buffer(saved, tmp_path):
+    root = _copy(saved, tmp_path)
+    got = _run("dies", 4, root, tmp_path, ranks=(0, 2, 3))["dies"]  # rank 1 exits in the load
     for g in got:
         assert "error" in g, g
         assert not g["leftovers"]  # rank 0 created it and unlinked it on the way out
