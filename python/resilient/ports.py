@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 
@@ -17,11 +18,22 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
+    """Free on every IPv4 address, and on every IPv6 one where the host has IPv6 (a store may
+    listen on [::])."""
     with socket.socket() as s:
         try:
             s.bind(("", port))
         except OSError:
             return False
+    try:
+        s6 = socket.socket(socket.AF_INET6)
+    except OSError:  # no IPv6 here
+        return True
+    with s6:
+        try:
+            s6.bind(("::", port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE  # another error: IPv6 is off, not the port taken
     return True
 
 

@@ -107,12 +107,11 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if kind is dict:
             plain = True
             for k in obj:
-                if type(k) is not str or k.startswith("$"):
+                if not isinstance(k, str) or k.startswith("$"):
                     plain = False
                     break
             if plain and _is_sorted(obj):  # a JSON object keeps sorted keys only
-                return {k: enc(v, prefix + k.replace("/", "%2F"), depth + 1)
-                        for k, v in obj.items()}
+                return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
             return {DICT: pairs(obj, path, depth)}
         if kind is list:
             return [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]

@@ -11,8 +11,8 @@ the store and waits until every rank is in. A rank that waits longer than
 instead of blocking in gloo for the process group's timeout (the usual cause is a save guarded
 by ``if rank == 0``). The entry also checks that every rank passed the same step: the first
 rank in leaves its argument in the store and every later one compares its own with it; one
-that differs raises and marks the entry broken, which ends the others' next gather. A rank
-makes the same few store calls whatever the world size.
+that differs marks the entry broken and raises without counting itself in, so every other rank
+raises while it waits. A rank makes the same few store calls whatever the world size.
 """
 
 from __future__ import annotations
@@ -173,7 +173,16 @@ class Ranks:
         # A constant number of store calls per rank, whatever the world size: the first rank in
         # leaves its argument, each later one reads it back in the same call.
         mine = json.dumps([self.rank, arg])
-        first = self.store.compare_set(f"{prefix}/arg", "", mine).decode()
+        other_rank, other = json.loads(self.store.compare_set(f"{prefix}/arg", "", mine))
+        if json.dumps(other) != json.dumps(arg):
+            # Raise without counting in: the count never completes, so every other rank sees
+            # `broken` while it waits and raises too, before anything else happens.
+            verdict = json.dumps({other_rank: other, self.rank: arg})
+            self.broken = f"{op}({arg!r}): {verdict[:200]}"
+            message = (f"{op}() was called with different arguments on different ranks "
+                       f"(rank: argument): {verdict}")
+            self.store.compare_set(broken, "", message)
+            raise CollectiveError(message)
         arrived = self.store.add(f"{prefix}/count", 1)
         deadline = time.monotonic() + self.collective_timeout
         delay = 0.0002
@@ -194,15 +203,7 @@ class Ranks:
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
             arrived = self.store.add(f"{prefix}/count", 0)
-        other_rank, other = json.loads(first)
-        if json.dumps(other) != json.dumps(arg):  # tell the others (their gather ends on it)
-            verdict = json.dumps({other_rank: other, self.rank: arg})
-            self.broken = f"{op}({arg!r}): {verdict[:200]}"
-            message = (f"{op}() was called with different arguments on different ranks "
-                       f"(rank: argument): {verdict}")
-            self.store.compare_set(broken, "", message)
-            raise CollectiveError(message)
-        if self.store.check([broken]):  # another rank found a difference or gave up
+        if self.store.check([broken]):  # a rank gave up as the count completed
             self.broken = f"{op}({arg!r}): a peer gave up"
             raise CollectiveError(self.store.get(broken).decode())
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls

@@ -76,7 +76,6 @@ from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, JOIN_STORE_
 log = logging.getLogger("resilient.recovery")
 
 
-
 @dataclass
 class Verdict:
     """What the agent does with its group after one poll (see :func:`judge`)."""

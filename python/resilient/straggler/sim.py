@@ -151,7 +151,6 @@ def _worker(rank: int, world: int, init_method: str, scenarios: list[Scenario],
         json.dump(results, f)
 
 
-
 def run_world(scenarios: list[Scenario], world: int = 4,
               timeout_s: float = 150.0) -> list[list[ScenarioResult]]:
     """Runs the scenarios in `world` spawned processes; returns results[rank][scenario].

@@ -42,7 +42,6 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if kept(f))
 
 
-
 def spawn(worker: Callable[..., None], nprocs: int, args: tuple) -> None:
     """Runs worker(rank, *args) in `nprocs` fresh processes and waits for all of them; raises
     if one fails (torch.multiprocessing's ProcessRaisedException names the rank)."""
