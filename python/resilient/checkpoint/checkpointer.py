@@ -1457,9 +1457,13 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 def _small_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """_fingerprints' value for a small host tensor, computed on its bytes in Python: the
     wrapping int64 sum of its 8-byte words, and the sum of its tail bytes + 256 x its size."""
-    try:  # the bytes in C order, as contiguous() lays them out
-        b = (t.detach() if t.requires_grad else t).numpy().tobytes()
-    except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
+    b = None
+    if t.is_contiguous():  # numpy copies a dense array's bytes as they are (a strided copy of a
+        try:  # bool array would turn a byte 2 into 1)
+            b = (t.detach() if t.requires_grad else t).numpy().tobytes()
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
+            pass
+    if b is None:
         b = _bytes_of(t).numpy().tobytes() if t.numel() else b""
     n8 = len(b) // 8 * 8
     words = sum(int.from_bytes(b[i:i + 8], "little", signed=True) for i in range(0, n8, 8))
