@@ -90,6 +90,12 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         return [[k if type(k) is str and _plain_str(k) else enc(k, key_path, depth + 1),
                  enc(v, prefix + key_str(k), depth + 1)] for k, v in obj.items()]
 
+    def mapping(obj: dict, path: str, prefix: str, depth: int) -> Any:
+        plain = all(isinstance(k, str) and not k.startswith("$") for k in obj)
+        if plain and _is_sorted(obj):  # a JSON object keeps sorted keys only
+            return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
+        return {DICT: pairs(obj, path, depth)}
+
     def enc(obj: Any, path: str, depth: int) -> Any:
         # `path` is the '/'-join of the keys leading here; `depth` how many there are.
         if depth > MAX_DEPTH:
@@ -105,14 +111,7 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
             return {TENSOR: name}
         prefix = f"{path}/" if depth else ""
         if kind is dict:
-            plain = True
-            for k in obj:
-                if not isinstance(k, str) or k.startswith("$"):
-                    plain = False
-                    break
-            if plain and _is_sorted(obj):  # a JSON object keeps sorted keys only
-                return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
-            return {DICT: pairs(obj, path, depth)}
+            return mapping(obj, path, prefix, depth)
         if kind is list:
             return [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
         if obj is None or kind is bool:
@@ -150,11 +149,7 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if isinstance(obj, OrderedDict):
             return {ODICT: pairs(obj, path, depth)}
         if isinstance(obj, dict):
-            keys = list(obj)
-            plain = all(isinstance(k, str) and not k.startswith("$") for k in keys)
-            if plain and keys == sorted(keys):
-                return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
-            return {DICT: pairs(obj, path, depth)}
+            return mapping(obj, path, prefix, depth)
         if is_stateful(obj):
             return {STATEFUL: enc(state_of(obj), path, depth)}
         raise TypeError(
