@@ -47,12 +47,16 @@ class Weed:
             json.dump({"identities": [{"name": "tester", "credentials": [
                 {"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        # Volume count and size are fixed: left to `mini`, they follow the disk's free space, and
+        # on a nearly full disk every bucket's first write fails with "no free volumes left"
+        # (CI, test_tiers_s3). Volumes are sparse files, so 64 of 64 MB cost nothing up front.
         data = os.path.join(self.dir, f"data-{time.monotonic_ns()}")  # mini reloads its options
         os.makedirs(data)
         args = [binary, f"-logdir={self.dir}", "mini", f"-dir={data}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-master.telemetry=false", "-webdav=false",
                 "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-volume.preStopSeconds=0", f"-filer.localSocket={self.dir}/filer.sock",
+                "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64", "-volume.max=64",
+                f"-filer.localSocket={self.dir}/filer.sock",
                 f"-s3.localSocket={self.dir}/s3.sock", f"-s3.config={self.dir}/s3.json",
                 f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
                 f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
