@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -93,7 +94,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core trains, the other is the background's
     work = tempfile.mkdtemp(prefix="tier-bench-")
-    weed = Weed(os.path.join(work, "weed")).start()
+    weed = Weed(os.path.join(work, "weed"))
+    try:
+        _bench(args, work, weed.start())
+    finally:  # a run leaves gigabytes of checkpoints behind otherwise
+        weed.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, work: str, weed: Weed) -> None:
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
                       AWS_DEFAULT_REGION="us-east-1", RESILIENT_TIER_CLOSE_TIMEOUT_S="0")
     for b in ("ok", "slow", "full"):
@@ -191,7 +200,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"checkpoint_bytes": nbytes, "rows": rows}, f, indent=1)
     proxy.proc.terminate()
-    weed.stop()
 
 
 if __name__ == "__main__":
