@@ -450,7 +450,8 @@ class Checkpointer:
         renc = views.encode(rank_state) if rank_state is not None else None
         for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
             _check_savable(name, t)
-        self._ranks.enter("save", step)
+        # The first save creates the root: every rank's call is compared before it does.
+        self._ranks.enter("save", step, check=self._save_seq == 0)
         problem = None
         try:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
@@ -821,7 +822,7 @@ class Checkpointer:
             raise ValueError("world_change must be 'warn' or 'raise'")
         self.wait_snapshot()
         self._wait_in_flight()
-        self._ranks.enter("load", step)
+        self._ranks.enter("load", step, check=True)  # before rank 0 fetches from a tier
         found: Any = None
         if self.rank == 0:
             try:

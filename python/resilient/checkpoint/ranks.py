@@ -5,14 +5,15 @@ return the caller's own object and the store is an in-process HashStore, so the 
 load code is the same for 1 and N ranks. With N ranks, small objects travel over a gloo group
 and the commit protocol's reports over the job's store.
 
-Every collective call of a checkpointer first *enters*: each rank adds itself to a counter in
-the store and waits until every rank is in. A rank that waits longer than
-``collective_timeout`` (default 30 s) raises CollectiveError saying how many ranks arrived,
-instead of blocking in gloo for the process group's timeout (the usual cause is a save guarded
-by ``if rank == 0``). The entry also checks that every rank passed the same step: the first
-rank in leaves its argument in the store and every later one compares its own with it; one
-that differs marks the entry broken and raises without counting itself in, so every other rank
-raises while it waits. A rank makes the same few store calls whatever the world size.
+Every collective call of a checkpointer first *enters*: each rank counts itself in (one store
+call, not waited on) and the operation and its argument ride along with its first gather, after
+which every rank compares them: a rank that called another operation, or the same with another
+argument (a different step), makes every rank raise CollectiveError naming each rank's call. A
+gather that waits longer than ``collective_timeout`` (default 30 s) raises CollectiveError saying
+how many ranks arrived, instead of blocking in gloo for the process group's timeout (the usual
+cause is a save guarded by ``if rank == 0``). ``enter(..., check=True)`` compares the calls at
+once, before the caller does anything (the first save of a root, which creates it; a load). A
+rank makes the same few store calls whatever the world size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ import torch.distributed as dist
 
 from resilient import settings
 from resilient.errors import CollectiveError
+
+# A gather's first round carries this many bytes per rank (an 8-byte length, then the pickled
+# object); a larger object takes a second round, after which the slot grows to fit such objects
+# in one round, up to _SLOT_MAX, and to no more than _ROUND_MAX bytes over all ranks (every
+# gather moves world_size slots, however small its objects).
+_SLOT_MIN, _SLOT_MAX, _ROUND_MAX = 1024, 64 << 10, 4 << 20
 
 
 def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005,
@@ -77,6 +84,9 @@ class Ranks:
             collective_timeout = settings.get("RESILIENT_COLLECTIVE_TIMEOUT_S")
         self.collective_timeout = float(collective_timeout)
         self._seq = 0
+        self._entry: tuple[str, Any] | None = None  # (op, arg) of the collective in progress
+        self._unchecked = False  # its first gather still has to compare every rank's entry
+        self._slot = _SLOT_MIN  # bytes per rank of a gather's first round (the same on all)
         self._aborted: tuple[int, str] | None = None  # (entry seq, reason): abort()
         self.broken = ""
         if not self.distributed:
@@ -94,20 +104,55 @@ class Ranks:
 
     def gather(self, obj: Any, timeout: float | None = None) -> list[Any]:
         """Every rank's `obj` (small control objects, pickled as all_gather_object does), in
-        two gloo all-gathers that are polled, not waited on: abort() ends them. `timeout`:
-        for a collective that some rank enters late on purpose (default collective_timeout)."""
+        one gloo all-gather of a fixed slot per rank, and a second one only when some rank's
+        object does not fit; polled, not waited on: abort() ends them. `timeout`: for a
+        collective that some rank enters late on purpose (default collective_timeout). The
+        first gather after enter() also compares every rank's entry (module docstring)."""
         if not self.distributed:
             return [obj]
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=self.group,
-                                   async_op=True), timeout)
-        n = max(int(x) for x in sizes)
-        mine = torch.zeros(n, dtype=torch.uint8)
-        mine[:data.numel()] = data
-        out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
-        return [pickle.loads(o[:int(x)].numpy().tobytes()) for o, x in zip(out, sizes)]
+        entry = self._entry if self._unchecked else None
+        self._unchecked = False
+        data = pickle.dumps((entry, obj), protocol=pickle.HIGHEST_PROTOCOL)
+        slot = self._slot
+        first = len(data).to_bytes(8, "little") + data[:slot - 8]
+        mine = torch.zeros(slot, dtype=torch.uint8)
+        mine[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        out = [torch.empty(slot, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), timeout)
+        sizes = [int.from_bytes(o[:8].numpy().tobytes(), "little") for o in out]
+        n = max(sizes)
+        if n <= slot - 8:
+            blobs = [o[8:8 + k].numpy().tobytes() for o, k in zip(out, sizes)]
+        else:  # every rank sees the same sizes, so every rank takes this branch
+            mine = torch.zeros(n, dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), timeout)
+            blobs = [o[:k].numpy().tobytes() for o, k in zip(out, sizes)]
+            # The next gathers of this size take one round; bounded, since each costs
+            # world_size slots.
+            limit = max(_SLOT_MIN, min(_SLOT_MAX, _ROUND_MAX // self.world_size))
+            self._slot = max(slot, min(limit, 1 << (n + 8 - 1).bit_length()))
+        items = [pickle.loads(b) for b in blobs]
+        entries = [e for e, _ in items]
+        if any(e != entries[0] for e in entries):
+            self._differ(entries)
+        return [o for _, o in items]
+
+    def _differ(self, entries: list[Any]) -> None:
+        """Raises on every rank (each saw the same entries) that the ranks called different
+        operations, or one operation with different arguments."""
+        calls = {r: (f"{e[0]}({e[1]!r})" if e else "no checkpoint operation")
+                 for r, e in enumerate(entries)}
+        ops = {e[0] if e else None for e in entries}
+        op = entries[self.rank][0] if entries[self.rank] else "gather"
+        verdict = json.dumps(calls)
+        self.broken = f"{op}: {verdict[:200]}"
+        if len(ops) == 1:
+            raise CollectiveError(f"{op}() was called with different arguments on different "
+                                  f"ranks (rank: call): {verdict}")
+        raise CollectiveError(f"the ranks called different checkpoint operations at once "
+                              f"(rank: call): {verdict}")
 
     def broadcast(self, obj: Any, timeout: float | None = None) -> Any:
         """Rank 0's `obj` on every rank."""
@@ -119,7 +164,8 @@ class Ranks:
         stay open) until the group's timeout; abort() (the detector's verdict) ends it at once,
         and so does the store's mark of another rank's abort."""
         limit = self.collective_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline, next_check = start + limit, start + 0.1
         polls = 0
         while not work.is_completed():
             aborted = self._aborted
@@ -127,19 +173,19 @@ class Ranks:
                 self.broken = f"aborted: {aborted[1]}"
                 raise CollectiveError(f"checkpoint collective abandoned: {aborted[1]}")
             polls += 1
-            if polls % 50 == 0 and self.store.check(
-                    [f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken"]):
-                self.broken = "a peer gave up"
-                raise CollectiveError(
-                    self.store.get(f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken")
-                    .decode())
-            if time.monotonic() > deadline:
-                self.broken = "a collective timed out"
-                raise CollectiveError(f"a checkpoint collective did not finish within "
-                                      f"{limit:g} s")
-            # A gather on a healthy group takes well under a millisecond: back off from 50 us,
-            # so polling adds little to the save's stall, to 2 ms while it waits longer.
-            time.sleep(min(0.002, 0.00005 * (1 << min(polls, 6))))
+            now = time.monotonic()
+            if now >= next_check:  # the store, every 100 ms: at 1,000 ranks it is one server
+                next_check = now + 0.1
+                broken = f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken"
+                if self.store.check([broken]):
+                    self.broken = "a peer gave up"
+                    raise CollectiveError(self.store.get(broken).decode())
+            if now > deadline:
+                self._timed_out(limit)
+            # Polling a local work object costs nothing but CPU: every 50 us for the first
+            # 20 ms (a peer a few milliseconds late is the common case in a save, and each
+            # poll's overshoot adds to the stall), then every 2 ms.
+            time.sleep(0.00005 if polls < 400 else 0.002)
         try:
             work.wait()
         except RuntimeError as e:  # gloo's own error: a peer closed its connection
@@ -158,58 +204,51 @@ class Ranks:
         for seq in (self._seq, self._seq + 1):
             self.store.set(f"resilient/ckpt/{self.run_id}/enter/{seq}/broken", reason)
 
-    def enter(self, op: str, arg: Any) -> None:
-        """Collective entry check (module docstring). Raises CollectiveError on every rank that
-        entered when some rank did not come within collective_timeout, or came with another
-        `arg`."""
+    def _timed_out(self, limit: float) -> None:
+        """Raises CollectiveError for a gather that did not finish within `limit` seconds,
+        saying how many ranks entered the operation in progress, and marks it broken in the
+        store so that the others raise too."""
+        self.broken = "a collective timed out"
+        message = f"a checkpoint collective did not finish within {limit:g} s"
+        if self._entry is not None:
+            op, arg = self._entry
+            prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
+            try:
+                arrived = int(self.store.add(f"{prefix}/count", 0))
+            except Exception:
+                arrived = -1
+            if 0 <= arrived < self.world_size:
+                self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
+                message = (
+                    f"{op}() is collective: every rank of the process group must call it (rank "
+                    f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} "
+                    f"ranks did within {limit:g} s; a call guarded by `if rank == 0` does this; "
+                    "for a checkpoint written by one process pass distributed=False)")
+            try:
+                self.store.compare_set(f"{prefix}/broken", "", f"rank {self.rank}: {message}")
+            except Exception:
+                pass
+        raise CollectiveError(message)
+
+    def enter(self, op: str, arg: Any, check: bool = False) -> None:
+        """Collective entry (module docstring): counts this rank in; its next gather compares
+        every rank's (op, arg), or now when `check`. Raises CollectiveError on every rank when
+        a rank called another operation or argument, or (in that gather) when some rank did
+        not come within collective_timeout. `arg` must be JSON-like and the same on every
+        rank."""
         if not self.distributed:
             return
         if self.broken:
             raise CollectiveError(f"this checkpointer is out of step with its peers after an "
                                   f"earlier error ({self.broken}); close it and create a new one")
         self._seq += 1
+        self._entry, self._unchecked = (op, arg), True
         prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
-        broken = f"{prefix}/broken"  # set by a rank that gave up: late arrivals give up too
-        # A constant number of store calls per rank, whatever the world size: the first rank in
-        # leaves its argument, each later one reads it back in the same call.
-        mine = json.dumps([self.rank, arg])
-        other_rank, other = json.loads(self.store.compare_set(f"{prefix}/arg", "", mine))
-        if json.dumps(other) != json.dumps(arg):
-            # Raise without counting in: the count never completes, so every other rank sees
-            # `broken` while it waits and raises too, before anything else happens.
-            verdict = json.dumps({other_rank: other, self.rank: arg})
-            self.broken = f"{op}({arg!r}): {verdict[:200]}"
-            message = (f"{op}() was called with different arguments on different ranks "
-                       f"(rank: argument): {verdict}")
-            self.store.compare_set(broken, "", message)
-            raise CollectiveError(message)
-        arrived = self.store.add(f"{prefix}/count", 1)
-        deadline = time.monotonic() + self.collective_timeout
-        delay = 0.0002
-        while arrived < self.world_size:
-            if self.store.check([broken]):
-                self.broken = f"{op}({arg!r}): a peer gave up"
-                raise CollectiveError(self.store.get(broken).decode())
-            if time.monotonic() >= deadline:
-                self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
-                self.store.set(broken, f"{op}() is collective and rank {self.rank} gave up "
-                               f"waiting for the others ({self.broken})")
-                raise CollectiveError(
-                    f"{op}() is collective: every rank of the process group must call it (rank "
-                    f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} "
-                    f"ranks did within {self.collective_timeout:g} s; a call guarded by `if rank "
-                    "== 0` does this; for a checkpoint written by one process pass "
-                    "distributed=False)")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
-            arrived = self.store.add(f"{prefix}/count", 0)
-        if self.store.check([broken]):  # a rank gave up as the count completed
-            self.broken = f"{op}({arg!r}): a peer gave up"
-            raise CollectiveError(self.store.get(broken).decode())
+        self.store.add(f"{prefix}/count", 1)
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
-            old = f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}"
-            for key in (f"{old}/count", f"{old}/arg", f"{old}/broken"):
-                try:
-                    self.store.delete_key(key)
-                except Exception:
-                    pass
+            try:
+                self.store.delete_key(f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}/count")
+            except Exception:
+                pass
+        if check:
+            self.gather(None)
