@@ -44,7 +44,7 @@ import types
 import weakref
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -206,25 +206,34 @@ def tensor_descriptor(
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _local_chunks(tensors: dict[str, Any],
-                  meshes: dict[int, Any] | None = None) -> tuple[dict[str, ShardSpec], set[str]]:
-    """Replaces each DTensor in `tensors` by its local chunk (in place); returns the chunks'
-    places, and the names of those no other rank holds (no Replicate placement: FSDP), which
-    need no replica check; `meshes` collects their device meshes. TypeError naming a DTensor
-    that has no single local chunk."""
-    places, alone = {}, set()
+def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
+                meshes: dict[int, Any] | None = None) -> tuple[list[Held], set[str]]:
+    """One pass over a save's tensors: replaces each DTensor by its local chunk (in place),
+    refuses what the engine cannot write (before the save's collectives, so that one rank's
+    refusal cannot leave the others inside them), and describes each tensor with `held_of(name,
+    tensor, chunk place or None)`. Returns the Held list and the names of the DTensor chunks no
+    other rank holds (no Replicate placement: FSDP), which need no replica check; `meshes`
+    collects the DTensors' device meshes."""
+    held, alone = [], set()
     for name, t in tensors.items():
+        place = None
         if type(t) is not torch.Tensor and is_dtensor(t):
             try:
-                tensors[name], places[name], replicated = local_chunk_info(t)
+                local, place, replicated = local_chunk_info(t)
             except ValueError as e:
                 raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
+            tensors[name] = local
             if not replicated:
                 alone.add(name)
             if meshes is not None:
                 mesh = t.device_mesh
                 meshes[id(mesh)] = mesh
-    return places, alone
+            t = local
+        if not (t.is_cuda or t.is_cpu) or t.layout is not torch.strided:
+            why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
+            raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
+        held.append(held_of(name, t, place))
+    return held, alone
 
 
 def _mesh_records(meshes: Any) -> list[dict[str, Any]]:
@@ -260,7 +269,7 @@ def _check_savable(name: str, t: torch.Tensor) -> None:
     if type(t) is not torch.Tensor and is_dtensor(t):  # only rank_state still holds them
         raise TypeError(f"tensor {name!r} cannot be saved: a DTensor in rank_state (per-rank "
                         "state holds local tensors; sharded state belongs in the state)")
-    if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
+    if not (t.is_cuda or t.is_cpu) or t.layout is not torch.strided:
         why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
         raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
 
@@ -382,7 +391,8 @@ class Checkpointer:
         self._plan_key: Any = None
         self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
-        self._held_cache: dict[tuple, Held] = {}  # (name, shape, dtype) -> Held (specs are fixed)
+        # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
+        self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
         self._everyone: list = []
         self._raised_ids: set[str] = set()
         self._lock_ids = threading.Lock()  # _raised_ids and _observed: main vs commit thread
@@ -444,11 +454,10 @@ class Checkpointer:
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
         meshes: dict[int, Any] = {}
-        chunks, alone = _local_chunks(enc.tensors, meshes if self.rank == 0 else None)
-        held = [self._held(name, t, chunks.get(name)) for name, t in enc.tensors.items()]
+        held, alone = _local_held(enc.tensors, self._held, meshes if self.rank == 0 else None)
         _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
-        for name, t in [*enc.tensors.items(), *(renc.tensors.items() if renc else ())]:
+        for name, t in (renc.tensors.items() if renc else ()):
             _check_savable(name, t)
         # The first save creates the root: every rank's call is compared before it does.
         self._ranks.enter("save", step, check=self._save_seq == 0)
@@ -532,13 +541,16 @@ class Checkpointer:
         return handle
 
     def _held(self, name: str, t: torch.Tensor, chunk: ShardSpec | None = None) -> Held:
-        shape = tuple(t.shape)
-        key = (name, shape, t.dtype, chunk)
-        held = self._held_cache.get(key)
-        if held is None:
-            if len(self._held_cache) > 1 << 16:
-                self._held_cache.clear()
-            held = self._held_cache[key] = self._describe(name, shape, t, chunk)
+        # Keyed by the chunk's identity (hashing a ShardSpec costs a microsecond; a DTensor's
+        # chunk is one cached object from save to save), which the entry holds against reuse.
+        key = (name, t.shape, t.dtype, id(chunk))
+        hit = self._held_cache.get(key)
+        if hit is not None and hit[0] is chunk:
+            return hit[1]
+        if len(self._held_cache) > 1 << 16:
+            self._held_cache.clear()
+        held = self._describe(name, tuple(t.shape), t, chunk)
+        self._held_cache[key] = (chunk, held)
         return held
 
     def _describe(self, name: str, shape: tuple[int, ...], t: torch.Tensor,
