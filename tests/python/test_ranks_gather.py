@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import sys
+import time
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from procs import run_bounded
 
@@ -28,12 +33,21 @@ def _object(seed: int, rank: int, i: int) -> object:
     return {"rank": rank, "i": i, "blob": rng.randbytes(size), "n": rng.random()}
 
 
+def _sized(n: int) -> bytes:
+    """A bytes object whose gather payload (its pickle with the entry) is exactly n bytes."""
+    for k in range(max(0, n - 64), n + 1):
+        if len(pickle.dumps((None, b"x" * k), protocol=pickle.HIGHEST_PROTOCOL)) == n:
+            return b"x" * k
+    raise AssertionError(n)
+
+
 def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
-    from resilient.checkpoint.ranks import Ranks
+    from resilient.checkpoint.ranks import _SLOT_MIN, Ranks
     from resilient.errors import CollectiveError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -41,7 +55,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
     result: dict = {"mismatches": 0, "slots": []}
     ranks = Ranks(True, None, None, 60, collective_timeout=30)
     for i in range(ROUNDS):
-        got = ranks.gather(_object(seed, rank, i))
+        got = ranks.gather(_object(seed, rank, i), fit=True)
         want = [_object(seed, r, i) for r in range(WORLD)]
         result["mismatches"] += got != want
         result["slots"].append(ranks._slot)
@@ -58,6 +72,14 @@ def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
         except CollectiveError as e:
             return str(e)
 
+    # Objects whose pickles end exactly around the first round's capacity (slot - 8 bytes).
+    edge = Ranks(True, None, None, 60, collective_timeout=30)
+    for target in (_SLOT_MIN - 9, _SLOT_MIN - 8, _SLOT_MIN - 7, _SLOT_MIN, 2 * _SLOT_MIN):
+        mine = _sized(target + rank)
+        got = edge.gather(mine)
+        result["mismatches"] += got != [_sized(target + r) for r in range(WORLD)]
+    result["edge_slot"] = edge._slot  # only gathers made with fit=True grow it
+
     differ = Ranks(True, None, None, 60, collective_timeout=30)
     differ.enter("save", 10 + rank)
     result["differ"] = outcome(lambda: differ.gather("x"))
@@ -67,6 +89,29 @@ def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
     result["ops"] = outcome(lambda: (ops.enter("load" if rank == 1 else "save", 3, check=True),
                                      done.append("went on")))
     result["ops_went_on"] = bool(done)
+    # Ranks 0 and 1 give up on rank 2, which comes after they did: it raises at its entry
+    # instead of meeting the all-gather they left posted in gloo.
+    late = Ranks(True, None, None, 60, collective_timeout=1)
+    if rank == 2:
+        time.sleep(2.5)
+    result["late"] = outcome(lambda: (late.enter("save", 7), late.gather(rank)))
+    dist.barrier()
+    # An abort on one rank makes the next entry raise on every rank.
+    aborted = Ranks(True, None, None, 60, collective_timeout=30)
+    if rank == 0:
+        aborted.abort("rank 9 failed")
+    dist.barrier()
+    result["aborted"] = outcome(lambda: (aborted.enter("save", 8), aborted.gather(rank)))
+    # A later save whose steps differ: every rank raises and nothing is written.
+    from resilient.checkpoint import Checkpointer
+
+    root = os.path.join(out_dir, "ckpt")
+    ck = Checkpointer(root, keep=3, create=True, collective_timeout=30)
+    ck.save(1, {"w": torch.ones(4)}).wait()
+    result["later_differ"] = outcome(lambda: ck.save(2 + rank, {"w": torch.zeros(4)}))
+    dist.barrier()
+    result["later_listing"] = sorted(os.listdir(root))
+    ck.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -82,7 +127,7 @@ def test_gathers_of_any_size_and_entries_agree_on_every_rank(tmp_path, seed):
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
     for r in results:
         assert r["mismatches"] == 0 and r["slots_agree"], r
-        assert r["slots"][-1] > 1024  # a large object grew the one-round slot
+        assert r["slots"][-1] == 64 << 10  # large objects grew the one-round slot to its cap
         assert r["same_entry"] and r["same_entry_checked"], r
         assert "different arguments" in r["differ"], r["differ"]
         assert all(f"save({10 + k})" in r["differ"] for k in range(WORLD)), r["differ"]
@@ -90,6 +135,31 @@ def test_gathers_of_any_size_and_entries_agree_on_every_rank(tmp_path, seed):
         assert "different checkpoint operations" in r["ops"], r["ops"]
         assert "load(3)" in r["ops"] and "save(3)" in r["ops"], r["ops"]
         assert not r["ops_went_on"]
+        assert r["edge_slot"] == 1024, r
+        assert "abandoned" in r["aborted"] and "rank 9 failed" in r["aborted"], r["aborted"]
+        assert "different arguments" in r["later_differ"], r["later_differ"]
+        steps = [n for n in r["later_listing"] if "step" in n]
+        assert steps == ["step-000000000001"], r["later_listing"]
+    for r in results[:2]:
+        assert "only 2 of 3 ranks" in r["late"], r["late"]
+    assert "abandoned by another rank" in results[2]["late"], results[2]["late"]
+    assert "only 2 of 3 ranks" in results[2]["late"], results[2]["late"]
+
+
+@hsettings(deadline=None)
+@given(slot=st.sampled_from([1024, 2048, 4096, 65536]), n=st.integers(0, 1 << 20),
+       world=st.integers(1, 100_000))
+def test_a_grown_slot_fits_what_it_can_within_its_bounds(slot, n, world):
+    from resilient.checkpoint.ranks import _ROUND_MAX, _SLOT_MAX, _SLOT_MIN, grown_slot
+
+    limit = max(_SLOT_MIN, min(_SLOT_MAX, _ROUND_MAX // world))
+    slot = min(slot, limit)
+    got = grown_slot(slot, n, world)
+    assert slot <= got <= max(slot, limit)
+    if n + 8 <= limit:
+        assert got >= n + 8
+    if slot < got < limit:  # the smallest power of two that fits
+        assert got & (got - 1) == 0 and got // 2 < n + 8
 
 
 if __name__ == "__main__":

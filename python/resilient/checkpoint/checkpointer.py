@@ -393,6 +393,7 @@ class Checkpointer:
         self._plan: list = []  # (piece, stored name, global shape, global offset)
         # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
         self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
+        self._root_ready = False  # a save's gather found no rank failing before it
         self._everyone: list = []
         self._raised_ids: set[str] = set()
         self._lock_ids = threading.Lock()  # _raised_ids and _observed: main vs commit thread
@@ -459,8 +460,8 @@ class Checkpointer:
         renc = views.encode(rank_state) if rank_state is not None else None
         for name, t in (renc.tensors.items() if renc else ()):
             _check_savable(name, t)
-        # The first save creates the root: every rank's call is compared before it does.
-        self._ranks.enter("save", step, check=self._save_seq == 0)
+        # Until a save made the root, every rank's call is compared before rank 0 does.
+        self._ranks.enter("save", step, check=not self._root_ready)
         problem = None
         try:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
@@ -480,7 +481,7 @@ class Checkpointer:
         failed = [h for h in self._failed if not h._observed]
         report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
         why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
-        gathered = self._ranks.gather((key, prints, report, why))
+        gathered = self._ranks.gather((key, prints, report, why), fit=True)
         self._save_seq += 1  # every rank, whatever happens next: save ids stay in step
         with self._lock_ids:
             for h in failed:
@@ -489,6 +490,7 @@ class Checkpointer:
         if problem is not None:
             raise problem
         whys = [g[3] for g in gathered if g[3] is not None]
+        self._root_ready = self._root_ready or not whys  # the same on every rank
         if whys:
             kind = RootInUseError if whys[0][0] == "RootInUseError" else ResilientError
             raise kind(f"step {step} was not saved: {whys[0][1]}")

@@ -36,6 +36,18 @@ from resilient.errors import CollectiveError
 # in one round, up to _SLOT_MAX, and to no more than _ROUND_MAX bytes over all ranks (every
 # gather moves world_size slots, however small its objects).
 _SLOT_MIN, _SLOT_MAX, _ROUND_MAX = 1024, 64 << 10, 4 << 20
+# Added to an entry's count by a rank that gave up on it (timeout, abort): a rank that enters it
+# later sees a count this large and raises, instead of meeting the abandoned all-gather, which
+# stays posted in gloo until the group's timeout.
+_POISON = 1 << 32
+
+
+def grown_slot(slot: int, n: int, world_size: int) -> int:
+    """The slot after a gather whose largest object took `n` bytes (beyond the 8-byte length):
+    the next power of two that fits it, never smaller than `slot`, never more than _SLOT_MAX per
+    rank or _ROUND_MAX over all ranks (but at least _SLOT_MIN)."""
+    limit = max(_SLOT_MIN, min(_SLOT_MAX, _ROUND_MAX // max(1, world_size)))
+    return max(slot, min(limit, 1 << (n + 8 - 1).bit_length()))
 
 
 def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005,
@@ -102,12 +114,14 @@ class Ranks:
         dist.broadcast_object_list(run, src=0, group=self.group)
         self.run_id = run[0]
 
-    def gather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+    def gather(self, obj: Any, timeout: float | None = None, fit: bool = False) -> list[Any]:
         """Every rank's `obj` (small control objects, pickled as all_gather_object does), in
         one gloo all-gather of a fixed slot per rank, and a second one only when some rank's
         object does not fit; polled, not waited on: abort() ends them. `timeout`: for a
-        collective that some rank enters late on purpose (default collective_timeout). The
-        first gather after enter() also compares every rank's entry (module docstring)."""
+        collective that some rank enters late on purpose (default collective_timeout). `fit`:
+        grow the slot to fit this gather's objects (a gather made at every save, whose size is
+        the steady state; not a one-off large one). The first gather after enter() also
+        compares every rank's entry (module docstring)."""
         if not self.distributed:
             return [obj]
         entry = self._entry if self._unchecked else None
@@ -129,10 +143,8 @@ class Ranks:
             out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
             self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), timeout)
             blobs = [o[:k].numpy().tobytes() for o, k in zip(out, sizes)]
-            # The next gathers of this size take one round; bounded, since each costs
-            # world_size slots.
-            limit = max(_SLOT_MIN, min(_SLOT_MAX, _ROUND_MAX // self.world_size))
-            self._slot = max(slot, min(limit, 1 << (n + 8 - 1).bit_length()))
+            if fit:  # every rank passes the same `fit` at the same gather
+                self._slot = grown_slot(slot, n, self.world_size)
         items = [pickle.loads(b) for b in blobs]
         entries = [e for e, _ in items]
         if any(e != entries[0] for e in entries):
@@ -203,6 +215,7 @@ class Ranks:
         self._aborted = (self._seq, reason)
         for seq in (self._seq, self._seq + 1):
             self.store.set(f"resilient/ckpt/{self.run_id}/enter/{seq}/broken", reason)
+            self.store.add(f"resilient/ckpt/{self.run_id}/enter/{seq}/count", _POISON)
 
     def _timed_out(self, limit: float) -> None:
         """Raises CollectiveError for a gather that did not finish within `limit` seconds,
@@ -214,7 +227,7 @@ class Ranks:
             op, arg = self._entry
             prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
             try:
-                arrived = int(self.store.add(f"{prefix}/count", 0))
+                arrived = int(self.store.add(f"{prefix}/count", 0)) % _POISON
             except Exception:
                 arrived = -1
             if 0 <= arrived < self.world_size:
@@ -224,8 +237,9 @@ class Ranks:
                     f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} "
                     f"ranks did within {limit:g} s; a call guarded by `if rank == 0` does this; "
                     "for a checkpoint written by one process pass distributed=False)")
-            try:
+            try:  # the mark first, so that a rank the poison stops can read why
                 self.store.compare_set(f"{prefix}/broken", "", f"rank {self.rank}: {message}")
+                self.store.add(f"{prefix}/count", _POISON)
             except Exception:
                 pass
         raise CollectiveError(message)
@@ -243,8 +257,16 @@ class Ranks:
                                   f"earlier error ({self.broken}); close it and create a new one")
         self._seq += 1
         self._entry, self._unchecked = (op, arg), True
+        aborted = self._aborted
+        if aborted is not None and aborted[0] >= self._seq - 1:
+            self.broken = f"aborted: {aborted[1]}"
+            raise CollectiveError(f"checkpoint collective abandoned: {aborted[1]}")
         prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
-        self.store.add(f"{prefix}/count", 1)
+        if self.store.add(f"{prefix}/count", 1) >= _POISON:  # a peer gave up on this entry
+            self.broken = f"{op}({arg!r}): a peer gave up"
+            why = (self.store.get(f"{prefix}/broken").decode()
+                   if self.store.check([f"{prefix}/broken"]) else "a peer gave up on it")
+            raise CollectiveError(f"{op}({arg!r}) was abandoned by another rank: {why}")
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
             try:
                 self.store.delete_key(f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}/count")
