@@ -186,7 +186,7 @@ PY
                     # half, in about half the time), the carried baseline and this tree, ABAB
         n=$(python -c "import torch; print(torch.cuda.device_count())")
         i=0
-        for v in base new base new; do
+        for v in ${AB_ORDER:-base new base new}; do
           i=$((i + 1))
           pp=$PYTHONPATH
           [ "$v" = base ] && pp=$PWD/.baseline:$PYTHONPATH

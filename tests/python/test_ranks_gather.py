@@ -2,7 +2,9 @@
 hundreds of kilobytes, so both the one-round and the two-round path, and the slot's growth) come
 back exactly, in rank order, on every rank; entries of one operation with one argument pass;
 a different argument, or a different operation, raises CollectiveError on every rank, naming
-each rank's call; a checked entry raises before the caller does anything else.
+each rank's call; a checked entry raises before the caller does anything else; a rank that
+comes after the others gave up raises at its entry; an abort makes the next entry raise on
+every rank; a save's stats say how long it waited in its collectives.
 
 Runs in child processes started by this file's __main__ (own session, killed on timeout)."""
 
@@ -108,7 +110,13 @@ def _worker(rank: int, port: int, out_dir: str, seed: int) -> None:
     root = os.path.join(out_dir, "ckpt")
     ck = Checkpointer(root, keep=3, create=True, collective_timeout=30)
     ck.save(1, {"w": torch.ones(4)}).wait()
-    result["later_differ"] = outcome(lambda: ck.save(2 + rank, {"w": torch.zeros(4)}))
+    dist.barrier()
+    if rank == 2:  # the others wait for it in the save's collectives
+        time.sleep(0.5)
+    h = ck.save(2, {"w": torch.ones(4)})
+    h.wait()
+    result["collective_s"] = h.stats()["collective_s"]
+    result["later_differ"] = outcome(lambda: ck.save(3 + rank, {"w": torch.zeros(4)}))
     dist.barrier()
     result["later_listing"] = sorted(os.listdir(root))
     ck.close()
@@ -139,7 +147,8 @@ def test_gathers_of_any_size_and_entries_agree_on_every_rank(tmp_path, seed):
         assert "abandoned" in r["aborted"] and "rank 9 failed" in r["aborted"], r["aborted"]
         assert "different arguments" in r["later_differ"], r["later_differ"]
         steps = [n for n in r["later_listing"] if "step" in n]
-        assert steps == ["step-000000000001"], r["later_listing"]
+        assert steps == ["step-000000000001", "step-000000000002"], r["later_listing"]
+    assert [r["collective_s"] >= 0.4 for r in results] == [True, True, False], results
     for r in results[:2]:
         assert "only 2 of 3 ranks" in r["late"], r["late"]
     assert "abandoned by another rank" in results[2]["late"], results[2]["late"]

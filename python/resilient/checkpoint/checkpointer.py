@@ -113,6 +113,7 @@ class SaveHandle:
         self._observed = False  # the error was raised to the caller
         self._started = time.monotonic() if started is None else started  # the save() call
         self._committed_s: float | None = None
+        self._collective_s = 0.0  # save(): in its entry and gathers
         self._local_error: BaseException | None = None
         self._owner: Any = None
 
@@ -137,8 +138,10 @@ class SaveHandle:
 
     def stats(self) -> dict[str, float]:
         """Seconds from the save call: snapshot_s, written_s, durable_s (committed, once
-        done); bytes and stored_bytes of this rank's shard."""
+        done); bytes and stored_bytes of this rank's shard; collective_s, the seconds the call
+        spent in its collectives (entry and gathers, waiting for the other ranks included)."""
         s = dict(self._native.stats())
+        s["collective_s"] = self._collective_s
         if self._committed_s is not None:
             s["durable_s"] = self._committed_s
         return s
@@ -461,7 +464,9 @@ class Checkpointer:
         for name, t in (renc.tensors.items() if renc else ()):
             _check_savable(name, t)
         # Until a save made the root, every rank's call is compared before rank 0 does.
+        entered = time.monotonic()
         self._ranks.enter("save", step, check=not self._root_ready)
+        collective_s = time.monotonic() - entered
         problem = None
         try:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
@@ -481,7 +486,9 @@ class Checkpointer:
         failed = [h for h in self._failed if not h._observed]
         report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
         why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
+        entered = time.monotonic()
         gathered = self._ranks.gather((key, prints, report, why), fit=True)
+        collective_s += time.monotonic() - entered
         self._save_seq += 1  # every rank, whatever happens next: save ids stay in step
         with self._lock_ids:
             for h in failed:
@@ -501,7 +508,9 @@ class Checkpointer:
                 f"step {step} was not saved")
         keys = [g[0] for g in gathered]
         if keys != self._plan_key:
+            entered = time.monotonic()
             everyone = self._ranks.gather(held)
+            collective_s += time.monotonic() - entered
             self._plan = _stored_pieces(plan_writes(everyone, self.rank, self.split_bytes), held)
             self._plan_key = keys
             self._everyone = everyone
@@ -536,6 +545,7 @@ class Checkpointer:
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
+        handle._collective_s = collective_s
         if mode == "overlap":
             self._in_snapshot = handle
         self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
