@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files ab ab-fsdp-save ab-fsdp-return fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -169,32 +169,19 @@ PY
           --mode overlap --dir /tmp >"$OUT/profile-fsdp.log" 2>&1; echo "rc=$?"
         grep -E "^rank|tottime|cumtime" "$OUT/profile-fsdp.log" | head -12
         grep -A 30 "profile of one save" "$OUT/profile-fsdp.log" | head -40 | cut -c1-160 ;;
-    ab-fsdp-save) # Issue 15: FSDP2 save timings (overlap and blocking, and the d2h floor), the
-                  # carried baseline package and this tree alternated (ABAB) on every GPU
-        n=$(python -c "import torch; print(torch.cuda.device_count())")
-        i=0
-        for v in base new base new; do
-          i=$((i + 1))
-          if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
-          log "fsdp saves ($v, $n GPU(s))"
-          PYTHONPATH=$pp timeout 200 python benchmarks/profile_fsdp_save.py --device cuda \
-            --world "$n" --model ${PROFILE_MODEL:-gpt-1b} --mode both --dir /tmp \
-            >"$OUT/ab-fsdp-$i-$v.log" 2>&1; echo "rc=$?"
-          grep -E "^rank .*(d2h|step)" "$OUT/ab-fsdp-$i-$v.log" | cut -c1-80
-        done ;;
-    ab-fsdp-return) # Issue 15: the overlapped FSDP2 save's return only (ab-fsdp-save's overlap
-                    # half, in about half the time), the carried baseline and this tree, ABAB
+    ab-fsdp-save) # Issue 15: FSDP2 save timings (the d2h floor, and the saves of PROFILE_MODE:
+                  # overlap, blocking or both, default both), the carried baseline package and
+                  # this tree alternated in AB_ORDER (default base new base new) on every GPU
         n=$(python -c "import torch; print(torch.cuda.device_count())")
         i=0
         for v in ${AB_ORDER:-base new base new}; do
           i=$((i + 1))
-          pp=$PYTHONPATH
-          [ "$v" = base ] && pp=$PWD/.baseline:$PYTHONPATH
-          log "fsdp overlapped saves ($v, $n GPU(s))"
-          PYTHONPATH=$pp timeout 150 python benchmarks/profile_fsdp_save.py --device cuda \
-            --world "$n" --model ${PROFILE_MODEL:-gpt-1b} --mode overlap --dir /tmp \
-            >"$OUT/ab-return-$i-$v.log" 2>&1; echo "rc=$?"
-          grep -E "^rank .*(d2h|step)" "$OUT/ab-return-$i-$v.log" | cut -c1-100
+          if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
+          log "fsdp saves ($v, $n GPU(s))"
+          PYTHONPATH=$pp timeout 200 python benchmarks/profile_fsdp_save.py --device cuda \
+            --world "$n" --model ${PROFILE_MODEL:-gpt-1b} --mode ${PROFILE_MODE:-both} \
+            --dir /tmp >"$OUT/ab-fsdp-$i-$v.log" 2>&1; echo "rc=$?"
+          grep -E "^rank .*(d2h|step)" "$OUT/ab-fsdp-$i-$v.log" | cut -c1-100
         done ;;
     profile) python benchmarks/profile_save.py --device cuda --model gpt-1b 2>&1 | head -40 ;;
     straggler) log "straggler overhead"

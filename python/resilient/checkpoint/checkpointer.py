@@ -232,9 +232,7 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
                 mesh = t.device_mesh
                 meshes[id(mesh)] = mesh
             t = local
-        if not (t.is_cuda or t.is_cpu) or t.layout is not torch.strided:
-            why = contract.unwritable(t) or f"{t.layout} tensors on {t.device}"
-            raise TypeError(f"tensor {name!r} cannot be saved: it is {why}")
+        _check_savable(name, t)
         held.append(held_of(name, t, place))
     return held, alone
 
