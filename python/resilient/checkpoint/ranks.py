@@ -11,9 +11,10 @@ which every rank compares them: a rank that called another operation, or the sam
 argument (a different step), makes every rank raise CollectiveError naming each rank's call. A
 gather that waits longer than ``collective_timeout`` (default 30 s) raises CollectiveError saying
 how many ranks arrived, instead of blocking in gloo for the process group's timeout (the usual
-cause is a save guarded by ``if rank == 0``). ``enter(..., check=True)`` compares the calls at
-once, before the caller does anything (the first save of a root, which creates it; a load). A
-rank makes the same few store calls whatever the world size.
+cause is a save guarded by ``if rank == 0``); a rank that gives up, or aborts, poisons the
+entry's count, so one that enters it later raises at once. ``enter(..., check=True)`` compares
+the calls before the caller does anything (saves until one made the root; every load). A rank
+makes the same few store calls whatever the world size.
 """
 
 from __future__ import annotations
