@@ -47,8 +47,8 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     with Checkpointer(root, keep=1, create=True) as ck:
         state = {"model": model, "optim": opt}
         ck.save(0, state, mode=modes[0]).wait()
-        for step in range(1, 1 + 3 * len(modes)):
-            mode = modes[(step - 1) // 3]
+        for step in range(1, 1 + args.steps * len(modes)):
+            mode = modes[(step - 1) // args.steps]
             ck.wait_cleanup()
             dist.barrier()
             t0 = time.perf_counter()
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-350m")
     ap.add_argument("--mode", default="overlap", help="overlap, blocking, or both")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--steps", type=int, default=3, help="timed saves per mode")
     ap.add_argument("--restore", action="store_true", help="load each step after saving it")
     args = ap.parse_args()
     from resilient.ports import free_port

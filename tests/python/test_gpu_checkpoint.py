@@ -56,6 +56,25 @@ def test_gpu_round_trip_bit_exact(tmp_path, mode):
         assert torch.equal(bits(cpu[k]), bits(v)), k
 
 
+@pytest.mark.parametrize("mode", ["blocking", "overlap"])
+def test_a_save_under_another_stream_copies_after_that_streams_work(tmp_path, mode):
+    """The second save reuses the first one's tensor descriptors; its copies must still wait for
+    the stream current at the second save (here a side stream whose write is still pending)."""
+    x = torch.zeros(1 << 24, device="cuda")
+    with resilient.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"x": x}, mode=mode).wait()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles before the write
+            x.fill_(7.0)
+            h = ck.save(2, {"x": x}, mode=mode)
+        h.wait()
+        out = {"x": torch.zeros(x.shape)}
+        assert ck.load(out, step=2) == 2
+    assert bool(torch.all(out["x"] == 7.0))
+
+
 def test_overlap_mode_in_a_training_loop_holds_the_saved_step(tmp_path):
     """optimizer.step() every iteration, overlapped saves at random steps with random extra work:
     every checkpoint equals a copy of the parameters taken at its step."""

@@ -113,7 +113,7 @@ class SaveHandle:
         self._observed = False  # the error was raised to the caller
         self._started = time.monotonic() if started is None else started  # the save() call
         self._committed_s: float | None = None
-        self._collective_s = 0.0  # save(): in its entry and gathers
+        self._phases = {"prepare_s": 0.0, "collective_s": 0.0, "submit_s": 0.0}  # save()'s
         self._local_error: BaseException | None = None
         self._owner: Any = None
 
@@ -138,10 +138,12 @@ class SaveHandle:
 
     def stats(self) -> dict[str, float]:
         """Seconds from the save call: snapshot_s, written_s, durable_s (committed, once
-        done); bytes and stored_bytes of this rank's shard; collective_s, the seconds the call
-        spent in its collectives (entry and gathers, waiting for the other ranks included)."""
+        done); bytes and stored_bytes of this rank's shard. Where the call itself went, in
+        seconds: prepare_s (reading the state, before any collective), collective_s (its entry
+        and gathers, waiting for the other ranks included) and submit_s (describing the tensors
+        and queueing the snapshot; issue_s of it queueing the copies)."""
         s = dict(self._native.stats())
-        s["collective_s"] = self._collective_s
+        s.update(self._phases)
         if self._committed_s is not None:
             s["durable_s"] = self._committed_s
         return s
@@ -207,6 +209,41 @@ def tensor_descriptor(
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
+                      keep: list[torch.Tensor], streams: dict) -> list[dict[str, Any]]:
+    """The descriptors of a save's pieces (`plan`), reusing a piece's descriptor from the last
+    save of the same plan (`last`, updated in place) when the tensor is laid out as then.
+
+    The plan's key covers each tensor's name, shape and dtype, so a descriptor still holds when
+    the tensor has the same data pointer and device and is contiguous without a conjugate or
+    negative bit (a view such as x.conj() or a transpose shares the pointer). The CUDA stream is
+    looked up again on every save. Rebuilding every descriptor costs milliseconds per save for a
+    thousand tensors, most of an overlapped save's return.
+    """
+    descs = []
+    for i, (piece, entry, global_shape, offset) in enumerate(plan):
+        t = tensors[piece.name]
+        d = last[i]
+        if (d is not None and piece.rows is None and t.data_ptr() == d["ptr"]
+                and t.get_device() == d["device"] and t.is_contiguous()
+                and not t.is_conj() and not t.is_neg()):
+            keep.append(t)
+            if d["device"] >= 0:
+                stream = streams.get(d["device"])
+                if stream is None:
+                    stream = streams[d["device"]] = torch.cuda.current_stream(
+                        d["device"]).cuda_stream
+                d["stream"] = stream
+        else:
+            if piece.rows is not None:
+                t = t.detach()[piece.rows[0] : piece.rows[1]]
+            d = tensor_descriptor(entry, t, keep, streams)
+            d["global_shape"], d["global_offset"] = global_shape, offset
+            last[i] = d
+        descs.append(d)
+    return descs
 
 
 def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
@@ -392,6 +429,7 @@ class Checkpointer:
         self._plan_key: Any = None
         self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
+        self._descs: list = []  # per piece of _plan: its last descriptor, or None
         # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
         self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
         self._root_ready = False  # a save's gather found no rank failing before it
@@ -463,6 +501,7 @@ class Checkpointer:
             _check_savable(name, t)
         # Until a save made the root, every rank's call is compared before rank 0 does.
         entered = time.monotonic()
+        prepare_s = entered - started
         self._ranks.enter("save", step, check=not self._root_ready)
         collective_s = time.monotonic() - entered
         problem = None
@@ -512,18 +551,15 @@ class Checkpointer:
             self._plan = _stored_pieces(plan_writes(everyone, self.rank, self.split_bytes), held)
             self._plan_key = keys
             self._everyone = everyone
+            self._descs = [None] * len(self._plan)
         if prints is not None:
             _check_replicas(self._everyone, [g[1] for g in gathered])
+        submitted = time.monotonic()
         keep: list[torch.Tensor] = []
         streams: dict = {}
-        descs: list[dict[str, Any]] = []
-        for piece, entry, global_shape, offset in self._plan:
-            t = enc.tensors[piece.name]
-            if piece.rows is not None:
-                t = t.detach()[piece.rows[0] : piece.rows[1]]
-            d = tensor_descriptor(entry, t, keep, streams)
-            d["global_shape"], d["global_offset"] = global_shape, offset
-            descs.append(d)
+        if len(self._descs) != len(self._plan):
+            self._descs = [None] * len(self._plan)
+        descs = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
         rank_doc = None
         if renc is not None:
             rank_doc = renc.doc
@@ -543,7 +579,8 @@ class Checkpointer:
         native = self._native.save(step, descs, json.dumps(values, allow_nan=False), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
-        handle._collective_s = collective_s
+        handle._phases.update(prepare_s=prepare_s, collective_s=collective_s,
+                              submit_s=time.monotonic() - submitted)
         if mode == "overlap":
             self._in_snapshot = handle
         self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
