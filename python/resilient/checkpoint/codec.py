@@ -84,16 +84,42 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
             name = f"{base}#{n}"
         return name
 
+    def tensor(obj: torch.Tensor, path: str) -> dict:
+        name = path or "tensor"
+        if name in tensors:
+            name = name_for(path)
+        tensors[name] = obj
+        return {TENSOR: name}
+
+    def value(v: Any, path: str, depth: int) -> Any:
+        # enc(v, path, depth) with the commonest leaf, a tensor, taken without a call.
+        if depth <= MAX_DEPTH and isinstance(v, tensor_type):
+            return tensor(v, path)
+        return enc(v, path, depth)
+
     def pairs(obj: dict, path: str, depth: int) -> list:
+        # [[key, value]...]; the loop inlines the common cases (a str key, a tensor value).
         key_path = f"{path}/$key" if depth else "$key"
         prefix = f"{path}/" if depth else ""
-        return [[k if type(k) is str and _plain_str(k) else enc(k, key_path, depth + 1),
-                 enc(v, prefix + key_str(k), depth + 1)] for k, v in obj.items()]
+        depth += 1
+        inline = depth <= MAX_DEPTH
+        out = []
+        for k, v in obj.items():
+            if type(k) is str:
+                sub = prefix + k.replace("/", "%2F")
+                if not _plain_str(k):
+                    k = enc(k, key_path, depth)
+            else:
+                sub = prefix + key_str(k)
+                k = enc(k, key_path, depth)
+            out.append([k, tensor(v, sub) if inline and isinstance(v, tensor_type)
+                        else enc(v, sub, depth)])
+        return out
 
     def mapping(obj: dict, path: str, prefix: str, depth: int) -> Any:
-        plain = all(isinstance(k, str) and not k.startswith("$") for k in obj)
-        if plain and _is_sorted(obj):  # a JSON object keeps sorted keys only
-            return {k: enc(v, prefix + key_str(k), depth + 1) for k, v in obj.items()}
+        if _plain_sorted(obj):  # a JSON object keeps sorted keys only
+            depth += 1
+            return {k: value(v, prefix + k.replace("/", "%2F"), depth) for k, v in obj.items()}
         return {DICT: pairs(obj, path, depth)}
 
     def enc(obj: Any, path: str, depth: int) -> Any:
@@ -106,9 +132,7 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
             obj.encode("utf-8")  # lone surrogates cannot be stored; fail here, clearly
             return obj
         if isinstance(obj, tensor_type):
-            name = name_for(path)
-            tensors[name] = obj
-            return {TENSOR: name}
+            return tensor(obj, path)
         prefix = f"{path}/" if depth else ""
         if kind is dict:
             return mapping(obj, path, prefix, depth)
@@ -166,10 +190,11 @@ def _plain_str(key: str) -> bool:
     return key.isascii()
 
 
-def _is_sorted(obj: dict) -> bool:
+def _plain_sorted(obj: dict) -> bool:
+    """True when every key is a str not starting with '$' and the keys are in sorted order."""
     prev = None
     for k in obj:
-        if prev is not None and k < prev:
+        if not isinstance(k, str) or k.startswith("$") or (prev is not None and k < prev):
             return False
         prev = k
     return True
