@@ -2,7 +2,9 @@
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
 #        gpt contract ceiling files ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
-# Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine).
+# Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
+# in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
+# :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
