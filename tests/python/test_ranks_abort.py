@@ -20,6 +20,16 @@ from procs import run_bounded
 
 WORLD = 3
 GROUP_TIMEOUT_S = 60  # far above what the test allows: the abort must end the wait
+SILENT_S = 30  # the longest rank 2 stays silent (and rank 0 serves the store) for the others
+
+
+def _wait_for_files(out_dir: str, ranks: list[int]) -> None:
+    """Until these ranks wrote their results, or SILENT_S passed (a rank that never ends its
+    gather then meets a peer gone away, and its time says so)."""
+    deadline = time.monotonic() + SILENT_S
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in ranks):
+        time.sleep(0.05)
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -47,12 +57,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         except CollectiveError as e:
             result["outcome"] = f"CollectiveError: {e}"
         result["seconds"] = time.monotonic() - t0
-        if rank == 0:
-            time.sleep(5)  # rank 0 serves the store: rank 1 reads the abort mark from it
-    else:
-        time.sleep(15)  # alive and connected, but silent: the others' gather cannot finish
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        if rank == 0:  # rank 0 serves the store: rank 1 reads the abort mark from it
+            _wait_for_files(out_dir, [1])
+    else:  # alive and connected, but silent: the others' gather cannot finish
+        _wait_for_files(out_dir, [0, 1])
+    with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(result, f)
+    os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"),
+               os.path.join(out_dir, f"rank{rank}.json"))
     os._exit(0)  # rank 2 and the abandoned collective: leave without gloo's teardown
 
 
