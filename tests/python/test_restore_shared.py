@@ -80,7 +80,10 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         with resilient.Checkpointer(root, keep=0, create=True, specs=specs) as ck:
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
         return result
-    mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared"}.get(phase, phase)
+    mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared",
+            "corrupt": "shared"}.get(phase, phase)
+    if phase == "corrupt":  # the test's copy with a damaged piece
+        root = root + "-corrupt"
     if phase == "nobuffer":  # the buffer cannot be created
         shm.DIR = "/nonexistent-shm-dir"
     if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
@@ -116,13 +119,16 @@ def _report(result: dict, phase: str, world: int, rank: int, out: str) -> None:
         json.dump(result, f)
 
 
-def _run(phases: str, world: int, root, out, ranks=None) -> dict[str, list[dict]]:
-    """Each phase's results (rank order) from one process group running `phases`."""
+def _run(phases: str, world: int, root, out,
+         ranks: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[dict]]:
+    """Each phase's results (rank order; `ranks` names the reporting ranks of a phase where not
+    all of them report) from one process group running `phases`."""
     rc, output = run_bounded([sys.executable, __file__, phases, str(world), str(root),
                               str(out)], 240, f"{phases} at {world}")
     assert rc == 0, output[-4000:]
     return {phase: [json.load(open(out / f"{phase}-{world}-{r}.json"))
-                    for r in ranks or range(world)] for phase in phases.split(",")}
+                    for r in (ranks or {}).get(phase, range(world))]
+            for phase in phases.split(",")}
 
 
 def _size(root) -> int:
@@ -140,16 +146,40 @@ def saved(tmp_path_factory):
     return out / "ckpt"
 
 
-def _copy(saved, tmp_path):
+def _copy(saved, tmp_path, name: str = "ckpt"):
     import shutil
 
-    return shutil.copytree(saved, tmp_path / "ckpt", symlinks=True)
+    return shutil.copytree(saved, tmp_path / name, symlinks=True)
+
+
+def _corrupt(root) -> None:
+    """Flips bytes inside the first data file's extents."""
+    step = root / "step-000000000001"
+    data = sorted(p for p in step.rglob("*") if p.is_file() and p.stat().st_size > 100_000)
+    assert data, list(step.rglob("*"))
+    with open(data[0], "r+b") as f:
+        f.seek(8192)
+        chunk = bytearray(f.read(64))
+        f.seek(8192)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+@pytest.fixture(scope="module")
+def at4(saved, tmp_path_factory):
+    """Every 4-rank load of this module's tests, in one job (each process start costs seconds of
+    imports on a small machine): shared and direct reads of a copy of `saved`, shared reads of
+    a copy with a corrupted piece, and last a rank that dies mid-load (the job ends there).
+    Returns (the first copy's root, each phase's results)."""
+    out = tmp_path_factory.mktemp("at4")
+    root = _copy(saved, out)
+    _corrupt(_copy(saved, out, "ckpt-corrupt"))
+    # rank 1 exits in the load of "dies"
+    return root, _run("shared,direct,corrupt,dies", 4, root, out, ranks={"dies": (0, 2, 3)})
 
 
 @pytest.mark.timeout(900)
-def test_shared_restore_reads_each_byte_once_per_host(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-    at4 = _run("shared,direct", 4, root, tmp_path)
+def test_shared_restore_reads_each_byte_once_per_host(at4, tmp_path):
+    root, at4 = at4
     size = _size(root)
     for r, g in enumerate(at4["shared"]):
         assert g.get("error") is None, g
@@ -174,26 +204,15 @@ def test_shared_restore_reads_each_byte_once_per_host(saved, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-    step = root / "step-000000000001"
-    data = sorted(p for p in step.rglob("*") if p.is_file() and p.stat().st_size > 100_000)
-    assert data, list(step.rglob("*"))
-    with open(data[0], "r+b") as f:  # flip bytes inside the first data file's extents
-        f.seek(8192)
-        chunk = bytearray(f.read(64))
-        f.seek(8192)
-        f.write(bytes(b ^ 0xFF for b in chunk))
-    for g in _run("shared", 4, root, tmp_path)["shared"]:
+def test_a_corrupt_piece_raises_on_every_rank_and_leaves_no_buffer(at4):
+    for g in at4[1]["corrupt"]:
         assert "error" in g and "Corrupt" in g["error"], g
         assert not g["leftovers"]
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_that_dies_mid_load_leaves_no_buffer(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-    got = _run("dies", 4, root, tmp_path, ranks=(0, 2, 3))["dies"]  # rank 1 exits in the load
-    for g in got:
+def test_a_rank_that_dies_mid_load_leaves_no_buffer(at4):
+    for g in at4[1]["dies"]:
         assert "error" in g, g
         assert not g["leftovers"]  # rank 0 created it and unlinked it on the way out
 
