@@ -74,6 +74,24 @@ def kill_rank1_after(out: Path, steps: int, timeout: float = 120) -> None:
     raise AssertionError(f"rank 1 never completed {steps} steps")
 
 
+def wait_for_a_replacement(out: Path, launcher: subprocess.Popen, timeout: float) -> None:
+    """Until a process that joined mid-run (its first logged step is not 0) completed a step,
+    the launcher exited, or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        first: dict[int, int] = {}
+        for f in (out / "samples").glob("rank*.samples"):
+            for line in f.read_text().splitlines():
+                try:
+                    step, pid, _index = json.loads(line)
+                except ValueError:  # a line being written
+                    continue
+                first.setdefault(pid, step)
+        if any(step > 0 for step in first.values()):
+            return
+        time.sleep(0.05)
+
+
 def _samples(out: Path) -> tuple[dict[int, int], Counter, dict[int, list[int]]]:
     """Samples per step, how often each sample index was trained on, and each rank's steps."""
     per_step: Counter = Counter()
@@ -144,18 +162,22 @@ def test_a_replacement_joins_the_quickstart_with_the_same_state(tmp_path: Path) 
     from resilient.checkpoint.catalog import list_root
 
     (tmp_path / "samples").mkdir()
-    # >= 30 s at 50 ms a step: time for the replacement to start and be admitted. The kill
-    # lands in the step-5 save (every=5): a survivor once stayed in its gather until evicted
-    # (593 of 600 steps on 3 ranks); the save's gathers are now polled (test_ranks_abort.py).
+    # >= 30 s at 50 ms a step: time for the replacement to start and be admitted; once it has
+    # trained a step the rest goes at full speed. The kill lands in the step-5 save (every=5): a
+    # survivor once stayed in its gather until evicted (593 of 600 steps on 3 ranks); the
+    # save's gathers are now polled (test_ranks_abort.py).
     steps = 600
+    go_fast = tmp_path / "replacement-trained"
     slow = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_steps"),
                                            os.environ.get("PYTHONPATH", "")]),
-            "RESILIENT_TEST_STEP_SLEEP": "0.05"}
+            "RESILIENT_TEST_STEP_SLEEP": "0.05", "RESILIENT_TEST_STEP_SLEEP_UNTIL": str(go_fast)}
     p = _launch(tmp_path, RECOVERABLE, ["-m", "resilient.run", "--standalone",
                                         "--nproc-per-node", "4", "--replacements", "1"], steps,
                 env=slow)
     try:
         kill_rank1_after(tmp_path, 5)
+        wait_for_a_replacement(tmp_path, p, timeout=120)
+        go_fast.touch()
     finally:
         code = wait_or_kill(p, 200)
     log = (tmp_path / "launcher.log").read_text()[-6000:]
