@@ -19,7 +19,8 @@ log() { echo "[gpu_run $(date +%T)] $*"; }
 unpack() {
   mkdir -p /opt/deps
   for f in .devdeps/*.deb; do dpkg -x "$f" /opt/deps; done
-  pip install -q --no-index --no-deps .devdeps/wheels/*.whl 2>&1 | tail -n 2
+  # python -m pip: a bare pip there belongs to another interpreter than the one with torch
+  python -m pip install -q --no-index --no-deps .devdeps/wheels/*.whl 2>&1 | grep -v WARNING | tail -n 2
 }
 
 configure() {  # $1: source tree, $2: build directory, rest: extra cmake arguments
