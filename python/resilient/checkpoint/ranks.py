@@ -189,15 +189,16 @@ class Ranks:
             now = time.monotonic()
             if now >= next_check:  # the store, every 100 ms: at 1,000 ranks it is one server
                 next_check = now + 0.1
-                broken = f"resilient/ckpt/{self.run_id}/enter/{self._seq}/broken"
+                broken = self._key(self._seq, "broken")
                 if self.store.check([broken]):
                     self.broken = "a peer gave up"
                     raise CollectiveError(self.store.get(broken).decode())
             if now > deadline:
                 self._timed_out(limit)
-            # Polling a local work object costs nothing but CPU: every 50 us for the first
-            # 20 ms (a peer a few milliseconds late is the common case in a save, and each
-            # poll's overshoot adds to the stall), then every 2 ms.
+            # Polling a local work object costs nothing but CPU: every 50 us (about 100 us with
+            # the timer's slack) for the first 400 polls, 20-40 ms (a peer a few milliseconds
+            # late is the common case in a save, and each poll's overshoot adds to the stall),
+            # then every 2 ms.
             time.sleep(0.00005 if polls < 400 else 0.002)
         try:
             work.wait()
@@ -215,8 +216,8 @@ class Ranks:
             return
         self._aborted = (self._seq, reason)
         for seq in (self._seq, self._seq + 1):
-            self.store.set(f"resilient/ckpt/{self.run_id}/enter/{seq}/broken", reason)
-            self.store.add(f"resilient/ckpt/{self.run_id}/enter/{seq}/count", _POISON)
+            self.store.set(self._key(seq, "broken"), reason)
+            self.store.add(self._key(seq, "count"), _POISON)
 
     def _timed_out(self, limit: float) -> None:
         """Raises CollectiveError for a gather that did not finish within `limit` seconds,
@@ -226,9 +227,9 @@ class Ranks:
         message = f"a checkpoint collective did not finish within {limit:g} s"
         if self._entry is not None:
             op, arg = self._entry
-            prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
+            count, broken = self._key(self._seq, "count"), self._key(self._seq, "broken")
             try:
-                arrived = int(self.store.add(f"{prefix}/count", 0)) % _POISON
+                arrived = int(self.store.add(count, 0)) % _POISON
             except Exception:
                 arrived = -1
             if 0 <= arrived < self.world_size:
@@ -239,11 +240,15 @@ class Ranks:
                     f"ranks did within {limit:g} s; a call guarded by `if rank == 0` does this; "
                     "for a checkpoint written by one process pass distributed=False)")
             try:  # the mark first, so that a rank the poison stops can read why
-                self.store.compare_set(f"{prefix}/broken", "", f"rank {self.rank}: {message}")
-                self.store.add(f"{prefix}/count", _POISON)
+                self.store.compare_set(broken, "", f"rank {self.rank}: {message}")
+                self.store.add(count, _POISON)
             except Exception:
                 pass
         raise CollectiveError(message)
+
+    def _key(self, seq: int, leaf: str) -> str:
+        """The job store's key `leaf` ("count" or "broken") of collective entry `seq`."""
+        return f"resilient/ckpt/{self.run_id}/enter/{seq}/{leaf}"
 
     def enter(self, op: str, arg: Any, check: bool = False) -> None:
         """Collective entry (module docstring): counts this rank in; its next gather compares
@@ -262,15 +267,15 @@ class Ranks:
         if aborted is not None and aborted[0] >= self._seq - 1:
             self.broken = f"aborted: {aborted[1]}"
             raise CollectiveError(f"checkpoint collective abandoned: {aborted[1]}")
-        prefix = f"resilient/ckpt/{self.run_id}/enter/{self._seq}"
-        if self.store.add(f"{prefix}/count", 1) >= _POISON:  # a peer gave up on this entry
+        if self.store.add(self._key(self._seq, "count"), 1) >= _POISON:  # a peer gave up on it
             self.broken = f"{op}({arg!r}): a peer gave up"
-            why = (self.store.get(f"{prefix}/broken").decode()
-                   if self.store.check([f"{prefix}/broken"]) else "a peer gave up on it")
+            broken = self._key(self._seq, "broken")
+            why = (self.store.get(broken).decode()
+                   if self.store.check([broken]) else "a peer gave up on it")
             raise CollectiveError(f"{op}({arg!r}) was abandoned by another rank: {why}")
         if self.rank == 0 and self._seq > 1:  # keep the job's store small over many calls
             try:
-                self.store.delete_key(f"resilient/ckpt/{self.run_id}/enter/{self._seq - 1}/count")
+                self.store.delete_key(self._key(self._seq - 1, "count"))
             except Exception:
                 pass
         if check:
