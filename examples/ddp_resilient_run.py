@@ -85,6 +85,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-method", default="env://",
                    help="e.g. etcd://h1:2379,h2:2379/job42/ (the job's store on etcd: no rank "
                         "hosts it; RANK and WORLD_SIZE from the environment)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="etcd:// only: seconds; bounds the group's collectives and every store "
+                        "call (a rank cut off from the store's quorum stops after about twice "
+                        "this)")
     return p.parse_args(argv)
 
 
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", init_method=a.init_method,
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timedelta(seconds=30))  # also every store call's bound
+                                timeout=timedelta(seconds=a.timeout))  # and every store call
     elif a.device == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
                            % torch.cuda.device_count())

@@ -130,7 +130,9 @@ def test_host_faults_leave_one_agreed_majority(tmp_path, hosts, scenario):
             ranks.append(_start(ns, [
                 sys.executable, str(EXAMPLE), "--steps", "60", "--step-sleep", "0.1",
                 "--global-batch", "24", "--micro-batch", "4", "--init-method", url,
-                "--out", str(tmp_path)], tmp_path / f"rank{r}.log",
+                # a cut-off rank's all-reduce, then its probe of the store, each wait this
+                # long before it stops (the default: 30 s each); ranks start within seconds
+                "--timeout", "20", "--out", str(tmp_path)], tmp_path / f"rank{r}.log",
                 {"RANK": str(r), "WORLD_SIZE": "6", "LOCAL_RANK": str(r % 2),
                  "GLOO_SOCKET_IFNAME": "eth0", "RESILIENT_RECOVERY_MIN_WORLD": "2"}))
         procs += ranks
