@@ -115,6 +115,34 @@ def test_plain_values_round_trip_with_their_types(tmp_path):
     assert out["npscalar"] == np.float32(1.5) and isinstance(out["npscalar"], np.float32)
 
 
+def test_values_the_fast_json_encoder_refuses_still_save(tmp_path):
+    """The values document goes through orjson, which refuses str-subclass keys, float
+    subclasses and nesting past 255 levels; those states saved before it and must still save
+    (with several ranks the encoder runs after the collectives, on rank 0 alone)."""
+    import enum
+
+    class Color(str, enum.Enum):
+        RED = "red"
+
+    class Meters(float):
+        pass
+
+    deep: object = torch.arange(3.0)
+    for _ in range(254):  # within the codec's 256 levels, past orjson's 255 with the values'
+        deep = [deep]
+    values = {"enum_keys": {Color.RED: torch.ones(2)}, "meters": Meters(2.5), "deep": deep}
+    with resilient.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, values).wait()
+        out: dict = {}
+        assert ckpt.load(out) == 1
+    assert torch.equal(out["enum_keys"][Color.RED], torch.ones(2))
+    assert out["meters"] == 2.5
+    node = out["deep"]
+    for _ in range(254):
+        node = node[0]
+    assert torch.equal(node, torch.arange(3.0))
+
+
 def make_training(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))

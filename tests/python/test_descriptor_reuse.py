@@ -1,8 +1,8 @@
 """A save reuses a tensor's buffer descriptor from the previous save of the same plan while the
 tensor is laid out as then. Property: whatever happens to the state's tensors between saves
-(changed in place, replaced, replaced by a view sharing the pointer with another layout or a
-conjugate or negative bit, freed and reallocated), every save holds the values the tensors had
-at the save, bit for bit."""
+(changed in place, replaced, replaced by a view sharing the pointer with another layout, shape
+or dtype or a conjugate or negative bit, freed and reallocated), every save holds the values the
+tensors had at the save, bit for bit."""
 
 from __future__ import annotations
 
@@ -18,13 +18,19 @@ N = 6  # elements per side of the square tensors
 def _change(t: torch.Tensor, how: str, draw_value: float) -> torch.Tensor:
     """`t` after one change between saves; the result has t's name, shape and dtype."""
     if how == "in_place":
-        return t.add_(draw_value)
+        return t.add_(draw_value if t.is_floating_point() or t.is_complex() else int(draw_value))
     if how == "replaced":
         return torch.full_like(t, draw_value).contiguous()
-    if how == "freed_and_reallocated":  # the allocator may hand back the same address
-        shape, dtype = t.shape, t.dtype
+    if how == "freed_and_reallocated":  # the caller holds no other reference (the allocator
+        shape, dtype = t.shape, t.dtype  # may or may not hand the address back)
         del t
         return torch.full(shape, draw_value, dtype=dtype)
+    if how == "flattened_view":  # same pointer, another shape: a new plan
+        return t.reshape(-1) if t.is_contiguous() else t
+    if how == "dtype_view":  # same pointer, another dtype: a new plan
+        if t.dtype in (torch.float32, torch.int32) and t.is_contiguous():
+            return t.view(torch.int32 if t.dtype == torch.float32 else torch.float32)
+        return t
     if how == "transposed_view":  # same pointer, same shape (square), not contiguous
         return t.t()
     if how == "conj_view":  # same pointer, the conjugate bit set
@@ -38,7 +44,8 @@ def _change(t: torch.Tensor, how: str, draw_value: float) -> torch.Tensor:
 
 
 HOW = st.sampled_from(["unchanged", "in_place", "replaced", "freed_and_reallocated",
-                       "transposed_view", "conj_view", "neg_view", "offset_view"])
+                       "transposed_view", "conj_view", "neg_view", "offset_view",
+                       "flattened_view", "dtype_view"])
 
 
 def _initial() -> dict[str, torch.Tensor]:
@@ -60,8 +67,8 @@ def test_every_save_holds_the_values_at_the_save(tmp_path_factory, rounds):
         ck.save(0, state).wait()
         expected[0] = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
         for step, (how_real, how_cplx, value, overlap) in enumerate(rounds, start=1):
-            state["real"] = _change(state["real"], how_real, value)
-            state["cplx"] = _change(state["cplx"], how_cplx, value)
+            state["real"] = _change(state.pop("real"), how_real, value)
+            state["cplx"] = _change(state.pop("cplx"), how_cplx, value)
             h = ck.save(step, state, mode="overlap" if overlap else "blocking")
             expected[step] = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
             h.wait()

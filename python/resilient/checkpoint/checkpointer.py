@@ -140,9 +140,11 @@ class SaveHandle:
     def stats(self) -> dict[str, float]:
         """Seconds from the save call: snapshot_s, written_s, durable_s (committed, once
         done); bytes and stored_bytes of this rank's shard. Where the call itself went, in
-        seconds: prepare_s (reading the state, before any collective), collective_s (its entry
-        and gathers, waiting for the other ranks included) and submit_s (describing the tensors
-        and queueing the snapshot; issue_s of it queueing the copies)."""
+        seconds, after waiting for a previous overlapped snapshot: prepare_s (reading and
+        fingerprinting the state), collective_s (its entry and gathers, waiting for the other
+        ranks included) and submit_s (planning, describing the tensors and queueing the
+        snapshot, of which issue_s queued the copies; in blocking mode also the wait for
+        them)."""
         s = dict(self._native.stats())
         s.update(self._phases)
         if self._committed_s is not None:
@@ -273,6 +275,18 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
         _check_savable(name, t)
         held.append(held_of(name, t, place))
     return held, alone
+
+
+def _values_json(values: dict[str, Any]) -> bytes:
+    """A save's values as JSON. orjson first: the state's document is ~100 KB for a
+    1,000-tensor model, which the standard encoder takes milliseconds for (the codec tags
+    non-finite floats, so orjson's NaN-as-null never applies). What orjson refuses and the
+    standard encoder writes (str and float subclasses, nesting deeper than 255) goes to the
+    latter: this runs after the save's collectives, where one rank must not fail alone."""
+    try:
+        return orjson.dumps(values)
+    except TypeError:  # orjson.JSONEncodeError included
+        return json.dumps(values, allow_nan=False).encode()
 
 
 def _mesh_records(meshes: Any) -> list[dict[str, Any]]:
@@ -491,6 +505,7 @@ class Checkpointer:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"step must be in [0, {MAX_STEP}], not {step}")
         self.wait_snapshot()  # a previous overlapped snapshot must finish before a new one
+        reading = time.monotonic()  # the call's phases (stats()) are counted from here
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
@@ -502,9 +517,10 @@ class Checkpointer:
             _check_savable(name, t)
         # Until a save made the root, every rank's call is compared before rank 0 does.
         entered = time.monotonic()
-        prepare_s = entered - started
+        prepare_s = entered - reading
         self._ranks.enter("save", step, check=not self._root_ready)
-        collective_s = time.monotonic() - entered
+        reading = time.monotonic()
+        collective_s = reading - entered
         problem = None
         try:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
@@ -525,8 +541,10 @@ class Checkpointer:
         report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
         why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
         entered = time.monotonic()
+        prepare_s += entered - reading
         gathered = self._ranks.gather((key, prints, report, why), fit=True)
-        collective_s += time.monotonic() - entered
+        submitted = time.monotonic()
+        collective_s += submitted - entered
         self._save_seq += 1  # every rank, whatever happens next: save ids stay in step
         with self._lock_ids:
             for h in failed:
@@ -548,14 +566,15 @@ class Checkpointer:
         if keys != self._plan_key:
             entered = time.monotonic()
             everyone = self._ranks.gather(held)
-            collective_s += time.monotonic() - entered
+            planning_gather_s = time.monotonic() - entered
+            collective_s += planning_gather_s
+            submitted += planning_gather_s  # counted once, as collective time
             self._plan = _stored_pieces(plan_writes(everyone, self.rank, self.split_bytes), held)
             self._plan_key = keys
             self._everyone = everyone
             self._descs = [None] * len(self._plan)
         if prints is not None:
             _check_replicas(self._everyone, [g[1] for g in gathered])
-        submitted = time.monotonic()
         keep: list[torch.Tensor] = []
         streams: dict = {}
         if len(self._descs) != len(self._plan):
@@ -577,10 +596,7 @@ class Checkpointer:
         }
         if meshes and self.rank == 0:  # what `resilient ckpt ls/show` report as the mesh
             values["meshes"] = _mesh_records(meshes.values())
-        # orjson: the state's document is ~100 KB for a 1,000-tensor model, which the standard
-        # encoder takes milliseconds for. The codec leaves no float it cannot write (non-finite
-        # ones are tagged), so orjson's NaN-as-null never applies.
-        native = self._native.save(step, descs, orjson.dumps(values), False, mode)
+        native = self._native.save(step, descs, _values_json(values), False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
         handle._phases.update(prepare_s=prepare_s, collective_s=collective_s,

@@ -91,12 +91,6 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         tensors[name] = obj
         return {TENSOR: name}
 
-    def value(v: Any, path: str, depth: int) -> Any:
-        # enc(v, path, depth) with the commonest leaf, a tensor, taken without a call.
-        if depth <= MAX_DEPTH and isinstance(v, tensor_type):
-            return tensor(v, path)
-        return enc(v, path, depth)
-
     def pairs(obj: dict, path: str, depth: int) -> list:
         # [[key, value]...]; the loop inlines the common cases (a str key, a tensor value).
         key_path = f"{path}/$key" if depth else "$key"
@@ -117,10 +111,16 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         return out
 
     def mapping(obj: dict, path: str, prefix: str, depth: int) -> Any:
-        if _plain_sorted(obj):  # a JSON object keeps sorted keys only
-            depth += 1
-            return {k: value(v, prefix + k.replace("/", "%2F"), depth) for k, v in obj.items()}
-        return {DICT: pairs(obj, path, depth)}
+        if not _plain_sorted(obj):  # a JSON object keeps sorted keys only
+            return {DICT: pairs(obj, path, depth)}
+        depth += 1
+        inline = depth <= MAX_DEPTH
+        out = {}
+        for k, v in obj.items():  # a loop, not a comprehension: one frame less per level
+            sub = prefix + (k.replace("/", "%2F") if type(k) is str else key_str(k))
+            out[k] = (tensor(v, sub) if inline and isinstance(v, tensor_type)
+                      else enc(v, sub, depth))
+        return out
 
     def enc(obj: Any, path: str, depth: int) -> Any:
         # `path` is the '/'-join of the keys leading here; `depth` how many there are.
