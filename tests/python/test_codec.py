@@ -78,3 +78,54 @@ def test_sorted_str_subclass_keys_stay_a_json_object():
     doc = codec.encode({Color.SLASH: torch.zeros(1), Color.RED: 1}).doc
     assert doc == {"a/b": {codec.TENSOR: "a%2Fb"}, "red": 1}
     assert list(codec.encode({"b": 1, "a": 2}).doc) == [codec.DICT]  # unsorted: pairs
+
+
+_Point = __import__("collections").namedtuple("_Point", "x y")
+
+
+class _Holder:
+    """A Stateful object holding one value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"v": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["v"]
+
+
+_WRAP = {
+    "list": lambda v: [v],
+    "sorted_dict": lambda v: {"a": v},
+    "unsorted_dict": lambda v: {"z": 0, "a": v},
+    "int_keys": lambda v: {1: v},
+    "odict": lambda v: OrderedDict([("a", v)]),
+    "tuple": lambda v: (v,),
+    "namedtuple": lambda v: _Point(v, 0),
+    "stateful": _Holder,
+}
+_LEAVES = [torch.arange(2.0), 2**70, float("nan"), b"\x01", 3, "s", None,
+           __import__("numpy").float32(1.5)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(chain=st.lists(st.sampled_from(sorted(_WRAP)), min_size=60, max_size=300),
+       leaf=st.sampled_from(range(len(_LEAVES))))
+def test_whatever_encodes_loads_and_whatever_is_too_deep_fails_at_save(chain, leaf):
+    """The encoder measures depth as the loader does: a state it accepts is one every loader
+    walk accepts (no checkpoint that saves but cannot load), and a deeper one raises at save
+    with a clear ValueError."""
+    state = _LEAVES[leaf]
+    for kind in chain:
+        state = _WRAP[kind](state)
+    try:
+        enc = codec.encode(state)
+    except ValueError as e:
+        assert "nested too deeply" in str(e)
+        return
+    doc = json.loads(json.dumps(enc.doc))
+    refs = codec.tensor_refs(doc)
+    assert set(refs) == set(enc.tensors)
+    codec.decode(doc, lambda kind, name: enc.tensors[name])

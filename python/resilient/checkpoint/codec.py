@@ -76,7 +76,7 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
     state_of = state_of or (lambda obj: obj.state_dict())
     tensor_type, ndarray = torch.Tensor, np.ndarray
 
-    def name_for(path: str) -> str:
+    def name_for(path: str | None) -> str:
         base = path or "tensor"
         name, n = base, 1
         while name in tensors:
@@ -84,18 +84,22 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
             name = f"{base}#{n}"
         return name
 
-    def tensor(obj: torch.Tensor, path: str) -> dict:
+    def tensor(obj: torch.Tensor, path: str | None) -> dict:
         name = path or "tensor"
         if name in tensors:
             name = name_for(path)
         tensors[name] = obj
         return {TENSOR: name}
 
-    def pairs(obj: dict, path: str, depth: int) -> list:
+    # `path`: the '/'-join of the keys leading to a value (None at the root); `depth`: the
+    # nesting of its place in the document (a JSON level each), the loader's measure, so that
+    # whatever is saved can be loaded: a list or sorted dict adds 1, a tuple 2, a dict stored
+    # as pairs or a named tuple 3, a Stateful or numpy scalar 1.
+    def pairs(obj: dict, path: str | None, depth: int) -> list:
         # [[key, value]...]; the loop inlines the common cases (a str key, a tensor value).
-        key_path = f"{path}/$key" if depth else "$key"
-        prefix = f"{path}/" if depth else ""
-        depth += 1
+        key_path = "$key" if path is None else f"{path}/$key"
+        prefix = "" if path is None else f"{path}/"
+        depth += 3
         inline = depth <= MAX_DEPTH
         out = []
         for k, v in obj.items():
@@ -110,7 +114,7 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
                         else enc(v, sub, depth)])
         return out
 
-    def mapping(obj: dict, path: str, prefix: str, depth: int) -> Any:
+    def mapping(obj: dict, path: str | None, prefix: str, depth: int) -> Any:
         if not _plain_sorted(obj):  # a JSON object keeps sorted keys only
             return {DICT: pairs(obj, path, depth)}
         depth += 1
@@ -122,18 +126,28 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
                       else enc(v, sub, depth))
         return out
 
-    def enc(obj: Any, path: str, depth: int) -> Any:
-        # `path` is the '/'-join of the keys leading here; `depth` how many there are.
+    def too_deep(path: str | None) -> ValueError:
+        shown = "/".join((path or "").split("/")[:8])
+        return ValueError(f"{shown}...: state nested too deeply: its checkpoint document would "
+                          f"be deeper than {MAX_DEPTH} levels (a dict whose keys are not sorted "
+                          "strings and a named tuple count 3, a tuple 2)")
+
+    def tagged(tag: str, value: Any, path: str | None, depth: int) -> dict:
+        # A value stored as {tag: payload}: the payload is one level deeper.
+        if depth >= MAX_DEPTH:
+            raise too_deep(path)
+        return {tag: value}
+
+    def enc(obj: Any, path: str | None, depth: int) -> Any:
         if depth > MAX_DEPTH:
-            raise ValueError(f"{'/'.join(path.split('/')[:8])}...: state nested deeper than "
-                             f"{MAX_DEPTH}")
+            raise too_deep(path)
         kind = type(obj)
         if kind is str:
             obj.encode("utf-8")  # lone surrogates cannot be stored; fail here, clearly
             return obj
         if isinstance(obj, tensor_type):
             return tensor(obj, path)
-        prefix = f"{path}/" if depth else ""
+        prefix = "" if path is None else f"{path}/"
         if kind is dict:
             return mapping(obj, path, prefix, depth)
         if kind is list:
@@ -141,12 +155,14 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if obj is None or kind is bool:
             return obj
         if kind is int:
-            return obj if _INT64_MIN <= obj <= _INT64_MAX else {BIGINT: str(obj)}
+            return obj if _INT64_MIN <= obj <= _INT64_MAX else tagged(BIGINT, str(obj), path,
+                                                                      depth)
         if kind is float:
-            return obj if math.isfinite(obj) else {FLOAT: repr(obj)}
+            return obj if math.isfinite(obj) else tagged(FLOAT, repr(obj), path, depth)
         if isinstance(obj, ndarray):
             if obj.dtype.hasobject:
-                raise TypeError(f"{path}: numpy object arrays cannot be saved without pickle")
+                raise TypeError(f"{path or '<root>'}: numpy object arrays cannot be saved "
+                                "without pickle")
             name = name_for(path)
             tensors[name] = torch.from_numpy(np.ascontiguousarray(obj))
             return {NDARRAY: name}
@@ -155,19 +171,20 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
                 obj.encode("utf-8")
             return obj
         if isinstance(obj, np.generic):
-            return {NPSCALAR: obj.dtype.str, "value": enc(obj.item(), path, depth)}
+            return {NPSCALAR: obj.dtype.str, "value": enc(obj.item(), path, depth + 1)}
         if isinstance(obj, int):
-            return obj if _INT64_MIN <= obj <= _INT64_MAX else {BIGINT: str(obj)}
+            return obj if _INT64_MIN <= obj <= _INT64_MAX else tagged(BIGINT, str(obj), path,
+                                                                      depth)
         if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {FLOAT: repr(obj)}
+            return obj if math.isfinite(obj) else tagged(FLOAT, repr(obj), path, depth)
         if isinstance(obj, (bytes, bytearray)):
-            return {BYTES: base64.b64encode(bytes(obj)).decode("ascii")}
+            return tagged(BYTES, base64.b64encode(bytes(obj)).decode("ascii"), path, depth)
         if _is_namedtuple(obj):
-            values = [enc(v, prefix + str(f), depth + 1) for f, v in zip(obj._fields, obj)]
+            values = [enc(v, prefix + str(f), depth + 3) for f, v in zip(obj._fields, obj)]
             return {NAMEDTUPLE: {"name": type(obj).__name__, "fields": list(obj._fields),
                                  "values": values}}
         if isinstance(obj, tuple):
-            return {TUPLE: [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]}
+            return {TUPLE: [enc(v, f"{prefix}{i}", depth + 2) for i, v in enumerate(obj)]}
         if isinstance(obj, list):
             return [enc(v, f"{prefix}{i}", depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, OrderedDict):
@@ -175,13 +192,13 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if isinstance(obj, dict):
             return mapping(obj, path, prefix, depth)
         if is_stateful(obj):
-            return {STATEFUL: enc(state_of(obj), path, depth)}
+            return {STATEFUL: enc(state_of(obj), path, depth + 1)}
         raise TypeError(
             f"{path or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
             "use tensors, numpy arrays, plain values, containers or objects with state_dict()"
         )
 
-    out.doc = enc(state, "", 0)
+    out.doc = enc(state, None, 0)
     return out
 
 
