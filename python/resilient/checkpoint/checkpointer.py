@@ -223,7 +223,7 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
     the tensor has the same data pointer and device and is contiguous without a conjugate or
     negative bit (a view such as x.conj() or a transpose shares the pointer). The CUDA stream is
     looked up again on every save. Rebuilding every descriptor costs milliseconds per save for a
-    thousand tensors, most of an overlapped save's return.
+    thousand tensors, a sizeable part of an overlapped save's return.
     """
     descs = []
     for i, (piece, entry, global_shape, offset) in enumerate(plan):
@@ -444,7 +444,7 @@ class Checkpointer:
         self._plan_key: Any = None
         self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
-        self._descs: list = []  # per piece of _plan: its last descriptor, or None
+        self._descs: list = []  # per piece of _plan: its last descriptor, or None (reset with it)
         # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
         self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
         self._root_ready = False  # a save's gather found no rank failing before it
@@ -577,8 +577,6 @@ class Checkpointer:
             _check_replicas(self._everyone, [g[1] for g in gathered])
         keep: list[torch.Tensor] = []
         streams: dict = {}
-        if len(self._descs) != len(self._plan):
-            self._descs = [None] * len(self._plan)
         descs = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
         rank_doc = None
         if renc is not None:
