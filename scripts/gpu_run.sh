@@ -173,8 +173,9 @@ PY
         grep -E "^rank|tottime|cumtime" "$OUT/profile-fsdp.log" | head -12
         grep -A 30 "profile of one save" "$OUT/profile-fsdp.log" | head -40 | cut -c1-160 ;;
     ab-fsdp-save) # Issue 15: FSDP2 save timings (the d2h floor, and the saves of PROFILE_MODE:
-                  # overlap, blocking or both, default both), the carried baseline package and
-                  # this tree alternated in AB_ORDER (default base new base new) on every GPU;
+                  # overlap, blocking or both, default both), the carried baseline package
+                  # (base), this tree (new) and this tree with RESILIENT_COPY_BATCH=0 (nobatch)
+                  # alternated in AB_ORDER (default base new base new) on every GPU;
                   # PROFILE_STEPS saves per mode (3), written under PROFILE_DIR (/tmp)
         n=$(python -c "import torch; print(torch.cuda.device_count())")
         i=0
@@ -182,8 +183,9 @@ PY
         for v in ${AB_ORDER:-base new base new}; do
           i=$((i + 1))
           if [ "$v" = base ]; then pp=$PWD/.baseline:$PYTHONPATH; else pp=$PYTHONPATH; fi
+          batch=1; [ "$v" = nobatch ] && batch=0  # this tree, copies queued one by one
           log "fsdp saves ($v, $n GPU(s))"
-          PYTHONPATH=$pp timeout 200 python benchmarks/profile_fsdp_save.py --device cuda \
+          RESILIENT_COPY_BATCH=$batch PYTHONPATH=$pp timeout 200 python benchmarks/profile_fsdp_save.py --device cuda \
             --world "$n" --model ${PROFILE_MODEL:-gpt-1b} --mode ${PROFILE_MODE:-both} \
             --steps ${PROFILE_STEPS:-3} --dir ${PROFILE_DIR:-/tmp} >"$OUT/ab-fsdp-$i-$v.log" 2>&1; echo "rc=$?"
           grep -E "^rank .*(d2h|step)" "$OUT/ab-fsdp-$i-$v.log" | cut -c1-100

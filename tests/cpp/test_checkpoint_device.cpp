@@ -6,6 +6,7 @@
 // were created, and recording an event on another device's stream fails (error 400).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -63,6 +64,38 @@ struct FakeGpu {
 };
 
 int ok() { return 0; }
+
+int fake_copy(void* dst, const void* src, size_t n, int kind, void* stream) {
+  auto& g = FakeGpu::get();
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (kind == 2 && !g.allocations.empty()) {
+    auto* p = static_cast<const std::byte*>(src);
+    bool inside = false;
+    for (auto [base, len] : g.allocations) inside |= p >= base && p + n <= base + len;
+    if (!inside) return 1;  // cudaErrorInvalidValue, as the real runtime answers
+  }
+  g.queued[stream].push_back({dst, src, n});
+  (kind == 1 ? g.h2d : g.d2h).push_back(static_cast<int>(n));
+  return ok();
+}
+
+// cudaMemcpyBatchAsync: the direction comes from the pointers (here: device-to-host, the only
+// batched direction); it fails as a whole with `batch_error` when that is set.
+std::atomic<int> batch_error{0};
+std::atomic<int> batch_calls{0};
+int fake_batch(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+               void* attrs, size_t* attrs_idx, size_t nattrs, void* stream) {
+  if (batch_error != 0) return batch_error;
+  auto* a = static_cast<memory::detail::MemcpyAttributes*>(attrs);
+  if (nattrs != 1 || attrs_idx[0] != 0 || a->src_access_order != 1 || stream == nullptr) return 1;
+  ++batch_calls;
+  for (size_t i = 0; i < count; ++i) {
+    int err = fake_copy(dsts[i], srcs[i], sizes[i], 2, stream);
+    if (err != 0) return err;
+  }
+  return ok();
+}
+
 const CudaRuntime::Table* fake_table() {
   static CudaRuntime::Table t = [] {
     CudaRuntime::Table t;
@@ -79,19 +112,8 @@ const CudaRuntime::Table* fake_table() {
       *d = FakeGpu::current();
       return ok();
     };
-    t.memcpy_async = [](void* dst, const void* src, size_t n, int kind, void* stream) {
-      auto& g = FakeGpu::get();
-      std::lock_guard<std::mutex> lock(g.mu);
-      if (kind == 2 && !g.allocations.empty()) {
-        auto* p = static_cast<const std::byte*>(src);
-        bool inside = false;
-        for (auto [base, len] : g.allocations) inside |= p >= base && p + n <= base + len;
-        if (!inside) return 1;  // cudaErrorInvalidValue, as the real runtime answers
-      }
-      g.queued[stream].push_back({dst, src, n});
-      (kind == 1 ? g.h2d : g.d2h).push_back(static_cast<int>(n));
-      return ok();
-    };
+    t.memcpy_async = fake_copy;
+    t.memcpy_batch_async = fake_batch;
     t.stream_create_with_flags = [](void** s, unsigned) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
@@ -216,6 +238,76 @@ TEST_F(DeviceTest, DeviceTensorsRoundTripInBothModes) {
   }
   EXPECT_FALSE(FakeGpu::get().d2h.empty());
   EXPECT_FALSE(FakeGpu::get().h2d.empty());
+}
+
+// Saves a large tensor on device 0 (slabs 0-3 of 256 KiB, in 13 chunks of 64 KiB merged into a
+// copy per slab) and 20 small ones on device 1 (all in slab 3), then reads them back: the bytes
+// must survive whichever way the copies were queued. 24 device-to-host copies.
+void expect_round_trip(std::unique_ptr<Checkpointer> c) {
+  std::vector<float> big(200'000);
+  std::iota(big.begin(), big.end(), 1.0f);
+  std::vector<std::vector<float>> small(20, std::vector<float>(1000));
+  std::vector<TensorSpec> specs = {
+      {"a", "float32", {200'000}, big.data(), big.size() * 4, 0, 0x77}};
+  for (size_t i = 0; i < small.size(); ++i) {
+    std::iota(small[i].begin(), small[i].end(), -5.0f * static_cast<float>(i));
+    specs.push_back({"s" + std::to_string(i), "float32", {1000}, small[i].data(), 4000, 1, 0});
+  }
+  auto h = c->save(1, specs, {}, true, SaveMode::kOverlap);
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  ASSERT_TRUE((*h)->wait(30s).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> back(big.size());
+  std::vector<std::vector<float>> small_back(small.size(), std::vector<float>(1000));
+  std::vector<ReadTarget> targets = {{"a", back.data(), back.size() * 4, -1}};
+  for (size_t i = 0; i < small.size(); ++i) {
+    targets.push_back({"s" + std::to_string(i), small_back[i].data(), 4000, -1});
+  }
+  ASSERT_TRUE(c->read(*m, targets).ok());
+  EXPECT_EQ(back, big);
+  EXPECT_EQ(small_back, small);
+}
+
+// One cudaMemcpyBatchAsync per (slab, device) group of more than one copy: the 20 small
+// tensors of slab 3 on device 1; the large tensor's one copy per slab goes alone.
+TEST_F(DeviceTest, SlabCopiesAreQueuedAsOneBatchPerSlabAndDevice) {
+  CudaRuntime cuda(fake_table());
+  batch_calls = 0;
+  FakeGpu::get().d2h.clear();
+  expect_round_trip(make(&cuda));
+  EXPECT_EQ(batch_calls, 1);
+  EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
+  EXPECT_TRUE(cuda.batches_copies());
+}
+
+// A runtime that refuses the batch (an old driver): the copies go one by one, from then on.
+TEST_F(DeviceTest, AFailedBatchFallsBackToSingleCopies) {
+  CudaRuntime cuda(fake_table());
+  batch_error = 801;  // cudaErrorNotSupported
+  batch_calls = 0;
+  FakeGpu::get().d2h.clear();
+  expect_round_trip(make(&cuda));
+  batch_error = 0;
+  EXPECT_EQ(batch_calls, 0);
+  EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
+  EXPECT_FALSE(cuda.batches_copies());
+  fs::remove_all(root_);
+  expect_round_trip(make(&cuda));  // batching stays off
+  EXPECT_EQ(batch_calls, 0);
+}
+
+// A runtime without the batch call (CUDA 12, RESILIENT_COPY_BATCH=0).
+TEST_F(DeviceTest, WithoutTheBatchCallCopiesGoOneByOne) {
+  static CudaRuntime::Table table = *fake_table();
+  table.memcpy_batch_async = nullptr;
+  CudaRuntime cuda(&table);
+  batch_calls = 0;
+  FakeGpu::get().d2h.clear();
+  expect_round_trip(make(&cuda));
+  EXPECT_EQ(batch_calls, 0);
+  EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
+  EXPECT_FALSE(cuda.batches_copies());
 }
 
 // Two tensors whose allocations happen to be adjacent in address space (as the caching allocator

@@ -219,7 +219,7 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     (void)cuda->event_destroy(produced);  // destruction is deferred by CUDA until it completes
     RESILIENT_RETURN_IF_ERROR(s);
   }
-  // Copies grouped by (slab, device), in order; an event closes each group.
+  // Copies grouped by (slab, device), in order, queued as one batch; an event closes each group.
   size_t i = 0;
   while (i < work.size()) {
     if (work[i].device < 0) {
@@ -230,6 +230,7 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     const int device = work[i].device;
     RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream,
                                streams.get(device, static_cast<int>(slab)));
+    std::vector<memory::DeviceCopy> batch;
     size_t j = i;
     while (j < work.size() && work[j].slab == slab && work[j].device == device) {
       // Consecutive chunks of one tensor in one slab become one copy. Never merge across
@@ -243,9 +244,10 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
            ++j) {
         n += work[j].n;
       }
-      RESILIENT_RETURN_IF_ERROR(
-          cuda->memcpy_async(dst, src, n, memory::CopyKind::kDeviceToHost, stream));
+      batch.push_back({dst, src, n});
     }
+    RESILIENT_RETURN_IF_ERROR(
+        cuda->memcpy_batch_async(batch, memory::CopyKind::kDeviceToHost, stream));
     memory::EventHandle done = 0;
     RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));
     slab_events[slab].push_back(done);

@@ -68,6 +68,16 @@ CudaLoad load_or_reason(const std::string& path_override) {
     out.reason = "libcudart lacks " + missing;
     return out;
   }
+  // Optional: one call queues a slab's copies (CUDA 13's signature; older runtimes copy one
+  // by one).
+  using Version = int (*)(int*);
+  auto version = reinterpret_cast<Version>(::dlsym(lib, "cudaRuntimeGetVersion"));
+  int v = 0;
+  if (env_bool("RESILIENT_COPY_BATCH", true) && version != nullptr && version(&v) == kCudaSuccess &&
+      v >= kFirstBatchRuntime) {
+    t->memcpy_batch_async =
+        reinterpret_cast<decltype(t->memcpy_batch_async)>(::dlsym(lib, "cudaMemcpyBatchAsync"));
+  }
   int count = 0;
   int err = t->get_device_count(&count);
   if (err != kCudaSuccess || count <= 0) {
@@ -203,6 +213,40 @@ Status CudaRuntime::memcpy_async(void* dst, const void* src, size_t bytes, CopyK
                                  StreamHandle stream) const {
   return cuda_status(t_, t_->memcpy_async(dst, src, bytes, copy_kind(kind), as_ptr(stream)),
                      "cudaMemcpyAsync");
+}
+
+Status CudaRuntime::memcpy_batch_async(std::span<const DeviceCopy> copies, CopyKind kind,
+                                       StreamHandle stream) const {
+  // Not on the legacy default stream (the batch call refuses it), and not for one copy.
+  if (copies.size() > 1 && stream != 0 && t_->memcpy_batch_async != nullptr &&
+      batch_.load(std::memory_order_relaxed)) {
+    std::vector<void*> dsts(copies.size());
+    std::vector<const void*> srcs(copies.size());
+    std::vector<size_t> sizes(copies.size());
+    for (size_t i = 0; i < copies.size(); ++i) {
+      dsts[i] = copies[i].dst;
+      srcs[i] = copies[i].src;
+      sizes[i] = copies[i].bytes;
+    }
+    detail::MemcpyAttributes attrs;  // every copy reads its source in stream order
+    size_t first = 0;
+    int err = t_->memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attrs,
+                                     &first, 1, as_ptr(stream));
+    if (err == detail::kCudaSuccess) return ok_status();
+    // Copying again is harmless: the same bytes to the same place, in stream order.
+    batch_.store(false, std::memory_order_relaxed);
+    log_once("memory.cuda_batch_failed", LogLevel::kWarn,
+             cuda_status(t_, err, "cudaMemcpyBatchAsync").to_string() +
+                 "; copies are queued one by one from now on");
+  }
+  for (const DeviceCopy& c : copies) {
+    RESILIENT_RETURN_IF_ERROR(memcpy_async(c.dst, c.src, c.bytes, kind, stream));
+  }
+  return ok_status();
+}
+
+bool CudaRuntime::batches_copies() const {
+  return t_->memcpy_batch_async != nullptr && batch_.load(std::memory_order_relaxed);
 }
 
 Status CudaRuntime::stream_create(StreamHandle* stream) const {

@@ -3,8 +3,10 @@
 // one build runs on machines with and without CUDA. RESILIENT_CUDA=auto|on|off (auto: use it when
 // a device is present; on: absence is an error; off: never load it).
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "resilient/common/clock.hpp"
 #include "resilient/common/status.hpp"
@@ -17,6 +19,13 @@ enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice, kDefault };
 /// stream.
 using StreamHandle = uintptr_t;
 using EventHandle = uintptr_t;
+
+/// One copy of a batch.
+struct DeviceCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
 
 /// Thin, thread-safe wrapper over the functions resilient uses. Obtain it with get().
 class CudaRuntime {
@@ -38,6 +47,15 @@ class CudaRuntime {
 
   Status memcpy_async(void* dst, const void* src, size_t bytes, CopyKind kind,
                       StreamHandle stream) const;
+  /// Queues `copies` (independent: no copy reads another's destination) on `stream`, in
+  /// stream order as memcpy_async would. One cudaMemcpyBatchAsync where the runtime has it
+  /// (CUDA 13+, RESILIENT_COPY_BATCH=1) and `stream` is not the legacy default stream, else
+  /// one cudaMemcpyAsync each (also from the first failed batch on, logged once): a thousand
+  /// copies take milliseconds of the caller's time one by one.
+  Status memcpy_batch_async(std::span<const DeviceCopy> copies, CopyKind kind,
+                            StreamHandle stream) const;
+  /// Whether memcpy_batch_async still uses the batch call.
+  bool batches_copies() const;
   Status stream_create(StreamHandle* stream) const;  // non-blocking stream
   Status stream_destroy(StreamHandle stream) const;
   Status event_create(EventHandle* event) const;  // timing disabled
@@ -55,6 +73,7 @@ class CudaRuntime {
 
  private:
   const Table* t_;
+  mutable std::atomic<bool> batch_{true};
 };
 
 /// Puts the calling thread's current device back, if it changed, when it goes out of scope. The

@@ -19,6 +19,10 @@ struct CudaRuntime::Table {
   Error (*host_register)(void*, size_t, unsigned) = nullptr;
   Error (*host_unregister)(void*) = nullptr;
   Error (*memcpy_async)(void*, const void*, size_t, int, void*) = nullptr;
+  // cudaMemcpyBatchAsync as CUDA 13 declares it (12.8's took a failIdx more); optional: null
+  // where the runtime is older or RESILIENT_COPY_BATCH=0.
+  Error (*memcpy_batch_async)(void* const*, const void* const*, const size_t*, size_t, void*,
+                              size_t*, size_t, void*) = nullptr;
   Error (*stream_create_with_flags)(void**, unsigned) = nullptr;
   Error (*stream_destroy)(void*) = nullptr;
   Error (*event_create_with_flags)(void**, unsigned) = nullptr;
@@ -40,6 +44,18 @@ inline constexpr unsigned kCudaHostAllocPortable = 1;
 inline constexpr unsigned kCudaHostRegisterPortable = 1;
 inline constexpr unsigned kCudaStreamNonBlocking = 1;
 inline constexpr unsigned kCudaEventDisableTiming = 2;
+inline constexpr int kCudaMemcpySrcAccessOrderStream = 1;
+inline constexpr int kFirstBatchRuntime = 13000;  // cudaRuntimeGetVersion of CUDA 13.0
+
+/// cudaMemcpyAttributes (CUDA 12.8+): the source access order, two location hints (a location
+/// type and id each), flags.
+struct MemcpyAttributes {
+  int src_access_order = kCudaMemcpySrcAccessOrderStream;
+  int src_hint[2] = {0, 0};
+  int dst_hint[2] = {0, 0};
+  unsigned flags = 0;
+};
+static_assert(sizeof(MemcpyAttributes) == 24);
 
 /// The outcome of loading the runtime: a table (owned, never freed) or the reason there is none.
 struct CudaLoad {
