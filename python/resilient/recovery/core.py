@@ -642,19 +642,12 @@ class Recovery(StepLoop):
                 "cluster (init_method=\"etcd://...\", docs/store.md)"))
 
     def _store_unreachable(self) -> str | None:
-        """Why the job's store does not answer (None when it does)."""
-        from resilient.store import as_store
+        """Why the job's store does not answer within 5 s (None when it does)."""
+        from resilient.store import unreachable
 
         if self.store is None:  # unit tests drive the decisions without one
             return None
-        native = as_store(self.store)
-        try:
-            native.get(f"resilient/probe/{self.initial_rank}", 5.0, wait=False)
-        except KeyError:
-            return None  # it answered: no such key
-        except Exception as e:  # noqa: BLE001 -- any failure to answer is the answer
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        return None
+        return unreachable(self.store, f"resilient/probe/{self.initial_rank}", 5.0)
 
     def _rebuild(self, gen: int, survivors: list[int]) -> None:
         """The group of generation ``gen``: the survivors, then any hot spares admitted in this
