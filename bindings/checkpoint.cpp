@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -211,6 +212,30 @@ void register_checkpoint(pyb::module_& m) {
         return std::string(buf);
       },
       pyb::arg("data"), "XXH3-64 of `data`, 16 lowercase hex digits (lineage records).");
+  m.def(
+      "word_sums",
+      [](const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& sizes) {
+        if (ptrs.size() != sizes.size()) throw pyb::value_error("ptrs and sizes differ in length");
+        pyb::list out(ptrs.size());
+        for (size_t i = 0; i < ptrs.size(); ++i) {
+          const auto* p = reinterpret_cast<const unsigned char*>(ptrs[i]);
+          const size_t n = sizes[i], n8 = n / 8 * 8;
+          uint64_t words = 0;  // wraps, as torch's int64 sum does
+          for (size_t k = 0; k < n8; k += 8) {
+            uint64_t w;
+            std::memcpy(&w, p + k, 8);  // little-endian hosts only (x86-64, aarch64)
+            words += w;
+          }
+          int64_t tail = 256 * static_cast<int64_t>(n);
+          for (size_t k = n8; k < n; ++k) tail += p[k];
+          out[i] = pyb::make_tuple(static_cast<int64_t>(words), tail);
+        }
+        return out;
+      },
+      pyb::arg("ptrs"), pyb::arg("sizes"),
+      "For each buffer (address, bytes): the wrapping int64 sum of its 8-byte little-endian "
+      "words, and the sum of its tail bytes + 256 x its size (the replica check's fingerprint "
+      "of a small host tensor). The buffers must stay valid during the call.");
   m.def(
       "seal_manifest", [](const std::string& text) { return unwrap(seal_manifest(text)); },
       pyb::arg("text"),

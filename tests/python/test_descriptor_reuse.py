@@ -77,3 +77,91 @@ def test_every_save_holds_the_values_at_the_save(tmp_path_factory, rounds):
             assert ck.load(out, step=step) == step
             for k in want:
                 assert torch.equal(out[k], want[k]), (step, k, rounds)
+
+
+def _change_dtensor(d, how: str, value: float):
+    """A DTensor `d` (Shard(0) over a 1-rank CPU mesh) after one change between saves; the
+    result has d's name, global shape and dtype. Reuse of the last save's local chunk (the
+    checkpointer's _local_held) must notice every change that matters."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if how == "in_place":
+        with torch.no_grad():
+            d._local_tensor.add_(value)
+    elif how == "replaced":  # a new DTensor object
+        d = distribute_tensor(torch.full((N, N), value), d.device_mesh, d.placements)
+    elif how == "local_replaced":  # the same DTensor, another local tensor object
+        d._local_tensor = torch.full((N, N), value)
+    elif how == "data_assigned":  # the same local tensor object, another storage
+        d._local_tensor.data = torch.full((N, N), value)
+    elif how == "local_transposed":  # the same DTensor, a non-contiguous local tensor
+        d._local_tensor = d._local_tensor.t()
+    elif how == "requires_grad":
+        d._local_tensor.requires_grad_(not d._local_tensor.requires_grad)
+    return d
+
+
+D_HOW = st.sampled_from(["unchanged", "in_place", "replaced", "local_replaced", "data_assigned",
+                         "local_transposed", "requires_grad"])
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=st.lists(st.tuples(D_HOW, D_HOW, st.floats(-4, 4, allow_nan=False), st.booleans()),
+                       min_size=1, max_size=4))
+def test_every_save_of_dtensors_holds_their_values_at_the_save(tmp_path_factory, rounds):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = tmp_path_factory.mktemp("ck")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        state = {k: distribute_tensor(torch.randn(N, N, generator=g), mesh, [Shard(0)])
+                 for k in ("a", "b")}
+
+        def values():
+            return {k: v._local_tensor.detach().clone() for k, v in state.items()}
+
+        with resilient.Checkpointer(root, keep=0) as ck:
+            ck.save(0, state).wait()
+            expected = {0: values()}
+            for step, (how_a, how_b, value, overlap) in enumerate(rounds, start=1):
+                state["a"] = _change_dtensor(state["a"], how_a, value)
+                state["b"] = _change_dtensor(state["b"], how_b, value)
+                h = ck.save(step, state, mode="overlap" if overlap else "blocking")
+                expected[step] = values()
+                h.wait()
+            for step, want in expected.items():
+                out = {k: torch.zeros(N, N) for k in want}
+                assert ck.load(out, step=step) == step
+                for k in want:
+                    assert torch.equal(out[k], want[k]), (step, k, rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_reuse_keeps_no_saved_dtensor_alive(tmp_path):
+    """The last save's DTensors are held weakly: dropping the model frees them."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = distribute_tensor(torch.randn(N, N), mesh, [Shard(0)])
+        gone, local_gone = weakref.ref(d), weakref.ref(d._local_tensor)
+        with resilient.Checkpointer(tmp_path / "ck", keep=0) as ck:
+            ck.save(0, {"w": d}).wait()
+            ck.save(1, {"w": d}).wait()  # the second save reuses the first's chunk
+            del d
+            gc.collect()
+            assert gone() is None and local_gone() is None
+    finally:
+        dist.destroy_process_group()

@@ -250,16 +250,41 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
 
 
 def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
-                meshes: dict[int, Any] | None = None) -> tuple[list[Held], set[str]]:
+                meshes: dict[int, Any] | None = None,
+                last: dict[str, tuple] | None = None) -> tuple[list[Held], set[str], dict]:
     """One pass over a save's tensors: replaces each DTensor by its local chunk (in place),
     refuses what the engine cannot write (before the save's collectives, so that one rank's
     refusal cannot leave the others inside them), and describes each tensor with `held_of(name,
-    tensor, chunk place or None)`. Returns the Held list and the names of the DTensor chunks no
-    other rank holds (no Replicate placement: FSDP), which need no replica check; `meshes`
-    collects the DTensors' device meshes."""
-    held, alone = [], set()
+    tensor, chunk place or None)`. Returns the Held list, the names of the DTensor chunks no
+    other rank holds (no Replicate placement: FSDP), which need no replica check, and what the
+    next save's pass may reuse (pass it as `last`); `meshes` collects the DTensors' device
+    meshes.
+
+    Reuse: a DTensor that is the same object as in the last save, with the same local tensor
+    and placement spec objects, and whose local tensor still has the shape and dtype it had
+    then, on a CPU or CUDA device, strided, has the same chunk, place and Held: that skips
+    microseconds per DTensor per save. Weak references only: a save must not keep a dropped
+    model's memory alive."""
+    held, alone, now = [], set(), {}
+    last = last or {}
     for name, t in tensors.items():
         place = None
+        if type(t) is not torch.Tensor:
+            c = last.get(name)
+            if c is not None and c[0]() is t:
+                local = t._local_tensor
+                if (c[1]() is local and t._spec is c[2] and local.shape == c[3]
+                        and local.dtype is c[4] and local.layout is torch.strided
+                        and (local.is_cuda or local.is_cpu)):
+                    tensors[name] = local
+                    if c[6]:
+                        alone.add(name)
+                    if meshes is not None:
+                        mesh = t.device_mesh
+                        meshes[id(mesh)] = mesh
+                    held.append(c[5])
+                    now[name] = c
+                    continue
         if type(t) is not torch.Tensor and is_dtensor(t):
             try:
                 local, place, replicated = local_chunk_info(t)
@@ -271,10 +296,17 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
             if meshes is not None:
                 mesh = t.device_mesh
                 meshes[id(mesh)] = mesh
-            t = local
+            _check_savable(name, local)
+            h = held_of(name, local, place)
+            held.append(h)
+            spec = getattr(t, "_spec", None)
+            if spec is not None and local is getattr(t, "_local_tensor", None):
+                now[name] = (weakref.ref(t), weakref.ref(local), spec, local.shape, local.dtype,
+                             h, not replicated)
+            continue
         _check_savable(name, t)
         held.append(held_of(name, t, place))
-    return held, alone
+    return held, alone, now
 
 
 def _values_json(values: dict[str, Any]) -> bytes:
@@ -447,6 +479,7 @@ class Checkpointer:
         self._descs: list = []  # per piece of _plan: its last descriptor, or None (reset with it)
         # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
         self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
+        self._last_local: dict[str, tuple] = {}  # _local_held's reuse from the last save
         self._root_ready = False  # a save's gather found no rank failing before it
         self._everyone: list = []
         self._raised_ids: set[str] = set()
@@ -510,7 +543,8 @@ class Checkpointer:
         # get CollectiveError) or travels through the gather below (every rank raises).
         enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
         meshes: dict[int, Any] = {}
-        held, alone = _local_held(enc.tensors, self._held, meshes if self.rank == 0 else None)
+        held, alone, self._last_local = _local_held(
+            enc.tensors, self._held, meshes if self.rank == 0 else None, self._last_local)
         _check_positional_specs(self.specs, enc.tensors)
         renc = views.encode(rank_state) if rank_state is not None else None
         for name, t in (renc.tensors.items() if renc else ()):
@@ -1493,15 +1527,23 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
     """A fingerprint of each tensor's bytes (wrapping sums of its 8-byte words and of its
     tail), computed where the tensor lives; one device-to-host copy for all CUDA tensors.
     None for the tensors in `skip` (held by this rank alone). Small host tensors (an optimizer's
-    step counters) are summed in Python: a few torch calls each would cost more than the bytes."""
+    step counters) are summed natively in one call when dense (`_C.word_sums`), else in Python:
+    a few torch calls each would cost more than the bytes."""
     sums = []
     out: list[Any] = []
+    dense_at, ptrs, sizes = [], [], []
     for name, t in tensors.items():
         if name in skip:
             out.append(None)
             continue
         if t.is_cpu and t.nbytes <= _SMALL_PRINT_BYTES:
-            out.append(_small_fingerprint(t))
+            if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                dense_at.append(len(out))
+                ptrs.append(t.data_ptr())
+                sizes.append(t.nbytes)
+                out.append(())  # filled below
+            else:
+                out.append(_small_fingerprint(t))
             continue
         if t.numel() == 0:  # no bytes (and views of its strides may not exist)
             out.append((0, 0))
@@ -1515,6 +1557,8 @@ def _fingerprints(tensors: dict[str, torch.Tensor],
         tail = b[n8:].to(torch.int64)
         sums.append(torch.stack([words.sum(), tail.sum() + 256 * b.numel()]))
         out.append(len(sums) - 1)
+    for i, fp in zip(dense_at, _C.word_sums(ptrs, sizes)):
+        out[i] = fp
     host = [s.cpu() if s.device.type != "cpu" else s for s in sums]
     values = torch.stack(host).tolist() if host else []
     return [tuple(int(x) for x in values[v]) if isinstance(v, int) else v for v in out]
