@@ -1,6 +1,7 @@
 """`resilient bench --fsdp` with tiny shapes (gpt-tiny): every row and column is there, every
 restore (same mesh and onto half the ranks) was verified equal, world size 1 states why the
-reshard is skipped, and the verifier itself catches zeroed, changed and misplaced values."""
+reshard is skipped, and the verifier itself catches zeroed, changed and misplaced values.
+The 2-rank run is conftest's fsdp_bench_two_ranks, shared with test_dcp_backend."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import FSDP_BENCH_METHODS
 from procs import run_separate
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -30,26 +32,45 @@ def _bench(tmp_path, *extra: str) -> dict:
     return json.loads(out)
 
 
+DEFAULT_METHODS = ["resilient", "resilient_overlap", "dcp", "dcp_async"]
+
+
+def test_fsdp_bench_runs_the_four_default_rows_unless_told(monkeypatch):
+    """Without --methods, --fsdp asks for these rows in this order (the 2-rank run names them,
+    and the rows come out in the order asked)."""
+    import resilient.cli.bench.fsdp as fsdp
+    from resilient.cli import main
+
+    asked = []
+    monkeypatch.setattr(fsdp, "run_fsdp_bench", lambda args: asked.append(args.methods) or 0)
+    assert main(["bench", "--fsdp", "--model", "gpt-tiny"]) == 0
+    assert asked == [",".join(DEFAULT_METHODS)]
+
+
 @pytest.mark.timeout(300)
-def test_fsdp_bench_two_ranks_has_every_row_and_verifies_restores(tmp_path):
-    r = _bench(tmp_path, "--world-size", "2")
+def test_fsdp_bench_two_ranks_has_every_row_and_verifies_restores(fsdp_bench_two_ranks):
+    r, scratch = fsdp_bench_two_ranks
+    assert not scratch.exists()  # the scratch directory is removed
     assert r["world_size"] == 2 and r["reshard_world_size"] == 1 and r["reshard_skipped"] is None
     assert r["dtype"] == "float32" and len(r["bytes_per_rank"]) == 2
     assert r["reference"]["method"] == "memcpy" and len(r["reference"]["stall_s_per_rank"]) == 2
-    assert [row["method"] for row in r["rows"]] == [
-        "resilient", "resilient_overlap", "dcp", "dcp_async"]
-    for row in r["rows"]:
+    assert [row["method"] for row in r["rows"]] == list(FSDP_BENCH_METHODS)  # the order asked
+    assert list(FSDP_BENCH_METHODS[:4]) == DEFAULT_METHODS
+    rows = r["rows"][:4]  # the default rows; test_dcp_backend checks the resilient.dcp ones
+    for row in rows:
         for c in COLUMNS:
             assert row[c] is not None, (row["method"], c)
         assert row["restore_verified"] is True and row["reshard_verified"] is True, row
         assert row["mismatches"] == []
         assert row["durable_s"] >= row["stall_s"] > 0
     # resilient and DCP wrote the whole state (the bytes of every rank, plus metadata)
-    for row in r["rows"]:
+    for row in rows:
         assert row["notes"]["written_bytes"] >= r["bytes"]
     names = [g["goal"] for g in r["goals"]]
     assert "resilient stall / memcpy, worst rank" in names
     assert "resilient reshard / same-mesh restore" in names
+    # the default rows' goals (the resilient.dcp rows' goals start with their own names)
+    names = [n for n in names if n.startswith(("resilient ", "resilient_overlap "))]
     assert sum("dcp_async's" in n for n in names) == 3 and sum("dcp's" in n for n in names) == 3
 
 

@@ -667,24 +667,13 @@ def test_fsdp2_state_of_two_ranks_loads_onto_two_ranks_sharded_or_not_and_one_pr
 
 
 @pytest.mark.timeout(300)
-def test_bench_fsdp_rows_through_resilient_dcp(tmp_path):
-    """`resilient bench --fsdp --methods dcp_resilient,dcp_resilient_async` (gpt-tiny): both rows
-    there, every restore and the resharded one verified, the ratios against dcp's row given."""
-    cli = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", cli, "bench", "--fsdp", "--model", "gpt-tiny", "--world-size",
-         "2", "--repeat", "1", "--json", "--dir", str(tmp_path / "scratch"), "--methods",
-         "dcp,dcp_resilient,dcp_resilient_async"],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"bench timed out:\n{err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
-    result = json.loads(out)
+def test_bench_fsdp_rows_through_resilient_dcp(fsdp_bench_two_ranks):
+    """`resilient bench --fsdp --methods ...,dcp,...,dcp_resilient,dcp_resilient_async`
+    (gpt-tiny, conftest's run shared with test_bench_fsdp): both rows there, every restore and
+    the resharded one verified, the ratios against dcp's row given."""
+    result, _ = fsdp_bench_two_ranks
     rows = {r["method"]: r for r in result["rows"]}
+    assert {"dcp", "dcp_resilient", "dcp_resilient_async"} <= set(rows)
     for name in ("dcp_resilient", "dcp_resilient_async"):
         assert rows[name]["restore_verified"] and rows[name]["reshard_verified"], rows[name]
         assert rows[name]["durable_s"] > 0
