@@ -13,17 +13,27 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 jobs=$(nproc)
 failed=()
-step() { echo; echo "=== $* ==="; }
+test_started=$(date +%s)
+# Each step's header says when it started (seconds into this script), so a CI log shows where
+# the time went.
+step() { echo; echo "=== $* === (at $(( $(date +%s) - test_started )) s)"; }
 run() { local name=$1; shift; if ! "$@"; then failed+=("$name"); echo "*** $name FAILED"; fi; }
 
 background_builds() {  # each writes build/<name>-build.log and build/<name>-build.ok on success
   local tsan_targets=(test_common_thread_pool test_io_engine test_memory_pool
                       test_checkpoint_engine test_checkpoint_device test_detect_agent_live)
   mkdir -p build
+  # When each build ended, in seconds after they started (does the Python suite leave them
+  # enough idle CPU, or do they run into the smokes?).
+  ended() {
+    echo "$1 ended after $(( $(date +%s) - background_builds_started )) s" \
+      >>build/background-builds.times
+  }
   if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
     cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DRESILIENT_PYTHON=OFF \
           -DRESILIENT_TESTS=ON -DRESILIENT_SANITIZE=ON >build/asan-build.log 2>&1 &&
       cmake --build build/asan -j "$jobs" >>build/asan-build.log 2>&1 && touch build/asan-build.ok
+    ended asan
   fi
   if [ "${SKIP_TSAN:-0}" != 1 ]; then
     # RelWithDebInfo keeps TSan's slowdown within the test timeouts.
@@ -31,19 +41,21 @@ background_builds() {  # each writes build/<name>-build.log and build/<name>-bui
           -DRESILIENT_TESTS=ON -DRESILIENT_SANITIZE=thread >build/tsan-build.log 2>&1 &&
       cmake --build build/tsan -j "$jobs" --target "${tsan_targets[@]}" \
         >>build/tsan-build.log 2>&1 && touch build/tsan-build.ok
+    ended tsan
   fi
   if [ "${SKIP_FUZZ:-0}" != 1 ]; then
     CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DRESILIENT_PYTHON=OFF -DRESILIENT_FUZZ=ON \
         "-DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link,address,undefined" >build/fuzz-build.log 2>&1 &&
       cmake --build build/fuzz -j "$jobs" >>build/fuzz-build.log 2>&1 && touch build/fuzz-build.ok
+    ended fuzz
   fi
   return 0
 }
-rm -f build/asan-build.ok build/tsan-build.ok build/fuzz-build.ok
+rm -f build/asan-build.ok build/tsan-build.ok build/fuzz-build.ok build/background-builds.times
 background_builds_started=$(date +%s)
 export -f background_builds
-export jobs
+export jobs background_builds_started
 idle=(nice -n 19)
 if ionice -c 3 true 2>/dev/null; then idle=(ionice -c 3 nice -n 19); fi
 setsid "${idle[@]}" bash -c background_builds &
@@ -68,6 +80,7 @@ step "sanitizer and fuzz builds (started in the background $(( $(date +%s) - bac
 wait "$builds_pid" || true
 trap - EXIT
 echo "done after $(( $(date +%s) - background_builds_started )) s"
+cat build/background-builds.times 2>/dev/null || true
 
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   step "C++ unit tests under ASan/UBSan"
