@@ -126,13 +126,14 @@ def _phase_partial(rank: int, world: int, root: str, kind: str) -> dict:
     return {"error": None}
 
 
-# One process group per world size runs a sequence of (phase, kind, root) steps: spawning is
-# the slow part on a small CI host.
+# One process group per world size runs a sequence of (phase, kind, root) steps for every test
+# of this module (the `sequences` fixture): spawning is the slow part on a small CI host. The
+# refused Partial save comes last in its group, on a root of its own.
 SEQUENCES = {
     4: [("save", "fsdp", "fsdp"), ("load", "fsdp", "fsdp"), ("save", "hsdp", "hsdp"),
         ("load", "fsdp", "hsdp"), ("save", "fsdp_tp", "fsdp_tp"), ("load", "fsdp", "fsdp_tp")],
     2: [("load", "fsdp-fresh", "fsdp"), ("save", "tp", "tp"), ("save", "ddp", "ddp"),
-        ("load", "fsdp", "ddp"), ("load", "ddp", "fsdp")],
+        ("load", "fsdp", "ddp"), ("load", "ddp", "fsdp"), ("partial", "fsdp", "partial")],
     1: [("load", "plain", "fsdp"), ("load", "plain", "tp")],
 }
 
@@ -179,11 +180,20 @@ def _same(a: dict, b: dict) -> None:
         assert a[k] == b[k], k
 
 
-@pytest.mark.timeout(900)
-def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(tmp_path):
-    results = tmp_path / "results"
+@pytest.fixture(scope="module")
+def sequences(tmp_path_factory):
+    """(the roots' directory, each rank's results of the 4-, 2- and 1-rank sequences), in
+    that order: the 2-rank group loads what the 4 ranks saved, the single process both."""
+    root = tmp_path_factory.mktemp("dtensor")
+    results = root / "results"
     results.mkdir()
-    four = _run("sequence", 4, "-", tmp_path, results)
+    return root, {world: _run("sequence", world, "-", root, results) for world in (4, 2, 1)}
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(sequences):
+    tmp_path, by_world = sequences
+    four = by_world[4]
     saved = four[0]["save/fsdp/fsdp"]
     # the same mesh: bit-exact, and every rank agrees
     for r in four:
@@ -202,7 +212,7 @@ def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(tmp_path):
     # FSDP 4 -> 2 into a fresh optimizer (its state is created sharded, like its parameters,
     # so the next step does not mix Tensor and DTensor); DDP 2 -> FSDP 2 and FSDP 4 -> DDP 2
     # (DDP's 'module.' prefix is not part of the saved names; optimizer state goes by name)
-    two = _run("sequence", 2, "-", tmp_path, results)
+    two = by_world[2]
     for r in two:
         _same(r["load/fsdp-fresh/fsdp"]["model"], saved["model"])
         _same(r["load/fsdp-fresh/fsdp"]["optim"], saved["optim"])
@@ -211,18 +221,17 @@ def test_fsdp_hsdp_tp_state_saves_and_reshards_on_load(tmp_path):
         _same(r["load/ddp/fsdp"]["model"], saved["model"])
         _same(r["load/ddp/fsdp"]["optim"], saved["optim"])
     # FSDP 4 and TP 2 -> one process holding plain full tensors
-    one = _run("sequence", 1, "-", tmp_path, results)[0]
+    one = by_world[1][0]
     _same(one["load/plain/fsdp"]["model"], saved["model"])
     _same(one["load/plain/fsdp"]["optim"], saved["optim"])
     _same(one["load/plain/tp"]["model"], two[0]["save/tp/tp"]["model"])
     _same(one["load/plain/tp"]["optim"], two[0]["save/tp/tp"]["optim"])
 
 
-@pytest.mark.timeout(300)
-def test_a_partial_dtensor_is_refused_naming_it(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
-    for r in _run("partial", 2, "fsdp", tmp_path / "p", results):
+@pytest.mark.timeout(900)
+def test_a_partial_dtensor_is_refused_naming_it(sequences):
+    _, by_world = sequences
+    for r in (rank["partial/fsdp/partial"] for rank in by_world[2]):
         assert r["error"] and "'t'" in r["error"] and "Partial" in r["error"], r
         assert r["steps"] == []
 
