@@ -142,34 +142,57 @@ def _phase_broadcast(rank: int, world: int, root: str) -> dict:
 PHASES = {"save2": _phase_save2, "load": _phase_load, "broadcast": _phase_broadcast}
 
 
-def _worker(rank: int, phase: str, world: int, port: int, root: str, results: str) -> None:
+def _worker(rank: int, phases: str, world: int, port: int, roots: str, results: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    out = PHASES[phase](rank, world, root)
-    with open(os.path.join(results, f"{phase}-{world}-rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()  # every rank has its result; then leave without the interpreter's teardown
-    sys.stdout.flush()
+    for phase, root in zip(phases.split(","), roots.split(",")):
+        out = PHASES[phase](rank, world, root)
+        with open(os.path.join(results, f"{phase}-{world}-rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        dist.barrier()  # every rank has its result
+    sys.stdout.flush()  # then leave without the interpreter's teardown
     os._exit(0)  # (gloo's teardown at exit aborted now and then on the loaded 2-core CI host)
 
 
-def _run(phase: str, world: int, root, results, timeout=150) -> list[dict]:
-    rc, output = run_bounded([sys.executable, __file__, phase, str(world), str(root),
-                              str(results)], timeout, phase)
+def _run(phases: list[str], world: int, roots: list, results,
+         timeout=150) -> dict[str, list[dict]]:
+    """Each phase's results (rank order), the phases run in turn by one process group, each on
+    its root."""
+    rc, output = run_bounded([sys.executable, __file__, ",".join(phases), str(world),
+                              ",".join(map(str, roots)), str(results)], timeout, ",".join(phases))
     assert rc == 0, output[-4000:]
-    return [json.load(open(results / f"{phase}-{world}-rank{r}.json")) for r in range(world)]
+    return {phase: [json.load(open(results / f"{phase}-{world}-rank{r}.json"))
+                    for r in range(world)] for phase in phases}
 
 
-@pytest.mark.timeout(400)
-def test_world_size_changes_replica_checks_and_guarded_saves(tmp_path):
+@pytest.fixture(scope="module")
+def at2(tmp_path_factory):
+    """Every 2-rank job of this module in one process group (each start costs seconds of imports
+    on a small machine): load a root that one process saved, recovery's state broadcast, then
+    save2 (last: rank 0's lone guarded save is left behind). Returns (the roots' directory,
+    each phase's results)."""
     import torch
 
     import resilient
 
-    root = tmp_path / "two"
-    saved = _run("save2", 2, root, tmp_path)
+    tmp = tmp_path_factory.mktemp("at2")
+    one = tmp / "one"  # 1 process -> 2 ranks
+    with resilient.Checkpointer(one) as ck:
+        ck.save(5, {"model": _model()}, rank_state={"x": torch.ones(2), "r": 7}).wait()
+    return tmp, _run(["load", "broadcast", "save2"], 2, [one, tmp / "unused", tmp / "two"], tmp)
+
+
+@pytest.mark.timeout(400)
+def test_world_size_changes_replica_checks_and_guarded_saves(at2, tmp_path):
+    import torch
+
+    import resilient
+
+    tmp, at2 = at2
+    root = tmp / "two"
+    saved = at2["save2"]
     for r in saved:
         assert "'ema'" in r["replica"] and "rank_state" in r["replica"], r["replica"]
         assert r["steps"] == [2]
@@ -184,7 +207,7 @@ def test_world_size_changes_replica_checks_and_guarded_saves(tmp_path):
 
     expect = float(sum(p.detach().double().sum() for p in _model().parameters()))
     # 2 ranks -> 4 ranks: ranks 2 and 3 start with fresh per-rank state
-    four = _run("load", 4, root, tmp_path)
+    four = _run(["load"], 4, [root], tmp_path)["load"]
     for rank, r in enumerate(four):
         assert r["step"] == 2 and r["sum"] == pytest.approx(expect, abs=0)
         assert r["x"] == ([float(rank)] * 2 if rank < 2 else [0.0, 0.0])
@@ -198,18 +221,15 @@ def test_world_size_changes_replica_checks_and_guarded_saves(tmp_path):
         assert mine["r"] == 0
         with pytest.raises(resilient.IncompatibleCheckpointError, match="2 ranks"):
             ck.load({"model": m}, rank_state=mine, world_change="raise")
-    # 1 process -> 2 ranks
-    one = tmp_path / "one"
-    with resilient.Checkpointer(one) as ck:
-        ck.save(5, {"model": _model()}, rank_state={"x": torch.ones(2), "r": 7}).wait()
-    two = _run("load", 2, one, tmp_path)
+    # 1 process -> 2 ranks (saved by the at2 fixture before its job)
+    two = at2["load"]
     assert [r["step"] for r in two] == [5, 5]
     assert two[0]["r"] == 7 and two[1]["r"] == -1 and two[1]["x"] == [0.0, 0.0]
 
 
-@pytest.mark.timeout(200)
-def test_recovery_state_broadcast_restores_objects_in_place(tmp_path):
-    r0, r1 = _run("broadcast", 2, tmp_path / "unused", tmp_path)
+@pytest.mark.timeout(400)
+def test_recovery_state_broadcast_restores_objects_in_place(at2):
+    r0, r1 = at2[1]["broadcast"]
     assert r0 == {**r1, "seen": 0} and r1["seen"] == 0
     assert r1["epoch"] == 4 and r1["lr"] == pytest.approx(1e-3 / 5)
 
@@ -220,6 +240,6 @@ if __name__ == "__main__":
     from resilient.ports import free_port
 
     port = free_port()
-    phase, world, root_dir, results_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    mp.start_processes(_worker, args=(phase, world, port, root_dir, results_dir), nprocs=world,
+    phases, world, roots, results_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mp.start_processes(_worker, args=(phases, world, port, roots, results_dir), nprocs=world,
                        start_method="spawn")
