@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from conftest import FSDP_BENCH_METHODS
 from procs import run_separate
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -54,9 +53,11 @@ def test_fsdp_bench_two_ranks_has_every_row_and_verifies_restores(fsdp_bench_two
     assert r["world_size"] == 2 and r["reshard_world_size"] == 1 and r["reshard_skipped"] is None
     assert r["dtype"] == "float32" and len(r["bytes_per_rank"]) == 2
     assert r["reference"]["method"] == "memcpy" and len(r["reference"]["stall_s_per_rank"]) == 2
-    assert [row["method"] for row in r["rows"]] == list(FSDP_BENCH_METHODS)  # the order asked
-    assert list(FSDP_BENCH_METHODS[:4]) == DEFAULT_METHODS
-    rows = r["rows"][:4]  # the default rows; test_dcp_backend checks the resilient.dcp ones
+    # the order asked (conftest.FSDP_BENCH_METHODS): the default rows, then the resilient.dcp
+    # ones, which test_dcp_backend checks
+    assert [row["method"] for row in r["rows"]] == DEFAULT_METHODS + [
+        "dcp_resilient", "dcp_resilient_async"]
+    rows = r["rows"][:4]
     for row in rows:
         for c in COLUMNS:
             assert row[c] is not None, (row["method"], c)
