@@ -317,6 +317,10 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
+    if config.rdzv_backend == "etcd-v3":  # not installed as a package: no entry point then
+        from resilient.etcd_rendezvous import register
+
+        register()
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,

@@ -1,0 +1,90 @@
+"""``--rdzv-backend etcd-v3``: torch elastic's dynamic rendezvous with its state on a real etcd
+cluster (resilient.etcd_rendezvous). The backend's compare-and-swap contract; two agents of
+``resilient run`` meeting on a 3-member cluster whose leader was killed first (no member is a
+single point of failure for the agents); plain ``torchrun`` finding the backend through its
+``torchrun.handlers`` entry point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from etcd_cluster import EtcdCluster
+from procs import wait_or_kill
+from resilient.etcd import EtcdStore
+from resilient.etcd_rendezvous import EtcdRendezvousBackend
+
+SCRIPT = """\
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
+    f.write(f"{dist.get_world_size()} {t.item()}")
+dist.destroy_process_group()
+"""
+
+
+def test_the_backend_swaps_the_state_on_its_revision(tmp_path: Path) -> None:
+    with EtcdCluster(tmp_path, 1) as etcd:
+        backend = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/",
+                                                  timeout=timedelta(seconds=10)), "job")
+        assert backend.name == "etcd-v3"
+        assert backend.get_state() is None
+        state, first, mine = backend.set_state(b"a")
+        assert (state, mine) == (b"a", True)
+        assert backend.get_state() == (b"a", first)
+        # Another agent that also saw no state loses, and gets the winner's state and token.
+        assert backend.set_state(b"b") == (b"a", first, False)
+        state, second, mine = backend.set_state(b"c", first)
+        assert (state, mine) == (b"c", True) and second != first
+        assert backend.set_state(b"d", first) == (b"c", second, False)  # a stale token
+        assert backend.get_state() == (b"c", second)
+        other = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/"), "another-job")
+        assert other.get_state() is None  # runs are apart
+
+
+def _agents(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int) -> list[int | None]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    script = tmp_path / "allreduce.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = []
+    for n in range(nodes):
+        log = open(tmp_path / f"agent{n}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, *launcher, "--nnodes", str(nodes), "--nproc-per-node", "1",
+             "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "job42",
+             str(script), str(out)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    return [wait_or_kill(p, 90) for p in procs]
+
+
+@pytest.mark.timeout(150)
+def test_two_agents_meet_on_a_cluster_whose_leader_was_killed(tmp_path: Path) -> None:
+    (tmp_path / "etcd").mkdir()
+    with EtcdCluster(tmp_path / "etcd", 3) as cluster:
+        cluster.wait_leader(30)
+        cluster.kill(cluster.leader())
+        endpoint = ",".join(cluster.endpoints)
+        codes = _agents(tmp_path, ["-m", "resilient.run"], endpoint, 2)
+        logs = "\n".join((tmp_path / f"agent{n}.log").read_text()[-3000:] for n in range(2))
+        assert codes == [0, 0], logs
+    results = sorted(p.read_text() for p in (tmp_path / "out").iterdir())
+    assert results == ["2 3.0", "2 3.0"], results
+
+
+@pytest.mark.timeout(120)
+def test_plain_torchrun_finds_the_backend_through_its_entry_point(tmp_path: Path) -> None:
+    (tmp_path / "etcd").mkdir()
+    with EtcdCluster(tmp_path / "etcd", 1) as etcd:
+        url = "etcd://" + etcd.endpoints[0] + "/tr"
+        codes = _agents(tmp_path, ["-m", "torch.distributed.run"], url, 1)
+        assert codes == [0], (tmp_path / "agent0.log").read_text()[-3000:]
+    assert (tmp_path / "out" / "rank0").read_text() == "1 1.0"
