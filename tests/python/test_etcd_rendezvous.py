@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,12 +21,22 @@ from resilient.etcd import EtcdStore
 from resilient.etcd_rendezvous import EtcdRendezvousBackend
 
 SCRIPT = """\
-import os, sys, torch, torch.distributed as dist
+import os, sys, time, torch, torch.distributed as dist
+cue = sys.argv[2] if len(sys.argv) > 2 else None
+failed = cue is not None and os.path.exists(os.path.join(cue, "failed"))
+if cue is not None and not failed:  # before the failure: wait for the test's cue, rank 1 fails
+    open(os.path.join(cue, f"started{os.environ['RANK']}"), "w").close()
+    while not os.path.exists(os.path.join(cue, "go")):
+        time.sleep(0.05)
+    if os.environ["RANK"] == "1":
+        open(os.path.join(cue, "failed"), "w").close()
+        sys.exit(1)
+    time.sleep(600)  # stopped by its agent for the next round
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
-    f.write(f"{dist.get_world_size()} {t.item()}")
+    f.write(f"{dist.get_world_size()} {t.item()}" + (" after the failure" if failed else ""))
 dist.destroy_process_group()
 """
 
@@ -49,7 +60,8 @@ def test_the_backend_swaps_the_state_on_its_revision(tmp_path: Path) -> None:
         assert other.get_state() is None  # runs are apart
 
 
-def _agents(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int) -> list[int | None]:
+def _start(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int,
+           extra: list[str] = (), script_args: list[str] = ()) -> list[subprocess.Popen]:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     script = tmp_path / "allreduce.py"
@@ -61,9 +73,13 @@ def _agents(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int) -> l
         procs.append(subprocess.Popen(
             [sys.executable, *launcher, "--nnodes", str(nodes), "--nproc-per-node", "1",
              "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "job42",
-             str(script), str(out)],
+             *extra, str(script), str(out), *script_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-    return [wait_or_kill(p, 90) for p in procs]
+    return procs
+
+
+def _agents(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int) -> list[int | None]:
+    return [wait_or_kill(p, 90) for p in _start(tmp_path, launcher, endpoint, nodes)]
 
 
 @pytest.mark.timeout(150)
@@ -88,3 +104,30 @@ def test_plain_torchrun_finds_the_backend_through_its_entry_point(tmp_path: Path
         codes = _agents(tmp_path, ["-m", "torch.distributed.run"], url, 1)
         assert codes == [0], (tmp_path / "agent0.log").read_text()[-3000:]
     assert (tmp_path / "out" / "rank0").read_text() == "1 1.0"
+
+
+@pytest.mark.timeout(200)
+def test_the_agents_restart_through_etcd_after_its_leader_died(tmp_path: Path) -> None:
+    """A worker fails (no in-process recovery, one restart allowed) after the etcd leader was
+    SIGKILLed: the agents' next rendezvous round goes through the two members left, and the
+    second attempt of both ranks completes its all-reduce."""
+    cue = tmp_path / "cue"
+    cue.mkdir()
+    (tmp_path / "etcd").mkdir()
+    with EtcdCluster(tmp_path / "etcd", 3) as cluster:
+        cluster.wait_leader(30)
+        procs = _start(tmp_path, ["-m", "resilient.run"], ",".join(cluster.endpoints), 2,
+                       ["--max-restarts", "1", "--no-in-process-recovery"], [str(cue)])
+        try:
+            deadline = time.monotonic() + 90
+            while not ((cue / "started0").exists() and (cue / "started1").exists()):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+                time.sleep(0.05)
+            cluster.kill(cluster.leader())
+            (cue / "go").touch()
+        finally:
+            codes = [wait_or_kill(p, 120) for p in procs]
+        logs = "\n".join((tmp_path / f"agent{n}.log").read_text()[-3000:] for n in range(2))
+        assert codes == [0, 0], logs
+    results = sorted(p.read_text() for p in (tmp_path / "out").iterdir())
+    assert results == ["2 3.0 after the failure"] * 2, results
