@@ -1,6 +1,6 @@
 """A checkpoint saved by the libtorch example (examples/cpp/train.cpp, cpp/adapter) loads in
-Python, and one saved from Python loads in C++. Needs the adapter build (examples/smoke_libtorch.sh
-builds it into build/adapter); skipped, with the reason, when that binary is absent."""
+Python, and one saved from Python loads in C++. Needs the adapter build (scripts/build.sh builds
+it into build/py); skipped, with the reason, when that binary is absent."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from resilient.checkpoint import Checkpointer
 BINARY = Path(
     os.environ.get(
         "RESILIENT_TRAIN_EXAMPLE",
-        Path(__file__).resolve().parents[2] / "build/adapter/cpp/adapter/resilient_train_example",
+        Path(__file__).resolve().parents[2] / "build/py/cpp/adapter/resilient_train_example",
     )
 )
 
