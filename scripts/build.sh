@@ -5,8 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 # The libtorch adapter and its example (examples/smoke_libtorch.sh) build here too, on the same
-# core objects: a build of their own recompiled the core (about 4 CPU-minutes of CI).
-prefix=$(python -c "import torch; print(torch.utils.cmake_prefix_path)")
+# core objects: a build of their own recompiled the core (about 4 CPU-minutes of CI). A CUDA
+# build of torch needs the CUDA toolkit for its CMake config; without one the adapter is left out.
+adapter=()
+torch_dir=$(python -c "import torch; print(torch.utils.cmake_prefix_path + '/Torch')")
+if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" ||
+    command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  adapter=(-Ccmake.define.RESILIENT_TORCH_ADAPTER=ON "-Ccmake.define.Torch_DIR=$torch_dir")
+else
+  echo "build.sh: no CUDA toolkit for this CUDA build of torch: the libtorch adapter is not built"
+  adapter=(-Ccmake.define.RESILIENT_TORCH_ADAPTER=OFF)
+fi
 exec flock /tmp/resilient-build.lock \
   pip install -q --no-build-isolation --no-deps -e . -Ccmake.define.RESILIENT_TESTS=ON \
-  -Ccmake.define.RESILIENT_TORCH_ADAPTER=ON "-Ccmake.define.CMAKE_PREFIX_PATH=$prefix" "$@"
+  "${adapter[@]}" "$@"

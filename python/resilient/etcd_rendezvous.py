@@ -15,65 +15,121 @@ of each node, the workers' master address) go to the same cluster through
 ``--rdzv-endpoint`` takes the members (``host:port,...``) or an ``etcd://``/``etcds://`` URL
 with its TLS options and user (docs/store.md). torch's ``etcd`` and ``etcd-v2`` backends speak
 etcd's v2 API, which etcd 3.4 serves only with ``--enable-v2`` and 3.6 no longer has.
+
+As with torch's ``etcd-v2`` backend, the state expires ``ttl`` seconds (``--rdzv-conf
+ttl=...``, default two hours) after its last write, through an etcd lease each agent keeps:
+a finished job's closed rendezvous does not refuse a later job of the same ``--rdzv-id`` for
+longer than that. Errors reaching etcd surface as torch's ``RendezvousConnectionError``.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import http.client
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     create_handler,
 )
 
-from resilient.etcd import EtcdStore, from_url
-
 BACKEND = "etcd-v3"
+DEFAULT_TTL_S = 7200  # torch's etcd-v2 backend's default
+_UNREACHABLE = (OSError, ValueError, http.client.HTTPException)  # what EtcdStore raises
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
-    """The dynamic rendezvous's state as one etcd key; the token is the key's revision."""
+    """The dynamic rendezvous's state as one etcd key; the token is the key's revision. The key
+    is attached to this agent's lease on every write, so it expires `ttl_s` after the last
+    write of any agent (each agent writes its keep-alive into it every few seconds)."""
 
-    def __init__(self, store: EtcdStore, run_id: str) -> None:
-        self._store = store
+    def __init__(self, store: Any, run_id: str, ttl_s: int = DEFAULT_TTL_S) -> None:
+        self._store = store  # a resilient.etcd.EtcdStore
         self._key = f"rdzv/{run_id}/state"
+        self._ttl_s = int(ttl_s)
+        self._lease: str | None = None
+        self._lease_refreshed = 0.0
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        kv = self._store._range(self._key)  # linearizable: the newest committed state
+        try:
+            kv = self._store._range(self._key)  # linearizable: the newest committed state
+        except _UNREACHABLE as e:
+            raise RendezvousConnectionError(f"etcd rendezvous: reading the state: {e}") from e
         if kv is None:
             return None
-        return base64.b64decode(kv.get("value", "")), kv["mod_revision"]
+        return _decode(kv.get("value", "")), kv["mod_revision"]
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
         """Writes `state` if the key is still at revision `token` (None: absent); returns the
-        state now stored, its token and whether it is this call's."""
+        state now stored, its token and whether it is `state` (as torch's c10d backend: a
+        transaction retried after it was applied finds its own state)."""
         key = self._store._key(self._key)
         if token is None:
             cmp = {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         else:
             cmp = {"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": str(token)}
-        reply = self._store._post("/v3/kv/txn", {
-            "compare": [cmp],
-            "success": [{"request_put": {"key": key,
-                                         "value": base64.b64encode(state).decode()}}],
-            "failure": [{"request_range": {"key": key}}],
-        })
+        try:
+            for retry in (False, True):
+                put = {"key": key, "value": base64.b64encode(state).decode(),
+                       "lease": self._current_lease(renew=retry)}
+                try:
+                    reply = self._store._post("/v3/kv/txn", {
+                        "compare": [cmp], "success": [{"request_put": put}],
+                        "failure": [{"request_range": {"key": key}}]})
+                    break
+                except ValueError as e:  # the lease expired meanwhile: a new one, once
+                    if retry or "lease not found" not in str(e):
+                        raise
+        except _UNREACHABLE as e:
+            raise RendezvousConnectionError(f"etcd rendezvous: writing the state: {e}") from e
         if reply.get("succeeded"):
             return state, reply["header"]["revision"], True  # the put's revision
         kvs = reply["responses"][0].get("response_range", {}).get("kvs")
-        if not kvs:  # deleted meanwhile: no state to report
+        if not kvs:  # deleted meanwhile (expired): no state to report
             return None
-        return base64.b64decode(kvs[0].get("value", "")), kvs[0]["mod_revision"], False
+        stored = _decode(kvs[0].get("value", ""))
+        return stored, kvs[0]["mod_revision"], stored == state
+
+    def _current_lease(self, renew: bool = False) -> str:
+        """This agent's lease, granted on first use and kept alive at a quarter of its TTL."""
+        with self._lock:
+            now = time.monotonic()
+            if self._lease is not None and not renew:
+                if now - self._lease_refreshed < self._ttl_s / 4:
+                    return self._lease
+                reply = self._store._post("/v3/lease/keepalive", {"ID": self._lease})
+                if int(reply.get("result", {}).get("TTL", 0)) > 0:
+                    self._lease_refreshed = now
+                    return self._lease
+            reply = self._store._post("/v3/lease/grant", {"TTL": self._ttl_s})
+            self._lease, self._lease_refreshed = reply["ID"], now
+            return self._lease
 
 
-def _store(params: RendezvousParameters) -> EtcdStore:
+def _decode(value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RendezvousStateError(f"etcd rendezvous: the state is not valid base64: {e}") from e
+
+
+def _store(params: RendezvousParameters) -> Any:
+    from resilient.etcd import EtcdStore, from_url  # here: torchrun loads this module at start
+
     endpoint = params.endpoint or ""
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     prefix = f"torchelastic/{params.run_id}/"
@@ -93,7 +149,8 @@ def _store(params: RendezvousParameters) -> EtcdStore:
 def create_etcd_v3_handler(params: RendezvousParameters) -> Any:
     """torch elastic's handler creator for ``etcd-v3`` (its registry calls it)."""
     store = _store(params)
-    return create_handler(store, EtcdRendezvousBackend(store, params.run_id), params)
+    ttl = params.get_as_int("ttl", DEFAULT_TTL_S) or DEFAULT_TTL_S
+    return create_handler(store, EtcdRendezvousBackend(store, params.run_id, ttl), params)
 
 
 def handler_creator() -> Any:

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "io_test_util.hpp"
@@ -83,9 +84,10 @@ int fake_copy(void* dst, const void* src, size_t n, int kind, void* stream) {
 // batched direction); it fails as a whole with `batch_error` when that is set.
 std::atomic<int> batch_error{0};
 std::atomic<int> batch_calls{0};
+thread_local int last_error = 0;  // cudaGetLastError's, per thread as in CUDA
 int fake_batch(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                void* attrs, size_t* attrs_idx, size_t nattrs, void* stream) {
-  if (batch_error != 0) return batch_error;
+  if (batch_error != 0) return last_error = batch_error;
   auto* a = static_cast<memory::detail::MemcpyAttributes*>(attrs);
   if (nattrs != 1 || attrs_idx[0] != 0 || a->src_access_order != 1 || stream == nullptr) return 1;
   ++batch_calls;
@@ -114,6 +116,7 @@ const CudaRuntime::Table* fake_table() {
     };
     t.memcpy_async = fake_copy;
     t.memcpy_batch_async = fake_batch;
+    t.get_last_error = [] { return std::exchange(last_error, 0); };
     t.stream_create_with_flags = [](void** s, unsigned) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
@@ -289,6 +292,7 @@ TEST_F(DeviceTest, AFailedBatchFallsBackToSingleCopies) {
   FakeGpu::get().d2h.clear();
   expect_round_trip(make(&cuda));
   batch_error = 0;
+  EXPECT_EQ(last_error, 0) << "the refusal must not stay the thread's last CUDA error";
   EXPECT_EQ(batch_calls, 0);
   EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
   EXPECT_FALSE(cuda.batches_copies());

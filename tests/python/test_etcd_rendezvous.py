@@ -52,12 +52,63 @@ def test_the_backend_swaps_the_state_on_its_revision(tmp_path: Path) -> None:
         assert backend.get_state() == (b"a", first)
         # Another agent that also saw no state loses, and gets the winner's state and token.
         assert backend.set_state(b"b") == (b"a", first, False)
+        # A retried write that had been applied finds its own state (as torch's c10d backend).
+        assert backend.set_state(b"a") == (b"a", first, True)
         state, second, mine = backend.set_state(b"c", first)
         assert (state, mine) == (b"c", True) and second != first
         assert backend.set_state(b"d", first) == (b"c", second, False)  # a stale token
         assert backend.get_state() == (b"c", second)
         other = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/"), "another-job")
         assert other.get_state() is None  # runs are apart
+
+
+def _params(etcd: EtcdCluster, run_id: str, **conf: object):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(backend="etcd-v3", endpoint=",".join(etcd.endpoints),
+                                run_id=run_id, min_nodes=1, max_nodes=1, **conf)
+
+
+def test_a_closed_rendezvous_expires_with_its_ttl(tmp_path: Path) -> None:
+    """A finished job closes its rendezvous; the same run id is refused (torch's
+    RendezvousClosedError) until the state's lease runs out, then a new job meets again."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from resilient.etcd_rendezvous import create_etcd_v3_handler
+
+    with EtcdCluster(tmp_path, 1) as etcd:
+        first = create_etcd_v3_handler(_params(etcd, "same", ttl=3))
+        first.next_rendezvous()
+        first.shutdown()
+        with pytest.raises(RendezvousClosedError):
+            create_etcd_v3_handler(_params(etcd, "same", ttl=3)).next_rendezvous()
+        deadline = time.monotonic() + 20
+        while True:  # the lease ends 3 s after the last write (etcd expires leases lazily)
+            try:
+                again = create_etcd_v3_handler(_params(etcd, "same", ttl=3))
+                again.next_rendezvous()
+                break
+            except RendezvousClosedError:
+                assert time.monotonic() < deadline, "the closed state never expired"
+                time.sleep(0.5)
+        assert time.monotonic() < deadline
+        again.shutdown()
+
+
+def test_an_unreachable_cluster_is_torchs_connection_error(tmp_path: Path) -> None:
+    """torch catches RendezvousError (shutdown at the end of a job, the keep-alive thread);
+    anything else would escape them."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    with EtcdCluster(tmp_path, 1) as etcd:
+        backend = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/",
+                                                  timeout=timedelta(seconds=1)), "job")
+        _, token, _ = backend.set_state(b"a")
+        etcd.kill(0)
+        with pytest.raises(RendezvousConnectionError, match="reading the state"):
+            backend.get_state()
+        with pytest.raises(RendezvousConnectionError, match="writing the state"):
+            backend.set_state(b"b", token)
 
 
 def _start(tmp_path: Path, launcher: list[str], endpoint: str, nodes: int,

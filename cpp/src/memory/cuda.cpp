@@ -61,7 +61,8 @@ CudaLoad load_or_reason(const std::string& path_override) {
             resolve(lib, "cudaStreamWaitEvent", t->stream_wait_event, missing) &&
             resolve(lib, "cudaEventQuery", t->event_query, missing) &&
             resolve(lib, "cudaStreamSynchronize", t->stream_synchronize, missing) &&
-            resolve(lib, "cudaGetErrorString", t->get_error_string, missing);
+            resolve(lib, "cudaGetErrorString", t->get_error_string, missing) &&
+            resolve(lib, "cudaGetLastError", t->get_last_error, missing);
   if (!ok) {
     delete t;
     ::dlclose(lib);
@@ -233,6 +234,9 @@ Status CudaRuntime::memcpy_batch_async(std::span<const DeviceCopy> copies, CopyK
     int err = t_->memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), copies.size(), &attrs,
                                      &first, 1, as_ptr(stream));
     if (err == detail::kCudaSuccess) return ok_status();
+    // The refusal is also the thread's last error, and this is the caller's (PyTorch's) thread:
+    // left there, torch's next launch check would report it against an unrelated kernel.
+    if (t_->get_last_error != nullptr) (void)t_->get_last_error();
     // Copying again is harmless: the same bytes to the same place, in stream order.
     batch_.store(false, std::memory_order_relaxed);
     log_once("memory.cuda_batch_failed", LogLevel::kWarn,

@@ -32,6 +32,7 @@ struct CudaRuntime::Table {
   Error (*event_query)(void*) = nullptr;
   Error (*stream_synchronize)(void*) = nullptr;
   const char* (*get_error_string)(Error) = nullptr;
+  Error (*get_last_error)() = nullptr;  // reads and clears the calling thread's last error
 };
 
 namespace detail {
