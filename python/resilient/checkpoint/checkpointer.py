@@ -268,44 +268,34 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
     held, alone, now = [], set(), {}
     last = last or {}
     for name, t in tensors.items():
-        place = None
-        if type(t) is not torch.Tensor:
-            c = last.get(name)
-            if c is not None and c[0]() is t:
-                local = t._local_tensor
-                if (c[1]() is local and t._spec is c[2] and local.shape == c[3]
-                        and local.dtype is c[4] and local.layout is torch.strided
-                        and (local.is_cuda or local.is_cpu)):
-                    tensors[name] = local
-                    if c[6]:
-                        alone.add(name)
-                    if meshes is not None:
-                        mesh = t.device_mesh
-                        meshes[id(mesh)] = mesh
-                    held.append(c[5])
-                    now[name] = c
-                    continue
-        if type(t) is not torch.Tensor and is_dtensor(t):
+        if type(t) is torch.Tensor or not is_dtensor(t):
+            _check_savable(name, t)
+            held.append(held_of(name, t, None))
+            continue
+        c = last.get(name)
+        local = getattr(t, "_local_tensor", None)
+        if (c is not None and local is not None and c[0]() is t and c[1]() is local
+                and t._spec is c[2]
+                and local.shape == c[3] and local.dtype is c[4]
+                and local.layout is torch.strided and (local.is_cuda or local.is_cpu)):
+            now[name] = c
+        else:
             try:
                 local, place, replicated = local_chunk_info(t)
             except ValueError as e:
                 raise TypeError(f"tensor {name!r} cannot be saved: it is {e}") from None
-            tensors[name] = local
-            if not replicated:
-                alone.add(name)
-            if meshes is not None:
-                mesh = t.device_mesh
-                meshes[id(mesh)] = mesh
             _check_savable(name, local)
-            h = held_of(name, local, place)
-            held.append(h)
-            spec = getattr(t, "_spec", None)
-            if spec is not None and local is getattr(t, "_local_tensor", None):
-                now[name] = (weakref.ref(t), weakref.ref(local), spec, local.shape, local.dtype,
-                             h, not replicated)
-            continue
-        _check_savable(name, t)
-        held.append(held_of(name, t, place))
+            c = (weakref.ref(t), weakref.ref(local), getattr(t, "_spec", None), local.shape,
+                 local.dtype, held_of(name, local, place), not replicated)
+            if c[2] is not None and local is getattr(t, "_local_tensor", None):  # not a copy
+                now[name] = c
+        tensors[name] = local
+        held.append(c[5])
+        if c[6]:
+            alone.add(name)
+        if meshes is not None:
+            mesh = t.device_mesh
+            meshes[id(mesh)] = mesh
     return held, alone, now
 
 
