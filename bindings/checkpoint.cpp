@@ -9,7 +9,10 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include "errors.hpp"
 #include "register.hpp"
@@ -96,6 +99,13 @@ pyb::list tensor_list(const Manifest& m) {
 struct StagedState {
   std::shared_ptr<memory::HostPool> pool;
   std::optional<Staging> staging;
+};
+
+// A save's descriptors converted once and kept by Python while they hold (same pointers, shapes
+// and places from save to save): converting a thousand dicts costs about a millisecond of the
+// overlapped save's return. Only the CUDA streams are set again on each save.
+struct TensorSpecs {
+  std::vector<TensorSpec> specs;
 };
 
 std::vector<TensorSpec> to_specs(const pyb::list& tensors) {
@@ -263,6 +273,13 @@ void register_checkpoint(pyb::module_& m) {
           "release", [](StagedState& s) { s.staging.reset(); },
           "Returns the slabs to the pool (a staging that will not be saved).");
 
+  pyb::class_<TensorSpecs>(m, "TensorSpecs",
+                           "Tensor descriptors (dicts as for Checkpointer.save) converted once, "
+                           "for Checkpointer.save_specs.")
+      .def(pyb::init([](const pyb::list& tensors) { return TensorSpecs{to_specs(tensors)}; }),
+           pyb::arg("tensors"))
+      .def("__len__", [](const TensorSpecs& s) { return s.specs.size(); });
+
   pyb::class_<Checkpointer>(m, "Checkpointer")
       .def(pyb::init([](const CheckpointOptions& o, Checkpointer* share_pool_with) {
              return unwrap(Checkpointer::create(
@@ -339,6 +356,43 @@ void register_checkpoint(pyb::module_& m) {
           },
           pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}",
           pyb::arg("commit") = true, pyb::arg("mode") = "blocking")
+      .def(
+          "save_specs",
+          [](Checkpointer& c, int64_t step, TensorSpecs& prepared, const pyb::dict& streams,
+             const pyb::list& extra, const std::string& values_json, bool commit,
+             const std::string& mode) {
+            if (mode != "blocking" && mode != "overlap")
+              throw pyb::value_error("mode must be 'blocking' or 'overlap'");
+            const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
+            std::unordered_map<int, memory::StreamHandle> by_device;
+            for (const auto& [device, stream] : streams)
+              by_device[device.cast<int>()] = stream.cast<uintptr_t>();
+            for (TensorSpec& t : prepared.specs) {
+              if (t.device < 0) continue;
+              auto it = by_device.find(t.device);
+              if (it == by_device.end())
+                throw pyb::value_error("tensor " + t.name + ": no stream given for CUDA device " +
+                                       std::to_string(t.device));
+              t.stream = it->second;
+            }
+            std::vector<TensorSpec> joined;
+            std::span<const TensorSpec> specs = prepared.specs;
+            if (!extra.empty()) {
+              joined = prepared.specs;
+              for (TensorSpec& t : to_specs(extra)) joined.push_back(std::move(t));
+              specs = joined;
+            }
+            Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+            {
+              pyb::gil_scoped_release release;
+              h = c.save_json(step, specs, values_json, commit, save_mode);
+            }
+            return unwrap(std::move(h));
+          },
+          pyb::arg("step"), pyb::arg("specs"), pyb::arg("streams"), pyb::arg("extra"),
+          pyb::arg("values_json") = "{}", pyb::arg("commit") = true, pyb::arg("mode") = "blocking",
+          "save() of descriptors converted earlier (TensorSpecs), with each CUDA device's stream "
+          "from `streams` and `extra` descriptors (dicts) appended.")
       .def(
           "wait_all",
           [](Checkpointer& c, std::optional<double> timeout_s) {

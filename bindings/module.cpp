@@ -8,6 +8,7 @@ PYBIND11_MODULE(_C, m) {
   resilient::py::register_common(m);
   resilient::py::register_io(m);
   resilient::py::register_checkpoint(m);
+  resilient::py::register_codec(m);
   resilient::py::register_detect(m);
   resilient::py::register_comm(m);
   resilient::py::register_straggler(m);

@@ -165,3 +165,57 @@ def test_the_reuse_keeps_no_saved_dtensor_alive(tmp_path):
             assert gone() is None and local_gone() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_save_that_failed_while_describing_leaves_no_stale_descriptor(tmp_path, monkeypatch):
+    """The native copy of the descriptors (_C.TensorSpecs) is reused only when every descriptor
+    was: a save that raised after updating some descriptors must not leave the next save, which
+    finds them all current, writing from the old pointers."""
+    from resilient.checkpoint import checkpointer as cmod
+
+    state = _initial()
+    original = state["real"]
+    with resilient.Checkpointer(tmp_path / "ck", keep=0) as ck:
+        ck.save(0, state).wait()
+        # The plan's order is cplx, other, real: "other" is described anew, then "real" fails.
+        state["other"] = torch.arange(N * N, dtype=torch.int64) * 3
+        state["real"] = torch.full((N, N), 7.0)
+        real = cmod.tensor_descriptor
+        calls = []
+
+        def fail_second(name, t, keep, streams=None):
+            calls.append(name)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return real(name, t, keep, streams)
+
+        monkeypatch.setattr(cmod, "tensor_descriptor", fail_second)
+        try:
+            ck.save(1, state).wait()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+        monkeypatch.setattr(cmod, "tensor_descriptor", real)
+        assert len(calls) == 2  # "other" was described anew before the failure
+        state["real"] = original  # every descriptor is now the last one made
+        ck.save(2, state).wait()
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.load(out, step=2) == 2
+        for k in state:
+            assert torch.equal(out[k], state[k]), k
+
+
+def test_prepared_descriptors_need_a_stream_for_each_cuda_device(tmp_path):
+    """_C.TensorSpecs: a CUDA descriptor whose device has no stream in this save is refused
+    before anything is read (the pointer here is never dereferenced)."""
+    from resilient import _C
+
+    native = _C.Checkpointer(_C.CheckpointOptions(str(tmp_path / "ck")))
+    specs = _C.TensorSpecs([{"name": "w", "dtype": "float32", "shape": (2,), "ptr": 4096,
+                             "nbytes": 8, "device": 0}])
+    assert len(specs) == 1
+    try:
+        native.save_specs(0, specs, {}, [], "{}", False, "overlap")
+    except ValueError as e:
+        assert "no stream given for CUDA device 0" in str(e)
+    else:
+        raise AssertionError("a CUDA descriptor without a stream was accepted")

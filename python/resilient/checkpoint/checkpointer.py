@@ -215,9 +215,11 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
-                      keep: list[torch.Tensor], streams: dict) -> list[dict[str, Any]]:
+                      keep: list[torch.Tensor], streams: dict) -> tuple[list[dict[str, Any]], bool]:
     """The descriptors of a save's pieces (`plan`), reusing a piece's descriptor from the last
-    save of the same plan (`last`, updated in place) when the tensor is laid out as then.
+    save of the same plan (`last`, updated in place) when the tensor is laid out as then; and
+    whether every descriptor was reused (then the native copy of the last ones still holds,
+    streams aside: `streams` maps each CUDA device to the stream looked up in this save).
 
     The plan's key covers each tensor's name, shape and dtype, so a descriptor still holds when
     the tensor has the same data pointer and device and is contiguous without a conjugate or
@@ -226,6 +228,7 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
     thousand tensors, a sizeable part of an overlapped save's return.
     """
     descs = []
+    reused = True
     for i, (piece, entry, global_shape, offset) in enumerate(plan):
         t = tensors[piece.name]
         d = last[i]
@@ -245,8 +248,9 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
             d = tensor_descriptor(entry, t, keep, streams)
             d["global_shape"], d["global_offset"] = global_shape, offset
             last[i] = d
+            reused = False
         descs.append(d)
-    return descs
+    return descs, reused
 
 
 def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
@@ -467,6 +471,7 @@ class Checkpointer:
         self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
         self._descs: list = []  # per piece of _plan: its last descriptor, or None (reset with it)
+        self._specs: Any = None  # _descs converted by the binding (_C.TensorSpecs), or None
         # (name, shape, dtype, id(chunk)) -> (chunk, Held) (specs are fixed)
         self._held_cache: dict[tuple, tuple[ShardSpec | None, Held]] = {}
         self._last_local: dict[str, tuple] = {}  # _local_held's reuse from the last save
@@ -597,16 +602,19 @@ class Checkpointer:
             self._plan_key = keys
             self._everyone = everyone
             self._descs = [None] * len(self._plan)
+            self._specs = None
         if prints is not None:
             _check_replicas(self._everyone, [g[1] for g in gathered])
         keep: list[torch.Tensor] = []
         streams: dict = {}
-        descs = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
-        rank_doc = None
+        specs, self._specs = self._specs, None  # stale should _plan_descriptors raise midway
+        descs, reused = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
+        self._specs = specs if reused and specs is not None else _C.TensorSpecs(descs)
+        rank_doc, extra = None, []
         if renc is not None:
             rank_doc = renc.doc
-            descs += [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
-                      for n, t in renc.tensors.items()]
+            extra = [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
+                     for n, t in renc.tensors.items()]
         save_id = f"{self._ranks.run_id}-{self._save_seq}"
         values = {
             "format": RANK_FORMAT,
@@ -618,7 +626,8 @@ class Checkpointer:
         }
         if meshes and self.rank == 0:  # what `resilient ckpt ls/show` report as the mesh
             values["meshes"] = _mesh_records(meshes.values())
-        native = self._native.save(step, descs, _values_json(values), False, mode)
+        native = self._native.save_specs(step, self._specs, streams, extra, _values_json(values),
+                                         False, mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
         handle._phases.update(prepare_s=prepare_s, collective_s=collective_s,

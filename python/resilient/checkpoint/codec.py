@@ -21,6 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from resilient import _C
+
 TENSOR, NDARRAY, TUPLE, DICT, ODICT, NAMEDTUPLE = (
     "$tensor", "$ndarray", "$tuple", "$dict", "$odict", "$namedtuple")
 FLOAT, BIGINT, BYTES, NPSCALAR, STATEFUL = "$float", "$bigint", "$bytes", "$npscalar", "$stateful"
@@ -65,12 +67,15 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and isinstance(getattr(type(obj), "_fields", None), tuple)
 
 
-def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
+def encode(state: Any, state_of: Callable[[Any], Any] | None = None,
+           native: bool = True) -> Encoded:
     """Encodes `state`; tensor names are the '/'-joined key paths (unique, deterministic).
     `state_of(obj)`: what a Stateful object saves (default: its ``state_dict()``).
 
     Runs in every save (a few thousand nodes for a large model's state and its optimizer), so
-    the walk carries its path as one string and tests the common exact types first."""
+    the walk carries its path as one string and tests the common exact types first, and with
+    `native` the dicts, lists, plain scalars and tensors are walked by ``_C.codec_walk`` (the
+    same walk in C++, which hands every other object to this one; the same result)."""
     out = Encoded(doc=None)
     tensors = out.tensors
     state_of = state_of or (lambda obj: obj.state_dict())
@@ -192,13 +197,20 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None) -> Encoded:
         if isinstance(obj, dict):
             return mapping(obj, path, prefix, depth)
         if is_stateful(obj):
-            return {STATEFUL: enc(state_of(obj), path, depth + 1)}
+            return {STATEFUL: walk(state_of(obj), path, depth + 1)}
         raise TypeError(
             f"{path or '<root>'}: cannot save a {type(obj).__name__} without pickle; "
             "use tensors, numpy arrays, plain values, containers or objects with state_dict()"
         )
 
-    out.doc = enc(state, None, 0)
+    walk = enc
+    if native:  # the same walk in C++ for the common types, this one for the others
+
+        def walk(obj: Any, path: str | None, depth: int) -> Any:
+            return _C.codec_walk(obj, path, depth, tensors, tensor_type, OrderedDict, enc,
+                                 MAX_DEPTH)
+
+    out.doc = walk(state, None, 0)
     return out
 
 
