@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -37,8 +38,9 @@ struct FakeGpu {
   std::map<void*, std::vector<Op>> queued;           // per stream, not yet executed
   std::map<void*, std::pair<void*, size_t>> events;  // event -> (stream, ops queued before it)
   std::map<void*, int> polls;
-  std::map<void*, int> owner;  // stream or event -> its device
-  bool hung = false;           // copies never complete (a hung GPU) until cleared
+  std::map<void*, int> owner;      // stream or event -> its device
+  std::map<void*, int> destroyed;  // event -> times destroyed
+  bool hung = false;               // copies never complete (a hung GPU) until cleared
   std::vector<int> h2d, d2h;
   // When non-empty: the "cudaMalloc" allocations; a device-to-host copy must lie inside one.
   std::vector<std::pair<const std::byte*, size_t>> allocations;
@@ -132,7 +134,12 @@ const CudaRuntime::Table* fake_table() {
       g.owner[*e] = FakeGpu::current();
       return ok();
     };
-    t.event_destroy = [](void*) { return ok(); };
+    t.event_destroy = [](void* e) {
+      auto& g = FakeGpu::get();
+      std::lock_guard<std::mutex> lock(g.mu);
+      ++g.destroyed[e];
+      return ok();
+    };
     t.event_record = [](void* e, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
@@ -178,9 +185,10 @@ class DeviceTest : public ::testing::Test {
     fs::remove_all(root_);
   }
   void TearDown() override { fs::remove_all(root_); }
-  std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0,
-                                     Duration timeout = 30s) {
+  std::unique_ptr<Checkpointer> make(const CudaRuntime* cuda, int zstd = 0, Duration timeout = 30s,
+                                     uint64_t group_bytes = 1 << 30) {
     auto o = CheckpointOptions::from_env(root_.string()).value();
+    o.copy_group_bytes = group_bytes;
     o.zstd_level = zstd;
     o.chunk_bytes = 64 << 10;
     o.pool.slab_bytes = 256 << 10;
@@ -272,16 +280,77 @@ void expect_round_trip(std::unique_ptr<Checkpointer> c) {
   EXPECT_EQ(small_back, small);
 }
 
-// One cudaMemcpyBatchAsync per (slab, device) group of more than one copy: the 20 small
-// tensors of slab 3 on device 1; the large tensor's one copy per slab goes alone.
-TEST_F(DeviceTest, SlabCopiesAreQueuedAsOneBatchPerSlabAndDevice) {
+// One cudaMemcpyBatchAsync per (group of slabs, device) of more than one copy: here all slabs
+// are one group, so the large tensor's four copies (one per slab: never merged across slabs) on
+// device 0 and the 20 small tensors of slab 3 on device 1 make two batches. With groups of one
+// slab, the large tensor's copies go one by one and only slab 3's small ones are batched.
+TEST_F(DeviceTest, SlabCopiesAreQueuedAsOneBatchPerGroupAndDevice) {
   CudaRuntime cuda(fake_table());
   batch_calls = 0;
   FakeGpu::get().d2h.clear();
   expect_round_trip(make(&cuda));
-  EXPECT_EQ(batch_calls, 1);
+  EXPECT_EQ(batch_calls, 2);
   EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
   EXPECT_TRUE(cuda.batches_copies());
+  fs::remove_all(root_);
+  batch_calls = 0;
+  FakeGpu::get().d2h.clear();
+  expect_round_trip(make(&cuda, 0, 30s, 256 << 10));
+  EXPECT_EQ(batch_calls, 1);
+  EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
+}
+
+// Groups of two slabs over a tensor of seven: four groups, each closed by one event that is the
+// event of each of its slabs, on copy streams taken in turn; a slab is complete only when its
+// group's event is, and every event is destroyed exactly once.
+TEST_F(DeviceTest, ConsecutiveSlabsShareOneEventPerGroup) {
+  CudaRuntime cuda(fake_table());
+  auto& g = FakeGpu::get();
+  std::vector<float> data(7 * 65536 - 100);  // seven 256 KiB slabs, the last one partly
+  std::iota(data.begin(), data.end(), 3.0f);
+  std::vector<TensorSpec> specs = {
+      {"a", "float32", {static_cast<int64_t>(data.size())}, data.data(), data.size() * 4, 0, 0}};
+  std::vector<memory::EventHandle> events;
+  {
+    auto c = make(&cuda, 0, 30s, 512 << 10);
+    Staging st;
+    {
+      ThreadPool pool(1);
+      DeviceStreams streams(&cuda, 4);
+      auto s = snapshot(specs, c->pool(), pool, 64 << 10, 30s, &streams, 512 << 10);
+      ASSERT_TRUE(s.ok()) << s.status().to_string();
+      st = std::move(s).value();
+      ASSERT_EQ(st.slabs.size(), 7u);
+      const auto& copies = *st.copies;
+      ASSERT_EQ(copies.events.size(), 4u);
+      for (size_t i = 0; i < 7; ++i) {
+        ASSERT_EQ(copies.slab_events[i].size(), 1u);
+        EXPECT_EQ(copies.slab_events[i][0], copies.events[i / 2]) << "slab " << i;
+      }
+      std::set<void*> used;
+      {
+        std::lock_guard<std::mutex> lock(g.mu);
+        for (auto e : copies.events) used.insert(g.events[reinterpret_cast<void*>(e)].first);
+      }
+      EXPECT_EQ(used.size(), 4u) << "each group on its own copy stream";
+      EXPECT_FALSE(copies.slab_done(0));  // first poll: the fake copy is still "running"
+      ASSERT_TRUE(copies.wait_slab(1, 10s).ok());
+      EXPECT_TRUE(copies.slab_done(0)) << "slab 0 completes with its group's event";
+      ASSERT_TRUE(copies.wait_all(10s).ok());
+      std::vector<float> back(data.size());
+      for (size_t i = 0; i < 7; ++i) {
+        const size_t n = std::min<size_t>(65536, data.size() - i * 65536);
+        std::memcpy(back.data() + i * 65536, st.slabs[i].data(), n * 4);
+      }
+      EXPECT_EQ(back, data);
+      events = copies.events;
+      st.release_slabs();
+      st.copies.reset();
+    }
+  }
+  std::lock_guard<std::mutex> lock(g.mu);
+  for (auto e : events)
+    EXPECT_EQ(g.destroyed[reinterpret_cast<void*>(e)], 1) << "an event destroyed more than once";
 }
 
 // A runtime that refuses the batch (an old driver): the copies go one by one, from then on.

@@ -196,8 +196,8 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::enqueue(int64_t step,
                                                           SaveMode mode) {
   if (step < 0) return Status(StatusCode::kInvalidArgument, "step must be >= 0");
   const TimePoint start = SteadyClock::instance().now();
-  auto staging =
-      snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
+  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout,
+                          streams_.get(), options_.copy_group_bytes);
   if (!staging.ok()) return Status(staging.status()).prepend("saving step " + std::to_string(step));
   const double issue_s = to_seconds(SteadyClock::instance().now() - start);
   auto handle = std::make_shared<SaveHandle>(step, staging->copies);
@@ -217,8 +217,8 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::enqueue(int64_t step,
 }
 
 Result<Staging> Checkpointer::stage(std::span<const TensorSpec> tensors) {
-  auto staging =
-      snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout, streams_.get());
+  auto staging = snapshot(tensors, *pool_, *workers_, options_.chunk_bytes, options_.timeout,
+                          streams_.get(), options_.copy_group_bytes);
   if (!staging.ok()) return Status(staging.status()).prepend("staging");
   if (staging->copies) {
     RESILIENT_RETURN_IF_ERROR(staging->copies->wait_all(options_.timeout).prepend("staging"));

@@ -114,11 +114,9 @@ Result<memory::StreamHandle> DeviceStreams::get(int device, int index) {
 }
 
 DeviceCopies::~DeviceCopies() {
-  for (auto& events : slab_events) {
-    for (auto e : events) {
-      (void)cuda->event_wait(e, std::chrono::seconds(60));
-      (void)cuda->event_destroy(e);
-    }
+  for (auto e : events) {
+    (void)cuda->event_wait(e, std::chrono::seconds(60));
+    (void)cuda->event_destroy(e);
   }
 }
 
@@ -150,9 +148,7 @@ Status DeviceCopies::wait_all(Duration timeout) const {
 }
 
 Status DeviceCopies::fence(memory::StreamHandle stream) const {
-  for (const auto& events : slab_events) {
-    for (auto e : events) RESILIENT_RETURN_IF_ERROR(cuda->stream_wait_event(stream, e));
-  }
+  for (auto e : events) RESILIENT_RETURN_IF_ERROR(cuda->stream_wait_event(stream, e));
   return ok_status();
 }
 
@@ -190,10 +186,11 @@ struct Copy {
   size_t tensor;
 };
 
-// Issues the device copies in logical order, one stream per device, each ordered after the
-// tensors' producing streams, and records one event per (slab, device) after that slab's copies.
+// Issues the device copies in logical order, each copy stream ordered after the tensors'
+// producing streams, and records one event per (group of slabs, device) after that group's
+// copies (`group_bytes` of consecutive slabs share the event and a copy stream).
 Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vector<Copy>& work,
-                           Staging& st, DeviceStreams& streams) {
+                           Staging& st, DeviceStreams& streams, uint64_t group_bytes) {
   const memory::CudaRuntime* cuda = streams.cuda();
   memory::DeviceGuard keep_device(cuda);  // runs on the caller's (PyTorch's) thread
   st.copies = std::make_shared<DeviceCopies>();
@@ -219,26 +216,32 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
     (void)cuda->event_destroy(produced);  // destruction is deferred by CUDA until it completes
     RESILIENT_RETURN_IF_ERROR(s);
   }
-  // Copies grouped by (slab, device), in order, queued as one batch; an event closes each group.
+  // Copies grouped by (group of slabs, device), in order, queued as one batch; an event closes
+  // each group and is the event of each of its slabs.
+  const size_t per_group = std::max<uint64_t>(1, group_bytes / st.slab_bytes);
+  std::vector<memory::DeviceCopy> batch;
   size_t i = 0;
   while (i < work.size()) {
     if (work[i].device < 0) {
       ++i;
       continue;
     }
-    const size_t slab = work[i].slab;
+    const size_t group = work[i].slab / per_group;
     const int device = work[i].device;
     RESILIENT_ASSIGN_OR_RETURN(memory::StreamHandle stream,
-                               streams.get(device, static_cast<int>(slab)));
-    std::vector<memory::DeviceCopy> batch;
+                               streams.get(device, static_cast<int>(group)));
+    batch.clear();
+    const size_t first_slab = work[i].slab;
     size_t j = i;
-    while (j < work.size() && work[j].slab == slab && work[j].device == device) {
+    while (j < work.size() && work[j].slab / per_group == group && work[j].device == device) {
       // Consecutive chunks of one tensor in one slab become one copy. Never merge across
-      // tensors: two allocations adjacent in address space still may not be copied as one.
+      // tensors (two allocations adjacent in address space still may not be copied as one)
+      // nor across slabs (separate host buffers).
       const std::byte* src = work[j].src;
       std::byte* dst = work[j].dst;
       uint64_t n = work[j].n;
       const size_t tensor = work[j].tensor;
+      const size_t slab = work[j].slab;
       for (++j; j < work.size() && work[j].slab == slab && work[j].tensor == tensor &&
                 work[j].src == src + n && work[j].dst == dst + n;
            ++j) {
@@ -250,8 +253,10 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
         cuda->memcpy_batch_async(batch, memory::CopyKind::kDeviceToHost, stream));
     memory::EventHandle done = 0;
     RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));
-    slab_events[slab].push_back(done);
+    st.copies->events.push_back(done);
     RESILIENT_RETURN_IF_ERROR(cuda->event_record(done, stream));
+    for (size_t slab = first_slab; slab <= work[j - 1].slab; ++slab)
+      slab_events[slab].push_back(done);
     i = j;
   }
   return ok_status();
@@ -279,7 +284,7 @@ void zero_gaps(Staging& st) {
 
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool,
                          ThreadPool& copies, uint64_t chunk_bytes, Duration timeout,
-                         DeviceStreams* streams) {
+                         DeviceStreams* streams, uint64_t copy_group_bytes) {
   if (streams != nullptr) streams->reap();
   Staging st;
   st.slab_bytes = pool.slab_bytes();
@@ -318,7 +323,8 @@ Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& 
     }
   }
   zero_gaps(st);
-  if (any_device) RESILIENT_RETURN_IF_ERROR(issue_device_copies(tensors, work, st, *streams));
+  if (any_device)
+    RESILIENT_RETURN_IF_ERROR(issue_device_copies(tensors, work, st, *streams, copy_group_bytes));
   std::vector<size_t> host;
   for (size_t i = 0; i < work.size(); ++i) {
     if (work[i].device < 0) host.push_back(i);

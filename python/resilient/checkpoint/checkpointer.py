@@ -31,6 +31,7 @@ every rank, with the target unchanged.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import operator
@@ -223,9 +224,10 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
 
     The plan's key covers each tensor's name, shape and dtype, so a descriptor still holds when
     the tensor has the same data pointer and device and is contiguous without a conjugate or
-    negative bit (a view such as x.conj() or a transpose shares the pointer). The CUDA stream is
-    looked up again on every save. Rebuilding every descriptor costs milliseconds per save for a
-    thousand tensors, a sizeable part of an overlapped save's return.
+    negative bit (a view such as x.conj() or a transpose shares the pointer). The CUDA streams
+    are looked up again on every save, once per device. Rebuilding every descriptor costs
+    milliseconds per save for a thousand tensors, a sizeable part of an overlapped save's
+    return.
     """
     descs = []
     reused = True
@@ -236,12 +238,9 @@ def _plan_descriptors(plan: list, last: list, tensors: dict[str, torch.Tensor],
                 and t.get_device() == d["device"] and t.is_contiguous()
                 and not t.is_conj() and not t.is_neg()):
             keep.append(t)
-            if d["device"] >= 0:
-                stream = streams.get(d["device"])
-                if stream is None:
-                    stream = streams[d["device"]] = torch.cuda.current_stream(
-                        d["device"]).cuda_stream
-                d["stream"] = stream
+            device = d["device"]  # its "stream" may be stale: save_specs sets each
+            if device >= 0 and device not in streams:  # device's stream from `streams`
+                streams[device] = torch.cuda.current_stream(device).cuda_stream
         else:
             if piece.rows is not None:
                 t = t.detach()[piece.rows[0] : piece.rows[1]]
@@ -271,14 +270,17 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
     model's memory alive."""
     held, alone, now = [], set(), {}
     last = last or {}
+    last_mesh = None
     for name, t in tensors.items():
-        if type(t) is torch.Tensor or not is_dtensor(t):
-            _check_savable(name, t)
-            held.append(held_of(name, t, None))
-            continue
-        c = last.get(name)
+        c = last.get(name)  # only DTensors have an entry: the same object is one still
+        if c is None or c[0]() is not t:
+            if type(t) is torch.Tensor or not is_dtensor(t):
+                _check_savable(name, t)
+                held.append(held_of(name, t, None))
+                continue
+            c = None
         local = getattr(t, "_local_tensor", None)
-        if (c is not None and local is not None and c[0]() is t and c[1]() is local
+        if (c is not None and local is not None and c[1]() is local
                 and t._spec is c[2]
                 and local.shape == c[3] and local.dtype is c[4]
                 and local.layout is torch.strided and (local.is_cuda or local.is_cpu)):
@@ -299,7 +301,8 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
             alone.add(name)
         if meshes is not None:
             mesh = t.device_mesh
-            meshes[id(mesh)] = mesh
+            if mesh is not last_mesh:
+                meshes[id(mesh)] = last_mesh = mesh
     return held, alone, now
 
 
@@ -526,6 +529,20 @@ class Checkpointer:
         tensors differ between ranks, CollectiveError when not every rank calls it.
         """
         started = time.monotonic()
+        # The walk makes a few thousand short-lived objects; their collection (a millisecond
+        # or so of gen-0/1 passes) is left to the training step's next allocations rather than
+        # lengthening the call that training waits for.
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            return self._save(started, step, state, rank_state, mode)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _save(self, started: float, step: int, state: Any, rank_state: Any,
+              mode: str) -> SaveHandle:
         self._check_open()
         if mode not in ("blocking", "overlap"):
             raise ValueError("mode must be 'blocking' or 'overlap'")

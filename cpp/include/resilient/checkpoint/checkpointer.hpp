@@ -40,6 +40,7 @@ struct CheckpointOptions {
   Duration timeout = std::chrono::seconds(600);  // RESILIENT_CKPT_TIMEOUT_S: per blocking step
   io::IoOptions io;
   memory::PoolOptions pool;
+  uint64_t copy_group_bytes = kCopyGroupBytes;  // not a setting (tests make groups small)
   /// The CUDA runtime for device tensors; null: memory::CudaRuntime::get() (tests inject a fake).
   const memory::CudaRuntime* cuda = nullptr;
 

@@ -96,11 +96,18 @@ class DeviceStreams {
   std::vector<Held> quarantine_;
 };
 
+/// Device-to-host copies are queued in groups of consecutive slabs of about this many bytes
+/// (one batch call and one event per group and device): a save of a few GiB in 64 MiB slabs
+/// then makes tens of calls, not a hundred or more, on the caller's thread.
+inline constexpr uint64_t kCopyGroupBytes = 256ull << 20;
+
 /// The asynchronous device-to-host copies of one snapshot: slab i's bytes are valid once every
-/// event in slab_events[i] has completed. Shared by the staging and the save handle (whose
-/// wait_snapshot() waits on it); the destructor waits for and destroys the events. Thread-safe.
+/// event in slab_events[i] has completed (an event may close the copies of several slabs).
+/// Shared by the staging and the save handle (whose wait_snapshot() waits on it); the
+/// destructor waits for and destroys the events. Thread-safe.
 struct DeviceCopies {
   const memory::CudaRuntime* cuda = nullptr;
+  std::vector<memory::EventHandle> events;  // each once, owned
   std::vector<std::vector<memory::EventHandle>> slab_events;
 
   DeviceCopies() = default;
@@ -150,9 +157,11 @@ struct Staging {
 /// with kResourceExhausted when the shard is larger than the pool's budget, kTimeout when slabs do
 /// not free up within `timeout`, kUnavailable for device tensors when CUDA is not usable. Returns
 /// `streams`' quarantined slabs whose copies have completed to the pool first.
+/// `copy_group_bytes`: consecutive slabs whose device copies share a batch call and an event.
 Result<Staging> snapshot(std::span<const TensorSpec> tensors, memory::HostPool& pool,
                          ThreadPool& copies, uint64_t chunk_bytes, Duration timeout,
-                         DeviceStreams* streams = nullptr);
+                         DeviceStreams* streams = nullptr,
+                         uint64_t copy_group_bytes = kCopyGroupBytes);
 
 /// A tensor of a staging that restage() keeps: its index in the staging's layout, and the name
 /// and global placement it is saved under.
