@@ -223,6 +223,14 @@ void register_checkpoint(pyb::module_& m) {
       },
       pyb::arg("data"), "XXH3-64 of `data`, 16 lowercase hex digits (lineage records).");
   m.def(
+      "xxh3_buffer",
+      [](uintptr_t ptr, size_t nbytes) {
+        pyb::gil_scoped_release release;
+        return static_cast<uint64_t>(XXH3_64bits(reinterpret_cast<const void*>(ptr), nbytes));
+      },
+      pyb::arg("ptr"), pyb::arg("nbytes"),
+      "XXH3-64 of `nbytes` bytes at address `ptr` (which must stay valid during the call).");
+  m.def(
       "word_sums",
       [](const std::vector<uintptr_t>& ptrs, const std::vector<size_t>& sizes) {
         if (ptrs.size() != sizes.size()) throw pyb::value_error("ptrs and sizes differ in length");

@@ -46,11 +46,56 @@ struct Walk {
   // isinstance(obj, torch.Tensor): 1, 0, or -1 with an error set.
   int is_tensor(PyObject* obj) const { return PyObject_IsInstance(obj, tensor_type); }
 
-  // Raised as Python's own dict iteration does, when a callback changed a dict being walked.
-  static bool changed(PyObject* obj, Py_ssize_t size) {
-    if (PyDict_GET_SIZE(obj) == size) return false;
-    PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
-    return true;
+  // for_items() of an exact dict without making its items view: the positions PyDict_Next
+  // walks are those of the dict's own iterator, and so are the two checks (CPython's
+  // dictiter_iternextitem): the size differs from the start's (a callback added or removed a
+  // key), or an item beyond the start's count turns up (keys swapped at one size).
+  template <class F>
+  static bool for_dict_items(PyObject* obj, F& f) {
+    const Py_ssize_t used = PyDict_GET_SIZE(obj);
+    Py_ssize_t pos = 0, left = used;
+    PyObject *k, *v;
+    for (;;) {
+      if (PyDict_GET_SIZE(obj) != used) {
+        PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+        return false;
+      }
+      if (!PyDict_Next(obj, &pos, &k, &v)) return true;
+      if (left-- == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "dictionary keys changed during iteration");
+        return false;
+      }
+      Py_INCREF(k);  // f may run Python code that changes the dict
+      Py_INCREF(v);
+      const bool ok = f(k, v);
+      Py_DECREF(v);
+      Py_DECREF(k);
+      if (!ok) return false;
+    }
+  }
+
+  // Calls f(key, value) for each item of `obj.items()`, through the same iterator Python's loop
+  // uses: its order (an OrderedDict's own), and its RuntimeError when a callback (a Stateful's
+  // state_dict()) changes the dict. False with an error set when that or `f` failed.
+  template <class F>
+  static bool for_items(PyObject* obj, F&& f) {
+    if (PyDict_CheckExact(obj)) return for_dict_items(obj, f);
+    static PyObject* const name = PyUnicode_InternFromString("items");
+    Ref items = PyObject_CallMethodNoArgs(obj, name);
+    Ref it = items != nullptr ? PyObject_GetIter(items) : nullptr;
+    Py_XDECREF(items);
+    if (it == nullptr) return false;
+    bool ok = true;
+    while (ok) {
+      Ref pair = PyIter_Next(it);
+      if (pair == nullptr) break;
+      ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+      if (!ok) PyErr_SetString(PyExc_TypeError, "items() did not give pairs");
+      if (ok) ok = f(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));  // held by pair
+      Py_DECREF(pair);
+    }
+    Py_DECREF(it);
+    return ok && PyErr_Occurred() == nullptr;
   }
 
   // codec's tensor(): {"$tensor": name}, the name unique in `tensors`.
@@ -141,19 +186,15 @@ struct Walk {
     Ref prefix;
     if (!make_prefix(path, &prefix)) return nullptr;
     Ref out = PyDict_New();
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    const Py_ssize_t size = PyDict_GET_SIZE(obj);
-    while (out != nullptr && PyDict_Next(obj, &pos, &k, &v)) {
-      Py_INCREF(k);  // a callback (a Stateful's state_dict()) may change the dict
-      Py_INCREF(v);
-      Ref sub = sub_path(prefix, k);
-      Ref item = sub != nullptr ? value(v, sub, depth + 1) : nullptr;
-      if (item == nullptr || changed(obj, size) || PyDict_SetItem(out, k, item) != 0) Py_CLEAR(out);
-      Py_XDECREF(item);
-      Py_XDECREF(sub);
-      Py_DECREF(v);
-      Py_DECREF(k);
+    if (out != nullptr && !for_items(obj, [&](PyObject* k, PyObject* v) {
+          Ref sub = sub_path(prefix, k);
+          Ref item = sub != nullptr ? value(v, sub, depth + 1) : nullptr;
+          const bool ok = item != nullptr && PyDict_SetItem(out, k, item) == 0;
+          Py_XDECREF(item);
+          Py_XDECREF(sub);
+          return ok;
+        })) {
+      Py_CLEAR(out);
     }
     Py_XDECREF(prefix);
     return out;
@@ -167,32 +208,28 @@ struct Walk {
                                : PyUnicode_FromFormat("%U/%U", path, key_tag);
     Ref list = key_path != nullptr ? PyList_New(0) : nullptr;
     depth += 3;
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    const Py_ssize_t size = PyDict_GET_SIZE(obj);
-    while (list != nullptr && PyDict_Next(obj, &pos, &k, &v)) {
-      Py_INCREF(k);
-      Py_INCREF(v);
-      Ref sub = sub_path(prefix, k);
-      Ref key = nullptr;
-      if (sub != nullptr) {
-        key = (PyUnicode_CheckExact(k) && PyUnicode_IS_ASCII(k)) ? (Py_INCREF(k), k)
-                                                                 : enc(k, key_path, depth);
-      }
-      Ref item = key != nullptr ? value(v, sub, depth) : nullptr;
-      Ref pair = item != nullptr ? PyList_New(2) : nullptr;
-      if (pair != nullptr) {
-        PyList_SET_ITEM(pair, 0, key);  // steals
-        PyList_SET_ITEM(pair, 1, item);
-        key = item = nullptr;
-      }
-      if (pair == nullptr || changed(obj, size) || PyList_Append(list, pair) != 0) Py_CLEAR(list);
-      Py_XDECREF(pair);
-      Py_XDECREF(item);
-      Py_XDECREF(key);
-      Py_XDECREF(sub);
-      Py_DECREF(v);
-      Py_DECREF(k);
+    if (list != nullptr && !for_items(obj, [&](PyObject* k, PyObject* v) {
+          Ref sub = sub_path(prefix, k);
+          Ref key = nullptr;
+          if (sub != nullptr) {
+            key = (PyUnicode_CheckExact(k) && PyUnicode_IS_ASCII(k)) ? (Py_INCREF(k), k)
+                                                                     : enc(k, key_path, depth);
+          }
+          Ref item = key != nullptr ? value(v, sub, depth) : nullptr;
+          Ref pair = item != nullptr ? PyList_New(2) : nullptr;
+          if (pair != nullptr) {
+            PyList_SET_ITEM(pair, 0, key);  // steals
+            PyList_SET_ITEM(pair, 1, item);
+            key = item = nullptr;
+          }
+          const bool ok = pair != nullptr && PyList_Append(list, pair) == 0;
+          Py_XDECREF(pair);
+          Py_XDECREF(item);
+          Py_XDECREF(key);
+          Py_XDECREF(sub);
+          return ok;
+        })) {
+      Py_CLEAR(list);
     }
     Py_XDECREF(prefix);
     Py_XDECREF(key_path);
@@ -206,25 +243,19 @@ struct Walk {
   Ref sequence(PyObject* obj, PyObject* path, long depth) const {
     Ref prefix;
     if (!make_prefix(path, &prefix)) return nullptr;
-    const Py_ssize_t n = PyList_GET_SIZE(obj);
-    Ref out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+    Ref out = PyList_New(0);
+    // As Python's enumerate over a list: the length is read again at each step, so a callback
+    // that changes the list changes what is walked, as in the Python walk.
+    for (Py_ssize_t i = 0; out != nullptr && i < PyList_GET_SIZE(obj); ++i) {
       PyObject* v = PyList_GET_ITEM(obj, i);
-      Py_INCREF(v);  // the list may change under a callback
+      Py_INCREF(v);
       Ref sub = prefix != nullptr ? PyUnicode_FromFormat("%U%zd", prefix, i)
                                   : PyUnicode_FromFormat("%zd", i);
       Ref item = sub != nullptr ? enc(v, sub, depth + 1) : nullptr;
       Py_DECREF(v);
       Py_XDECREF(sub);
-      if (item == nullptr) {
-        Py_CLEAR(out);
-        break;
-      }
-      PyList_SET_ITEM(out, i, item);
-      if (PyList_GET_SIZE(obj) != n) {  // changed by a callback: let Python report it
-        Py_CLEAR(out);
-        PyErr_SetString(PyExc_RuntimeError, "a list changed size while it was being saved");
-      }
+      if (item == nullptr || PyList_Append(out, item) != 0) Py_CLEAR(out);
+      Py_XDECREF(item);
     }
     Py_XDECREF(prefix);
     return out;

@@ -40,6 +40,7 @@ struct FakeGpu {
   std::map<void*, int> polls;
   std::map<void*, int> owner;      // stream or event -> its device
   std::map<void*, int> destroyed;  // event -> times destroyed
+  int fail_record_at = 0;          // > 0: that many event records later, one fails
   bool hung = false;               // copies never complete (a hung GPU) until cleared
   std::vector<int> h2d, d2h;
   // When non-empty: the "cudaMalloc" allocations; a device-to-host copy must lie inside one.
@@ -143,6 +144,7 @@ const CudaRuntime::Table* fake_table() {
     t.event_record = [](void* e, void* stream) {
       auto& g = FakeGpu::get();
       std::lock_guard<std::mutex> lock(g.mu);
+      if (g.fail_record_at > 0 && --g.fail_record_at == 0) return 999;  // cudaErrorUnknown
       // Stream 0 is the current device's default stream; other streams not made here (the
       // tests' producer streams) are not checked.
       auto so = g.owner.find(stream);
@@ -298,6 +300,33 @@ TEST_F(DeviceTest, SlabCopiesAreQueuedAsOneBatchPerGroupAndDevice) {
   expect_round_trip(make(&cuda, 0, 30s, 256 << 10));
   EXPECT_EQ(batch_calls, 1);
   EXPECT_EQ(FakeGpu::get().d2h.size(), 24u);
+}
+
+// The event closing a group of copies cannot be recorded (after the producer's, the second
+// record fails): the save fails, and the group's copies, queued with nothing to wait on, have
+// run (the stream was synchronized) before its slabs went back to the pool.
+TEST_F(DeviceTest, AGroupWhoseEventFailsIsWaitedForBeforeItsSlabsReturn) {
+  CudaRuntime cuda(fake_table());
+  auto& g = FakeGpu::get();
+  std::vector<float> data(3 * 65536, 2.5f);  // three 256 KiB slabs, one group
+  std::vector<TensorSpec> specs = {
+      {"a", "float32", {static_cast<int64_t>(data.size())}, data.data(), data.size() * 4, 0, 0}};
+  auto c = make(&cuda);
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.fail_record_at = 2;
+  }
+  auto h = c->save(1, specs, {}, true, SaveMode::kOverlap);
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.fail_record_at = 0;
+    EXPECT_FALSE(h.ok());
+    for (auto& [stream, ops] : g.queued) EXPECT_TRUE(ops.empty()) << "a copy still pending";
+  }
+  EXPECT_EQ(c->pool().in_use_bytes(), 0u);
+  auto again = c->save(2, specs, {}, true, SaveMode::kOverlap);  // and the next save works
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  ASSERT_TRUE((*again)->wait(30s).ok());
 }
 
 // Groups of two slabs over a tensor of seven: four groups, each closed by one event that is the

@@ -219,3 +219,37 @@ def test_prepared_descriptors_need_a_stream_for_each_cuda_device(tmp_path):
         assert "no stream given for CUDA device 0" in str(e)
     else:
         raise AssertionError("a CUDA descriptor without a stream was accepted")
+
+
+def test_a_save_pauses_garbage_collection_only_while_it_walks(tmp_path):
+    """Collection is off while the state is walked (a Stateful sees it off), on again when
+    save() returns or raises, and left off when the caller had turned it off."""
+    import gc
+
+    seen = []
+
+    class Probe:
+        def state_dict(self):
+            seen.append(gc.isenabled())
+            return {"t": torch.ones(2)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    assert gc.isenabled()
+    with resilient.Checkpointer(tmp_path / "ck", keep=0) as ck:
+        ck.save(0, {"p": Probe()}).wait()
+        assert seen == [False] and gc.isenabled()
+        try:
+            ck.save(1, {"p": Probe(), "bad": object()})
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("an object() was saved")
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            ck.save(2, {"p": Probe()}).wait()
+            assert not gc.isenabled()
+        finally:
+            gc.enable()

@@ -82,6 +82,28 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         return result
     mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared",
             "corrupt": "shared"}.get(phase, phase)
+    if phase.startswith("hosts"):  # hosts2: 2 emulated hosts of 2 ranks; hosts4: 4 of 1
+        per_host = world // int(phase[5])
+        os.environ["RESILIENT_HOST_ID"] = f"host-{rank // per_host}"
+        mode = "shared"
+    if phase == "hosts2" and rank == 2:  # host 1's first rank: the first stretch it
+        import torch.distributed as dist  # receives arrives with a byte flipped
+
+        real = dist.irecv
+
+        class Flipped:
+            def __init__(self, work, tensor):
+                self.work, self.tensor = work, tensor
+
+            def wait(self):
+                self.work.wait()
+                self.tensor[100] ^= 0x01
+
+        def irecv(tensor, *args, **kwargs):
+            dist.irecv = real
+            return Flipped(real(tensor, *args, **kwargs), tensor)
+
+        dist.irecv = irecv
     if phase == "corrupt":  # the test's copy with a damaged piece
         root = root + "-corrupt"
     if phase == "nobuffer":  # the buffer cannot be created
@@ -104,6 +126,15 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             result["bytes_read"] = ck.last_load.bytes_read
         except Exception as e:  # noqa: BLE001 -- reported to the test
             result["error"] = f"{type(e).__name__}: {e}"
+        if phase == "hosts2":  # the tampered exchange fell back; now the real one
+            os.environ["RESILIENT_HOST_ID"] = f"host-{rank // 2}"
+            result["tampered_bytes_read"] = result.pop("bytes_read", None)
+            result["tampered_same"] = result.pop("same", None)
+            target["rep"].zero_()
+            result["step"] = ck.load(target, mine)
+            result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
+            result["bytes_read"] = ck.last_load.bytes_read
+        os.environ.pop("RESILIENT_HOST_ID", None)
         if phase == "dies":  # no barrier, no close: a rank is gone
             _report(result, phase, world, rank, out)
             sys.stdout.flush()
@@ -174,7 +205,8 @@ def at4(saved, tmp_path_factory):
     root = _copy(saved, out)
     _corrupt(_copy(saved, out, "ckpt-corrupt"))
     # rank 1 exits in the load of "dies"
-    return root, _run("shared,direct,corrupt,dies", 4, root, out, ranks={"dies": (0, 2, 3)})
+    return root, _run("shared,direct,corrupt,hosts2,hosts4,dies", 4, root, out,
+                      ranks={"dies": (0, 2, 3)})
 
 
 @pytest.mark.timeout(900)
@@ -201,6 +233,26 @@ def test_shared_restore_reads_each_byte_once_per_host(at4, tmp_path):
         assert all(g.get("error") is None and g["same"] for g in fallback), fallback
         assert fallback[0]["bytes_read"] > size  # replicated pieces read by every rank
         assert not any(g["leftovers"] for g in fallback)
+
+
+@pytest.mark.timeout(300)
+def test_across_hosts_each_byte_is_read_once_and_what_crossed_is_checked(at4):
+    """Two emulated hosts of two ranks and four of one (RESILIENT_HOST_ID): the pieces every
+    host needs are read from storage once in all and sent between the hosts' first ranks, so
+    the job reads the checkpoint's size, not one copy per host. A stretch that arrives altered
+    (a byte flipped after receiving, on host 1's first rank) fails the XXH3 check on every
+    rank, which then reads directly: the state is still exact."""
+    root, at4 = at4
+    size = _size(root)
+    for phase in ("hosts2", "hosts4"):
+        for r, g in enumerate(at4[phase]):
+            assert g.get("error") is None, (phase, g)
+            assert g["step"] == 1 and g["same"] and g["i"] == 7 and g["r"] == r, (phase, g)
+            assert g["bytes_read"] == size, (phase, g)  # once across the hosts
+            assert not g["leftovers"]
+    for g in at4["hosts2"]:
+        assert g["tampered_same"], g
+        assert g["tampered_bytes_read"] > size, g  # the fallback: direct reads
 
 
 @pytest.mark.timeout(300)

@@ -249,12 +249,19 @@ Status issue_device_copies(std::span<const TensorSpec> tensors, const std::vecto
       }
       batch.push_back({dst, src, n});
     }
-    RESILIENT_RETURN_IF_ERROR(
-        cuda->memcpy_batch_async(batch, memory::CopyKind::kDeviceToHost, stream));
+    Status s = cuda->memcpy_batch_async(batch, memory::CopyKind::kDeviceToHost, stream);
     memory::EventHandle done = 0;
-    RESILIENT_RETURN_IF_ERROR(cuda->event_create(&done));
-    st.copies->events.push_back(done);
-    RESILIENT_RETURN_IF_ERROR(cuda->event_record(done, stream));
+    if (s.ok()) s = cuda->event_create(&done);
+    if (s.ok()) {
+      st.copies->events.push_back(done);
+      s = cuda->event_record(done, stream);
+    }
+    if (!s.ok()) {
+      // Some of this group's copies may be queued with no event closing them: wait for the
+      // stream, so that none of its slabs goes back to the pool while a copy may still write.
+      (void)cuda->stream_synchronize(stream);
+      return s;
+    }
     for (size_t slab = first_slab; slab <= work[j - 1].slab; ++slab)
       slab_events[slab].push_back(done);
     i = j;

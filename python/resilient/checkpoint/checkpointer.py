@@ -31,6 +31,7 @@ every rank, with the target unchanged.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import logging
@@ -43,6 +44,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Callable
@@ -306,6 +308,23 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
     return held, alone, now
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Garbage collection off for a stretch of a save's Python work on the caller's thread:
+    its few thousand short-lived objects are collected at the training step's next
+    allocations (a millisecond or so of gen-0/1 passes) rather than inside the call training
+    waits for. Never around a wait (a collective, a device copy): other threads keep their
+    collection."""
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _values_json(values: dict[str, Any]) -> bytes:
     """A save's values as JSON. orjson first: the state's document is ~100 KB for a
     1,000-tensor model, which the standard encoder takes milliseconds for (the codec tags
@@ -529,20 +548,6 @@ class Checkpointer:
         tensors differ between ranks, CollectiveError when not every rank calls it.
         """
         started = time.monotonic()
-        # The walk makes a few thousand short-lived objects; their collection (a millisecond
-        # or so of gen-0/1 passes) is left to the training step's next allocations rather than
-        # lengthening the call that training waits for.
-        collecting = gc.isenabled()
-        if collecting:
-            gc.disable()
-        try:
-            return self._save(started, step, state, rank_state, mode)
-        finally:
-            if collecting:
-                gc.enable()
-
-    def _save(self, started: float, step: int, state: Any, rank_state: Any,
-              mode: str) -> SaveHandle:
         self._check_open()
         if mode not in ("blocking", "overlap"):
             raise ValueError("mode must be 'blocking' or 'overlap'")
@@ -553,14 +558,15 @@ class Checkpointer:
         reading = time.monotonic()  # the call's phases (stats()) are counted from here
         # Everything that can fail on one rank alone happens before entering (the others then
         # get CollectiveError) or travels through the gather below (every rank raises).
-        enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
         meshes: dict[int, Any] = {}
-        held, alone, self._last_local = _local_held(
-            enc.tensors, self._held, meshes if self.rank == 0 else None, self._last_local)
-        _check_positional_specs(self.specs, enc.tensors)
-        renc = views.encode(rank_state) if rank_state is not None else None
-        for name, t in (renc.tensors.items() if renc else ()):
-            _check_savable(name, t)
+        with _gc_paused():
+            enc = views.encode(state, keep_vars=True)  # read only: no detach per parameter
+            held, alone, self._last_local = _local_held(
+                enc.tensors, self._held, meshes if self.rank == 0 else None, self._last_local)
+            _check_positional_specs(self.specs, enc.tensors)
+            renc = views.encode(rank_state) if rank_state is not None else None
+            for name, t in (renc.tensors.items() if renc else ()):
+                _check_savable(name, t)
         # Until a save made the root, every rank's call is compared before rank 0 does.
         entered = time.monotonic()
         prepare_s = entered - reading
@@ -624,27 +630,29 @@ class Checkpointer:
             _check_replicas(self._everyone, [g[1] for g in gathered])
         keep: list[torch.Tensor] = []
         streams: dict = {}
-        specs, self._specs = self._specs, None  # stale should _plan_descriptors raise midway
-        descs, reused = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
-        self._specs = specs if reused and specs is not None else _C.TensorSpecs(descs)
-        rank_doc, extra = None, []
-        if renc is not None:
-            rank_doc = renc.doc
-            extra = [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
-                     for n, t in renc.tensors.items()]
-        save_id = f"{self._ranks.run_id}-{self._save_seq}"
-        values = {
-            "format": RANK_FORMAT,
-            "save_id": save_id,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "state": enc.doc if self.rank == 0 else None,
-            "rank_state": rank_doc,
-        }
-        if meshes and self.rank == 0:  # what `resilient ckpt ls/show` report as the mesh
-            values["meshes"] = _mesh_records(meshes.values())
-        native = self._native.save_specs(step, self._specs, streams, extra, _values_json(values),
-                                         False, mode)
+        with _gc_paused():
+            specs, self._specs = self._specs, None  # stale should _plan_descriptors raise midway
+            descs, reused = _plan_descriptors(self._plan, self._descs, enc.tensors, keep, streams)
+            self._specs = specs if reused and specs is not None else _C.TensorSpecs(descs)
+            rank_doc, extra = None, []
+            if renc is not None:
+                rank_doc = renc.doc
+                extra = [tensor_descriptor(f"R{self.rank}/{n}", t, keep, streams)
+                         for n, t in renc.tensors.items()]
+            save_id = f"{self._ranks.run_id}-{self._save_seq}"
+            values = {
+                "format": RANK_FORMAT,
+                "save_id": save_id,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "state": enc.doc if self.rank == 0 else None,
+                "rank_state": rank_doc,
+            }
+            if meshes and self.rank == 0:  # what `resilient ckpt ls/show` report as the mesh
+                values["meshes"] = _mesh_records(meshes.values())
+            values_json = _values_json(values)
+        native = self._native.save_specs(step, self._specs, streams, extra, values_json, False,
+                                         mode)
         handle = SaveHandle(step, native, save_id, keep if mode == "overlap" else None, started)
         handle._owner = self  # alive until committed, even if the caller drops it
         handle._phases.update(prepare_s=prepare_s, collective_s=collective_s,

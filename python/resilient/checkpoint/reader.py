@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections import Counter
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from resilient.checkpoint import shm
+from resilient.checkpoint import exchange, shm
 from resilient.checkpoint.codec import dtype_from_name, dtype_name
 from resilient.checkpoint.plan import Saved, ShardSpec, plan_reads
 from resilient.errors import CorruptCheckpointError, VersionMismatchError
@@ -171,21 +170,42 @@ class Reader:
         once per host, into one /dev/shm buffer (checkpoint.shm) that the host's ranks share:
         the pieces are split over them in contiguous runs of the files (each reads its run with
         the engine, which verifies the checksums), then each rank copies its own overlaps out.
+        Across hosts (RESILIENT_HOST_ID or the hostname), the pieces every host needs are read
+        once in all and sent between the hosts' first ranks (checkpoint.exchange).
         A piece only one rank of the host needs is read by it straight into its target. A
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
         with a warning. `tag` names this load (the same on every rank)."""
         needed = sorted({c.entry for w in self._wanted for c in w.copies})
-        report = {"host": socket.gethostname(), "pid": os.getpid(), "needed": needed}
+        me_host = exchange.host_id()
+        report = {"host": me_host, "pid": os.getpid(), "needed": needed}
         gathered = _gather_needs(group, rank, world, failure, report)
-        local = [r for r in range(world) if gathered[r]["host"] == report["host"]]
+        hosts = exchange.Hosts.of([g["host"] for g in gathered])
+        local = hosts.ranks[me_host]
         order = {name: i for i, name in enumerate(self._entries)}
-        wanted_by = Counter(n for r in local for n in gathered[r]["needed"])
-        # A piece only one rank of the host needs (a shard) is read by that rank straight into
-        # its target; the others (replicated state) once into the shared buffer.
-        union = sorted((n for n, k in wanted_by.items() if k > 1), key=order.__getitem__)
-        own = {n for n in needed if wanted_by[n] == 1}
-        where, size, share = _layout(union, self._entries, len(local))
+
+        def shared_by(ranks: list[int]) -> Counter:
+            return Counter(n for r in ranks for n in gathered[r]["needed"])
+
+        wanted_by = shared_by(local)
+        # A piece needed on every host (with two hosts or more: replicated state, or the
+        # replicas of a shard) is read from storage once in all, into every host's shared
+        # buffer (resilient.checkpoint.exchange); another piece that several ranks of the host
+        # need, once per host into the buffer; a piece only one rank of the host needs (a
+        # shard) by that rank straight into its target.
+        common_set: set[str] = set()
+        if len(hosts.ranks) > 1:
+            common_set = set.intersection(*(set(shared_by(rs)) for rs in hosts.ranks.values()))
+        union = sorted((n for n, k in wanted_by.items() if k > 1 or n in common_set),
+                       key=order.__getitem__)
+        own = {n for n in needed if wanted_by[n] == 1 and n not in common_set}
+        common = [n for n in union if n in common_set]  # the same list on every rank
+        rest = [n for n in union if n not in common_set]
+        where, size, share = _layout(common, self._entries, world)  # readers: hosts.order
+        where_rest, size_rest, share_rest = _layout(rest, self._entries, len(local))
+        where.update((n, size + off) for n, off in where_rest.items())
+        ranges = exchange.stretches(hosts, common, where, share, self._entries)
+        size += size_rest
         path = os.path.join(shm.DIR, f"resilient-restore-{gathered[local[0]]['pid']}-{tag}")
         # The host's first rank creates the buffer with this load's tag in its header; every
         # other rank checks that it sees that file (ranks that report one hostname but do not
@@ -214,10 +234,11 @@ class Reader:
                 self.run(only=own)
                 read_own = self.bytes_read
                 buffer = shm.open_mapped(path, shm.HEADER + size)[shm.HEADER:]
-                me = local.index(rank)
+                me, reader = local.index(rank), hosts.order.index(rank)
+                mine = ([n for n in common if share[n] == reader]
+                        + [n for n in rest if share_rest[n] == me])
                 targets = [{"name": n, "ptr": buffer.data_ptr() + where[n],
-                            "nbytes": self._entries[n]["nbytes"], "device": -1}
-                           for n in union if share[n] == me]
+                            "nbytes": self._entries[n]["nbytes"], "device": -1} for n in mine]
                 self._engine.read(self._manifest, targets)
                 self.bytes_read = read_own + sum(t["nbytes"] for t in targets)
             except Exception as e:
@@ -238,6 +259,15 @@ class Reader:
         failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
+        if common:
+            digests = (exchange.send_and_receive(buffer, hosts, ranges, me_host, group)
+                       if rank == local[0] else None)
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, digests, group=group)  # also: received, host-wide
+            bad = exchange.mismatches(everyone, hosts)
+            if bad:  # not what its host read: every rank reads directly instead
+                self._fall_back(path, False, rank, [f"the copy between hosts differs: {bad}"])
+                return
         with torch.no_grad():
             for w in self._wanted:
                 for c in w.copies:
