@@ -89,6 +89,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "GPU, default every GPU)",
     )
     p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="with --world-size N: emulate this many hosts on this machine (consecutive ranks "
+        "share one; RESILIENT_HOST_ID per rank), so the shared restore exchanges between them",
+    )
+    p.add_argument(
         "--fsdp",
         action="store_true",
         help="FSDP2-sharded model + AdamW state over --world-size ranks: resilient blocking and "

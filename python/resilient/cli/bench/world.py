@@ -71,6 +71,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from resilient.cli.bench.shapes import make_state, synthetic_shapes
 
     torch.set_num_threads(1)
+    hosts = max(1, min(world, getattr(args, "hosts", 1)))
+    if hosts > 1:  # emulated hosts: consecutive ranks share one (the shared restore's unit)
+        os.environ["RESILIENT_HOST_ID"] = f"bench-host-{rank * hosts // world}"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -170,6 +173,7 @@ def run_world_bench(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "world_size": world,
+        "hosts": max(1, min(world, getattr(args, "hosts", 1))),
         "size": args.size,
         "tensors": args.tensors,
         "dtype": args.dtype,
@@ -183,7 +187,8 @@ def run_world_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(
-        f"world size {world}, state {args.size} ({args.tensors} tensors, {args.dtype}) per rank, "
+        f"world size {world} on {result['hosts']} host(s), state {args.size} "
+        f"({args.tensors} tensors, {args.dtype}) per rank, "
         f"{result['cpus']} CPUs, load average {result['loadavg_before']} -> "
         f"{result['loadavg_after']}",
         file=sys.stdout,
