@@ -410,9 +410,9 @@ class Checkpointer:
             ranks share, split over them; a piece every host needs, once in all and sent
             between the hosts' first ranks (RESILIENT_HOST_ID); a piece one rank needs is read
             straight into its target (Reader.run_shared; without a usable /dev/shm every
-            rank reads directly, with a warning); "direct": every rank reads the pieces it needs from the shared
-            directory; "redistribute": rank r reads the shards of saved ranks s with
-            s % world == r and broadcasts them over the gloo group.
+            rank reads directly, with a warning); "direct": every rank reads the pieces it
+            needs from the shared directory; "redistribute": rank r reads the shards of saved
+            ranks s with s % world == r and broadcasts them over the gloo group.
         tiers: slower tiers that rank 0 copies each committed step to in the background, in
             order (paths, "s3://bucket/prefix" URLs, or FileTier/S3Tier objects with their own
             keep; default RESILIENT_TIERS). The root is then the fast tier (node-local NVMe or
