@@ -45,21 +45,22 @@ class Hosts:
 
 
 def stretches(hosts: Hosts, common: list[str], where: dict[str, int], share: dict[str, int],
-              entries: dict[str, dict], align: int = 4096) -> dict[str, tuple[int, int]]:
+              end: int) -> dict[str, tuple[int, int]]:
     """Per host, the byte range of the buffer that its ranks read: the pieces of `common` whose
-    reader (`share`: an index into hosts.order) is one of its ranks. Contiguous, because the
-    shares follow the files' order and hosts.order lists each host's ranks together."""
+    reader (`share`: an index into hosts.order) is one of its ranks, from the first one's offset
+    (`where`) to the next piece's, or `end` (where the common pieces end). Contiguous, because
+    the shares follow the files' order and hosts.order lists each host's ranks together."""
     out = {}
-    start = 0
+    start, i = 0, 0
     for h, rs in hosts.ranks.items():
-        mine = [n for n in common if start <= share[n] < start + len(rs)]
         start += len(rs)
-        if mine:
-            last = mine[-1]
-            end = where[last] + (entries[last]["nbytes"] + align - 1) // align * align
-            out[h] = (where[mine[0]], end)
-        else:
+        first = i
+        while i < len(common) and share[common[i]] < start:
+            i += 1
+        if i == first:
             out[h] = (0, 0)
+        else:
+            out[h] = (where[common[first]], where[common[i]] if i < len(common) else end)
     return out
 
 

@@ -203,8 +203,8 @@ class Reader:
         rest = [n for n in union if n not in common_set]
         where, size, share = _layout(common, self._entries, world)  # readers: hosts.order
         where_rest, size_rest, share_rest = _layout(rest, self._entries, len(local))
+        ranges = exchange.stretches(hosts, common, where, share, size)
         where.update((n, size + off) for n, off in where_rest.items())
-        ranges = exchange.stretches(hosts, common, where, share, self._entries)
         size += size_rest
         path = os.path.join(shm.DIR, f"resilient-restore-{gathered[local[0]]['pid']}-{tag}")
         # The host's first rank creates the buffer with this load's tag in its header; every
