@@ -115,6 +115,25 @@ std::vector<TensorSpec> to_specs(const pyb::list& tensors) {
   return specs;
 }
 
+SaveMode parse_mode(const std::string& mode) {
+  if (mode != "blocking" && mode != "overlap")
+    throw pyb::value_error("mode must be 'blocking' or 'overlap'");
+  return mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
+}
+
+// Checkpointer::save_json without the GIL (the blocking mode waits for device copies there).
+std::shared_ptr<SaveHandle> save_without_gil(Checkpointer& c, int64_t step,
+                                             std::span<const TensorSpec> specs,
+                                             const std::string& values_json, bool commit,
+                                             SaveMode mode) {
+  Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
+  {
+    pyb::gil_scoped_release release;
+    h = c.save_json(step, specs, values_json, commit, mode);
+  }
+  return unwrap(std::move(h));
+}
+
 nlohmann::json parse_values(const std::string& values_json) {
   nlohmann::json values = nlohmann::json::parse(values_json, nullptr, false);
   if (values.is_discarded()) throw pyb::value_error("values_json is not valid JSON");
@@ -351,16 +370,8 @@ void register_checkpoint(pyb::module_& m) {
           "save",
           [](Checkpointer& c, int64_t step, const pyb::list& tensors,
              const std::string& values_json, bool commit, const std::string& mode) {
-            if (mode != "blocking" && mode != "overlap")
-              throw pyb::value_error("mode must be 'blocking' or 'overlap'");
-            const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
-            std::vector<TensorSpec> specs = to_specs(tensors);
-            Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
-            {
-              pyb::gil_scoped_release release;
-              h = c.save_json(step, specs, values_json, commit, save_mode);
-            }
-            return unwrap(std::move(h));
+            const SaveMode save_mode = parse_mode(mode);
+            return save_without_gil(c, step, to_specs(tensors), values_json, commit, save_mode);
           },
           pyb::arg("step"), pyb::arg("tensors"), pyb::arg("values_json") = "{}",
           pyb::arg("commit") = true, pyb::arg("mode") = "blocking")
@@ -369,9 +380,7 @@ void register_checkpoint(pyb::module_& m) {
           [](Checkpointer& c, int64_t step, TensorSpecs& prepared, const pyb::dict& streams,
              const pyb::list& extra, const std::string& values_json, bool commit,
              const std::string& mode) {
-            if (mode != "blocking" && mode != "overlap")
-              throw pyb::value_error("mode must be 'blocking' or 'overlap'");
-            const SaveMode save_mode = mode == "overlap" ? SaveMode::kOverlap : SaveMode::kBlocking;
+            const SaveMode save_mode = parse_mode(mode);
             std::unordered_map<int, memory::StreamHandle> by_device;
             for (const auto& [device, stream] : streams)
               by_device[device.cast<int>()] = stream.cast<uintptr_t>();
@@ -390,12 +399,7 @@ void register_checkpoint(pyb::module_& m) {
               for (TensorSpec& t : to_specs(extra)) joined.push_back(std::move(t));
               specs = joined;
             }
-            Result<std::shared_ptr<SaveHandle>> h = Status(StatusCode::kInternal, "unset");
-            {
-              pyb::gil_scoped_release release;
-              h = c.save_json(step, specs, values_json, commit, save_mode);
-            }
-            return unwrap(std::move(h));
+            return save_without_gil(c, step, specs, values_json, commit, save_mode);
           },
           pyb::arg("step"), pyb::arg("specs"), pyb::arg("streams"), pyb::arg("extra"),
           pyb::arg("values_json") = "{}", pyb::arg("commit") = true, pyb::arg("mode") = "blocking",
