@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -156,6 +156,28 @@ PY
         python -m resilient bench --fsdp --device cuda --dir /tmp/fbench ${FSDP_ARGS:---repeat 2} --json \
           >"$OUT/bench-fsdp.json" 2>"$OUT/bench-fsdp.err"; echo "rc=$?"; tail -n 5 "$OUT/bench-fsdp.err"
         python -c "import json, sys; from resilient.cli.bench.fsdp import print_table; print_table(json.load(open(sys.argv[1])))" "$OUT/bench-fsdp.json" ;;
+    world-restore) # Issue 17: replicated GPU state restored at world N = every GPU (NCCL), as 1, 2
+        # and N emulated hosts (the exchange between hosts runs over NCCL), against DCP and one
+        # raw reader in the same run; then the NCCL exchange's test.
+        n=$(python -c "import torch; print(torch.cuda.device_count())")
+        for h in ${WORLD_HOSTS:-1 2 $n}; do
+          log "world restore: $n GPUs as $h host(s)"
+          timeout 400 python -m resilient bench --world-size "$n" --hosts "$h" --device cuda \
+            --size ${WORLD_SIZE:-4GiB} --tensors 128 --repeat 2 --methods sharded,sharded_shm,dcp \
+            --dir /tmp/wbench --json >"$OUT/world-h$h.json" 2>"$OUT/world-h$h.err"
+          echo "rc=$?"; tail -n 3 "$OUT/world-h$h.err"
+          python - "$OUT/world-h$h.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+raw = next(x for x in r["rows"] if x["method"].startswith("raw"))
+for x in r["rows"]:
+    once = x["state_bytes"] / x["restore_s"] / 1e9
+    print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
+          f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw")
+PY
+        done
+        python -m pytest -q -p no:cacheprovider tests/python/test_gpu_restore_exchange.py \
+          >"$OUT/exchange-test.log" 2>&1; tail -n 5 "$OUT/exchange-test.log" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     files) # Issue 17: several data files per rank (RESILIENT_FILES_PER_RANK) against one, tmpfs
            # and the local disk, with raw in the same runs.

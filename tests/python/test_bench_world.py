@@ -31,3 +31,22 @@ def test_world_bench_two_ranks_every_method(tmp_path):
     assert rows["raw (1 reader)"]["storage_read_bytes"] == state
     assert all(row["restore_s"] > 0 and row["save_s"] > 0 for row in rows.values())
     assert not (tmp_path / "scratch").exists()
+
+
+@pytest.mark.timeout(300)
+def test_world_bench_chosen_methods_on_two_emulated_hosts(tmp_path):
+    """--methods picks the world rows; with --hosts 2 the shared restore still reads the state
+    once in all (each rank's run crosses to the other host). An unknown method is refused."""
+    rc, out, err = run_separate(
+        [sys.executable, "-c", CLI, "bench", "--world-size", "2", "--hosts", "2", "--size",
+         "8MiB", "--tensors", "8", "--repeat", "1", "--methods", "sharded_shm,dcp", "--json",
+         "--dir", str(tmp_path / "scratch")], 240, "world bench")
+    assert rc == 0, err[-4000:]
+    r = json.loads(out)
+    rows = {row["method"]: row for row in r["rows"]}
+    assert set(rows) == {"sharded_shm", "dcp", "raw (1 reader)"} and r["hosts"] == 2
+    assert rows["sharded_shm"]["storage_read_bytes"] == rows["sharded_shm"]["state_bytes"]
+    rc, out, err = run_separate(
+        [sys.executable, "-c", CLI, "bench", "--world-size", "2", "--methods", "sharded,nope",
+         "--dir", str(tmp_path / "scratch")], 60, "world bench")
+    assert rc == 2 and "unknown methods ['nope']" in err

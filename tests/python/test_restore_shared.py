@@ -86,7 +86,7 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         per_host = world // int(phase[5])
         os.environ["RESILIENT_HOST_ID"] = f"host-{rank // per_host}"
         mode = "shared"
-    if phase == "hosts2" and rank == 2:  # host 1's first rank: the first stretch it
+    if phase == "hosts2" and rank == 2:  # host 1's first rank: the first run it
         import torch.distributed as dist  # receives arrives with a byte flipped
 
         real = dist.irecv
@@ -238,10 +238,10 @@ def test_shared_restore_reads_each_byte_once_per_host(at4, tmp_path):
 @pytest.mark.timeout(300)
 def test_across_hosts_each_byte_is_read_once_and_what_crossed_is_checked(at4):
     """Two emulated hosts of two ranks and four of one (RESILIENT_HOST_ID): the pieces every
-    host needs are read from storage once in all and sent between the hosts' first ranks, so
-    the job reads the checkpoint's size, not one copy per host. A stretch that arrives altered
-    (a byte flipped after receiving, on host 1's first rank) fails the XXH3 check on every
-    rank, which then reads directly: the state is still exact."""
+    host needs are read from storage once in all and each rank sends what it read to a rank of
+    every other host, so the job reads the checkpoint's size, not one copy per host. A run that
+    arrives altered (a byte flipped after receiving, on host 1's first rank) fails the XXH3
+    check on every rank, which then reads directly: the state is still exact."""
     root, at4 = at4
     size = _size(root)
     for phase in ("hosts2", "hosts4"):
@@ -325,6 +325,55 @@ def test_layout_places_pieces_apart_aligned_and_balances_readers(sizes, readers)
     load = [sum(e["nbytes"] for n, e in entries.items() if share[n] == r) for r in range(readers)]
     assert max(load) - min(load) <= 2 * max(sizes, default=0)  # within a piece at each end
 
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5_000_000), max_size=30),
+       host_sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5), data=st.data())
+def test_exchange_plan_delivers_every_run_to_every_other_host_once(sizes, host_sizes, data):
+    """The exchange between hosts: every rank reads one contiguous run of the common pieces, the
+    runs tile the buffer's common part, and each run reaches every other host exactly once (and
+    never its own), each host's receives spread over its ranks by position."""
+    from resilient.checkpoint import exchange
+    from resilient.checkpoint.reader import _layout
+
+    world = sum(host_sizes)
+    names = data.draw(st.permutations([f"h{h}" for h, n in enumerate(host_sizes)
+                                       for _ in range(n)]))  # hosts interleaved over ranks
+    hosts = exchange.Hosts.of(names)
+    entries = {f"e{i}": {"nbytes": n} for i, n in enumerate(sizes)}
+    common = list(entries)
+    where, size, share = _layout(common, entries, world)
+    runs = exchange.runs(hosts, common, where, share, size)
+    spans = sorted(runs.values())
+    if common:
+        assert spans[0][0] == 0 and spans[-1][1] == size
+    assert all(b == c for (_, b), (c, _) in zip(spans, spans[1:]))  # tiles [0, size)
+    for n in common:  # each piece lies inside its reader's run
+        lo, hi = runs[hosts.order[share[n]]]
+        assert lo <= where[n] and where[n] + entries[n]["nbytes"] <= hi
+    plan = exchange.transfers(hosts, runs)
+    for host, ranks in hosts.ranks.items():
+        got = sorted((t.lo, t.hi) for t in plan if t.dst in ranks)
+        read_here = sorted(runs[r] for r in ranks if r in runs and runs[r][0] < runs[r][1])
+        assert sorted(got + read_here) == [s for s in spans if s[0] < s[1]]  # all, once
+        for t in plan:
+            if t.dst in ranks:
+                assert hosts.host_of(t.src) != host
+                pos = hosts.ranks[hosts.host_of(t.src)].index(t.src)
+                assert t.dst == ranks[pos % len(ranks)]
+
+
+def test_exchange_mismatches_name_errors_and_altered_runs():
+    from resilient.checkpoint.exchange import Transfer, mismatches
+
+    plan = [Transfer(0, 1, 0, 10), Transfer(1, 0, 10, 20)]
+    good = [{"sent": 5, "got": {1: 6}, "error": None}, {"sent": 6, "got": {0: 5}, "error": None}]
+    assert mismatches(good, plan) == []
+    altered = [good[0], {"sent": 6, "got": {0: 4}, "error": None}]
+    assert mismatches(altered, plan) == ["bytes 0..10 from rank 0 at rank 1"]
+    failed = [good[0], {"sent": None, "got": {}, "error": "rank 1: OSError: x"}]
+    assert mismatches(failed, plan)[0] == "rank 1: OSError: x"
+    assert len(mismatches(failed, plan)) == 3  # its run was not sent, rank 0's not received
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp

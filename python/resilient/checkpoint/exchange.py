@@ -1,10 +1,16 @@
 """Between hosts, in a shared restore (Reader.run_shared): the saved pieces that every host reads
 into its /dev/shm buffer (replicated state) are read from storage once in all, not once per host.
-They come first in every host's buffer, at the same offsets; they are split over all the job's
-ranks, host after host, in contiguous runs of the files, so each host's ranks read one stretch of
-the buffer; then each host's first rank sends its host's stretch to the other hosts' first ranks
-over the process group, and every first rank checks the XXH3 of each stretch it received against
-the sender's (the readers verified the chunk checksums when reading from storage)."""
+
+They come first in every host's buffer, at the same offsets, and are split over all the job's
+ranks, host after host, in contiguous runs of the files: each rank reads one run. Every rank then
+sends the run it read to one rank of each other host (the rank with the same position on its
+host, wrapping around a smaller host), which writes it into its own host's buffer at the same
+offset. So every rank's link carries a share of the traffic, as every GPU's NIC does in a
+cluster, not only one rank's per host. The transport is NCCL, staged through the rank's GPU in
+chunks, when the job's default process group is NCCL (the fastest path between GPU hosts), and
+the process group of the load (gloo) otherwise. Each receiver checks the XXH3 of every run it
+received against the sender's (the senders verified the chunk checksums when reading from
+storage); any mismatch or transfer error makes every rank read directly instead."""
 
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from resilient import _C, settings
+
+#: Bytes per NCCL transfer: the GPU staging holds one chunk to send and one per run received.
+NCCL_CHUNK = 256 << 20
 
 
 def host_id() -> str:
@@ -40,60 +49,171 @@ class Hosts:
             ranks.setdefault(h, []).append(r)
         return cls(ranks)
 
-    def leaders(self) -> list[int]:
-        return [rs[0] for rs in self.ranks.values()]
+    def host_of(self, rank: int) -> str:
+        return next(h for h, rs in self.ranks.items() if rank in rs)
 
 
-def stretches(hosts: Hosts, common: list[str], where: dict[str, int], share: dict[str, int],
-              end: int) -> dict[str, tuple[int, int]]:
-    """Per host, the byte range of the buffer that its ranks read: the pieces of `common` whose
-    reader (`share`: an index into hosts.order) is one of its ranks, from the first one's offset
-    (`where`) to the next piece's, or `end` (where the common pieces end). Contiguous, because
-    the shares follow the files' order and hosts.order lists each host's ranks together."""
-    out = {}
-    start, i = 0, 0
-    for h, rs in hosts.ranks.items():
-        start += len(rs)
-        first = i
-        while i < len(common) and share[common[i]] < start:
-            i += 1
-        if i == first:
-            out[h] = (0, 0)
-        else:
-            out[h] = (where[common[first]], where[common[i]] if i < len(common) else end)
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes [lo, hi) of the buffer, read from storage by `src`, sent to `dst` (another host)."""
+
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+def runs(hosts: Hosts, common: list[str], where: dict[str, int], share: dict[str, int],
+         end: int) -> dict[int, tuple[int, int]]:
+    """Per rank, the byte range of the buffer it reads: the pieces of `common` whose reader
+    (`share`: an index into hosts.order) it is, from the first one's offset (`where`) to the next
+    piece's, or `end` (where the common pieces end). Contiguous, because the shares follow the
+    files' order. Ranks that read nothing are left out."""
+    out: dict[int, tuple[int, int]] = {}
+    for i, name in enumerate(common):
+        rank = hosts.order[share[name]]
+        hi = where[common[i + 1]] if i + 1 < len(common) else end
+        lo = out[rank][0] if rank in out else where[name]
+        out[rank] = (lo, hi)
     return out
 
 
-def send_and_receive(buffer: torch.Tensor, hosts: Hosts, ranges: dict[str, tuple[int, int]],
-                     me: str, group: Any) -> dict[str, int]:
-    """Run by each host's first rank once its host's ranks have read their stretches: sends its
-    host's stretch to every other first rank and receives theirs into `buffer`. Returns the XXH3
-    of every non-empty stretch as it is in this buffer afterwards."""
-    works = []
-    for h, rs in hosts.ranks.items():
-        lo, hi = ranges[h]
-        if hi <= lo or len(hosts.ranks) < 2:
+def transfers(hosts: Hosts, read: dict[int, tuple[int, int]]) -> list[Transfer]:
+    """Every run goes to one rank of each other host: the rank at the sender's position on its
+    own host, modulo the receiving host's size (so a host's receives are spread over its ranks).
+    The same list on every rank."""
+    out = []
+    for src, (lo, hi) in sorted(read.items()):
+        if hi <= lo:
             continue
-        if h == me:
-            for other in hosts.leaders():
-                if other != rs[0]:
-                    works.append(dist.isend(buffer[lo:hi], group=group, group_dst=other))
+        mine = hosts.host_of(src)
+        pos = hosts.ranks[mine].index(src)
+        for h, rs in hosts.ranks.items():
+            if h != mine:
+                out.append(Transfer(src, rs[pos % len(rs)], lo, hi))
+    return out
+
+
+def nccl_group() -> Any:
+    """The default process group when it is NCCL (and a GPU is there): the exchange's transport;
+    else None (the load's gloo group carries it)."""
+    if not (dist.is_available() and dist.is_initialized() and torch.cuda.is_available()):
+        return None
+    return dist.group.WORLD if "nccl" in str(dist.get_backend()) else None
+
+
+def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, world: int,
+                     group: Any) -> dict[str, Any]:
+    """Collective over `group` (every rank calls it with the same plan): sends this rank's run
+    and receives the runs sent to it into `buffer`, over NCCL when nccl_group() gives one, else
+    over `group`. Returns what the check needs: {"sent": XXH3 of the run this rank read, or None,
+    "got": {src: XXH3 of what arrived}, "error": a transfer's error or None}. Never raises for a
+    transfer: every rank must reach the gather of these reports."""
+    mine = [t for t in plan if rank in (t.src, t.dst)]
+    report: dict[str, Any] = {"sent": None, "got": {}, "error": None}
+    nccl = nccl_group() if plan else None
+    try:
+        staging = None
+        if nccl is not None:
+            # The GPU staging is allocated before any transfer, and every rank learns whether
+            # each one got it: a rank that fails there must not leave its partners waiting.
+            problem = None
+            try:
+                staging = _staging(mine, rank)
+            except Exception as e:  # noqa: BLE001 -- e.g. out of GPU memory
+                problem = f"rank {rank}: {type(e).__name__}: {e}"
+            ready: list[Any] = [None] * world
+            dist.all_gather_object(ready, problem, group=group)
+            if any(ready):
+                report["error"] = next(p for p in ready if p)
+                return report
+        if mine:
+            if staging is not None:
+                _over_nccl(buffer, mine, rank, group, nccl, staging)
+            else:
+                _over_group(buffer, mine, rank, group)
+        for t in mine:
+            if t.src == rank and report["sent"] is None:
+                report["sent"] = _C.xxh3_buffer(buffer.data_ptr() + t.lo, t.hi - t.lo)
+            elif t.dst == rank:
+                report["got"][t.src] = _C.xxh3_buffer(buffer.data_ptr() + t.lo, t.hi - t.lo)
+    except Exception as e:  # noqa: BLE001 -- reported to every rank, which then reads directly
+        report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+    return report
+
+
+def mismatches(reports: list[Any], plan: list[Transfer]) -> list[str]:
+    """What went wrong in the exchange, from every rank's send_and_receive report (None from a
+    rank that took no part): transfer errors, and runs that arrived with another XXH3 than the
+    sender's."""
+    bad = [r["error"] for r in reports if r and r["error"]]
+    for t in plan:
+        sent = (reports[t.src] or {}).get("sent")
+        got = (reports[t.dst] or {}).get("got", {}).get(t.src)
+        if sent is None or got != sent:
+            bad.append(f"bytes {t.lo}..{t.hi} from rank {t.src} at rank {t.dst}")
+    return bad
+
+
+def _over_group(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any) -> None:
+    works = []
+    for t in mine:
+        if t.src == rank:
+            works.append(dist.isend(buffer[t.lo:t.hi], group=group, group_dst=t.dst))
         else:
-            works.append(dist.irecv(buffer[lo:hi], group=group, group_src=rs[0]))
+            works.append(dist.irecv(buffer[t.lo:t.hi], group=group, group_src=t.src))
     for w in works:
         w.wait()
-    return {h: _C.xxh3_buffer(buffer.data_ptr() + lo, hi - lo)
-            for h, (lo, hi) in ranges.items() if hi > lo}
 
 
-def mismatches(digests: list[Any], hosts: Hosts) -> list[str]:
-    """The stretches (host names) that some first rank holds with another XXH3 than the host
-    that read them; `digests`: every rank's send_and_receive result (None off the first ranks)."""
-    bad = []
-    for h, rs in hosts.ranks.items():
-        sent = (digests[rs[0]] or {}).get(h)
-        for leader in hosts.leaders():
-            got = (digests[leader] or {}).get(h)
-            if got != sent:
-                bad.append(f"{h} (at rank {leader})")
-    return bad
+def _staging(mine: list[Transfer], rank: int) -> dict[Any, torch.Tensor]:
+    """GPU memory for the NCCL exchange: one chunk for the run this rank sends ("send"), one per
+    run it receives (keyed by the transfer)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    out: dict[Any, torch.Tensor] = {}
+    for t in mine:
+        key = "send" if t.src == rank else t
+        if key not in out:
+            out[key] = torch.empty(min(NCCL_CHUNK, t.hi - t.lo), dtype=torch.uint8,
+                                   device=device)
+    return out
+
+
+def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any, nccl: Any,
+               staging: dict[Any, torch.Tensor]) -> None:
+    """NCCL point-to-point, staged through this rank's GPU chunk by chunk. Ranks meet their
+    partners in one global order of rank pairs, the lower rank of a pair sending first: NCCL
+    creates each pair's communicator on first use, blocking both sides, and a pair's transfers
+    run in order on its stream, so any other order could wait in a cycle."""
+    def glob(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    def pair(t: Transfer) -> tuple[int, int, int]:
+        # a pair exchanges at most one run each way: the lower rank's run first
+        return (min(t.src, t.dst), max(t.src, t.dst), 0 if t.src < t.dst else 1)
+
+    mine = sorted(mine, key=pair)
+    rounds = max(-(-(t.hi - t.lo) // NCCL_CHUNK) for t in mine)
+    stream = torch.cuda.current_stream()
+    for k in range(rounds):
+        works, landing, staged = [], [], False
+        for t in mine:
+            lo = t.lo + k * NCCL_CHUNK
+            hi = min(t.hi, lo + NCCL_CHUNK)
+            if lo >= hi:
+                continue
+            if t.src == rank:
+                chunk = staging["send"][:hi - lo]
+                if not staged:  # this rank sends one run, to each other host
+                    chunk.copy_(buffer[lo:hi])
+                    staged = True
+                works.append(dist.isend(chunk, dst=glob(t.dst), group=nccl))
+            else:
+                chunk = staging[t][:hi - lo]
+                works.append(dist.irecv(chunk, src=glob(t.src), group=nccl))
+                landing.append((lo, hi, chunk))
+        for w in works:
+            w.wait()  # makes the current stream wait; the copies below follow on it
+        for lo, hi, chunk in landing:
+            buffer[lo:hi].copy_(chunk)  # into pageable host memory: synchronous
+        stream.synchronize()  # the sends are done: the staging is free for the next round

@@ -171,7 +171,8 @@ class Reader:
         the pieces are split over them in contiguous runs of the files (each reads its run with
         the engine, which verifies the checksums), then each rank copies its own overlaps out.
         Across hosts (RESILIENT_HOST_ID or the hostname), the pieces every host needs are read
-        once in all and sent between the hosts' first ranks (checkpoint.exchange).
+        once in all and each rank sends what it read to one rank of every other host (over
+        NCCL in an NCCL job, else over `group`; checkpoint.exchange).
         A piece only one rank of the host needs is read by it straight into its target. A
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
@@ -203,7 +204,7 @@ class Reader:
         rest = [n for n in union if n not in common_set]
         where, size, share = _layout(common, self._entries, world)  # readers: hosts.order
         where_rest, size_rest, share_rest = _layout(rest, self._entries, len(local))
-        ranges = exchange.stretches(hosts, common, where, share, size)
+        plan = exchange.transfers(hosts, exchange.runs(hosts, common, where, share, size))
         where.update((n, size + off) for n, off in where_rest.items())
         size += size_rest
         path = os.path.join(shm.DIR, f"resilient-restore-{gathered[local[0]]['pid']}-{tag}")
@@ -259,12 +260,11 @@ class Reader:
         failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
-        if common:
-            digests = (exchange.send_and_receive(buffer, hosts, ranges, me_host, group)
-                       if rank == local[0] else None)
+        if plan:
+            report = exchange.send_and_receive(buffer, plan, rank, world, group)
             everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, digests, group=group)  # also: received, host-wide
-            bad = exchange.mismatches(everyone, hosts)
+            dist.all_gather_object(everyone, report, group=group)  # also: received, host-wide
+            bad = exchange.mismatches(everyone, plan)
             if bad:  # not what its host read: every rank reads directly instead
                 self._fall_back(path, False, rank, [f"the copy between hosts differs: {bad}"])
                 return

@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated subset of " + ",".join(ALL_METHODS) + " (--fsdp: of "
         "resilient,resilient_overlap,dcp,dcp_async, and on request the resilient.dcp rows "
-        "dcp_resilient,dcp_resilient_async,dcp_resilient_async_own)",
+        "dcp_resilient,dcp_resilient_async,dcp_resilient_async_own; --world-size N: of "
+        "sharded,sharded_redist,sharded_shm,every_rank,dcp)",
     )
     p.add_argument(
         "--dir",
@@ -84,9 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="N > 1: N CPU processes; sharded save vs every rank writing everything vs DCP "
-        "(default 1; --fsdp: ranks of the FSDP2 mesh, default 4 on cpu; with --device cuda one per "
-        "GPU, default every GPU)",
+        help="N > 1: N processes (one per GPU with --device cuda, NCCL); sharded save vs every "
+        "rank writing everything vs DCP (default 1; --fsdp: ranks of the FSDP2 mesh, default 4 "
+        "on cpu; with --device cuda one per GPU, default every GPU)",
     )
     p.add_argument(
         "--hosts",
@@ -136,11 +137,17 @@ def run(args: argparse.Namespace) -> int:
         return run_fsdp_bench(args)
     args.world_size = args.world_size or 1
     args.dtype = args.dtype or "bfloat16"
-    args.methods = args.methods or ",".join(ALL_METHODS)
     if args.world_size > 1:
-        from resilient.cli.bench.world import run_world_bench
+        from resilient.cli.bench.world import WORLD_METHODS, run_world_bench
 
+        args.world_methods = args.methods or ",".join(WORLD_METHODS)
+        unknown = {m.strip() for m in args.world_methods.split(",")} - set(WORLD_METHODS)
+        if unknown:
+            print(f"error: unknown methods {sorted(unknown)} with --world-size (choose from "
+                  f"{', '.join(WORLD_METHODS)})", file=sys.stderr)
+            return 2
         return run_world_bench(args)
+    args.methods = args.methods or ",".join(ALL_METHODS)
     import torch
 
     from resilient.cli.bench import methods as m

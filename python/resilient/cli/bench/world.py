@@ -1,5 +1,5 @@
-"""`resilient bench --world-size N`: N CPU processes (gloo) holding the same replicated state,
-as DDP ranks do. Compares, in one run:
+"""`resilient bench --world-size N`: N CPU processes (gloo), or with ``--device cuda`` one per GPU
+(NCCL), holding the same replicated state, as DDP ranks do. Compares, in one run:
 
 - ``sharded``: resilient's Checkpointer (collective), every rank writing ~1/N, one global commit;
   restore: every rank reads what it needs from the shared directory;
@@ -74,17 +74,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     hosts = max(1, min(world, getattr(args, "hosts", 1)))
     if hosts > 1:  # emulated hosts: consecutive ranks share one (the shared restore's unit)
         os.environ["RESILIENT_HOST_ID"] = f"bench-host-{rank * hosts // world}"
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    device = "cpu"
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "device", "cpu") == "cuda":  # one GPU per rank, NCCL (the exchange's path)
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(device))
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group("nccl" if device != "cpu" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            **kwargs)
     dtype = getattr(torch, args.dtype)
     shapes = synthetic_shapes(_C.parse_bytes(args.size), args.tensors, dtype)
     torch.manual_seed(0)  # replicated state: the same bytes on every rank (check_replicas)
-    state = make_state(shapes, dtype, "cpu")
+    state = make_state(shapes, dtype, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(args.dir)
     rows: dict[str, Any] = {}
-    methods = [m for m in args.world_methods.split(",") if m]
+    methods = [m.strip() for m in args.world_methods.split(",") if m.strip()]
 
     def cold(path: Path) -> None:
         if rank == 0:
@@ -130,7 +136,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "restore_s": round(load_s, 4),
             "restore_gbps": round(world * nbytes / load_s / 1e9, 3),
         }
-        if read:  # resilient's own count of the bytes its restore read from storage
+        if read:  # resilient's own count of the bytes its restore read from storage (all ranks)
             rows[method]["storage_read_bytes"] = read
             rows[method]["storage_read_gbps"] = round(read / load_s / 1e9, 3)
         if rank == 0:
