@@ -163,7 +163,7 @@ PY
         for h in ${WORLD_HOSTS:-1 2 $n}; do
           log "world restore: $n GPUs as $h host(s)"
           timeout 400 python -m resilient bench --world-size "$n" --hosts "$h" --device cuda \
-            --size ${WORLD_SIZE:-4GiB} --tensors 128 --repeat 2 --methods sharded,sharded_shm,dcp \
+            --size ${WORLD_SIZE:-4GiB} --tensors 128 --repeat 2 --methods ${WORLD_METHODS:-sharded,sharded_shm,dcp} \
             --dir /tmp/wbench --json >"$OUT/world-h$h.json" 2>"$OUT/world-h$h.err"
           echo "rc=$?"; tail -n 3 "$OUT/world-h$h.err"
           python - "$OUT/world-h$h.json" <<'PY'
@@ -173,7 +173,8 @@ raw = next(x for x in r["rows"] if x["method"].startswith("raw"))
 for x in r["rows"]:
     once = x["state_bytes"] / x["restore_s"] / 1e9
     print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
-          f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw")
+          f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw"
+          f" {x.get('restore_phases_s', '')}")
 PY
         done
         python -m pytest -q -p no:cacheprovider tests/python/test_gpu_restore_exchange.py \

@@ -1,8 +1,13 @@
-"""The shared restore's exchange between hosts over NCCL (checkpoint.exchange): on every GPU of
-the machine, one rank each, as 2 emulated hosts (RESILIENT_HOST_ID), with the default process
-group on NCCL. Replicated CUDA state is read from storage once in all and arrives bit-exact; a
-run altered on arrival fails the XXH3 check and every rank reads directly (still exact).
-Skipped without 2 GPUs."""
+"""The shared restore in an NCCL job, on every GPU of the machine (one rank each):
+
+- CUDA targets: each replicated piece is read once in all straight into one rank's GPU and
+  broadcast over NCCL (checkpoint.device_share); a piece altered on arrival fails the check and
+  every rank reads directly (still exact);
+- CPU targets, as 2 emulated hosts (RESILIENT_HOST_ID): the host buffers' exchange runs over
+  NCCL staged through the GPUs (checkpoint.exchange), in several rounds; a run altered on
+  arrival makes every rank read directly.
+
+Every case is bit-exact and counts the bytes read from storage. Skipped without 2 GPUs."""
 
 from __future__ import annotations
 
@@ -18,6 +23,29 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
+def _flip_once(dist, name: str) -> None:
+    """The next dist.<name> (broadcast or irecv) delivers its tensor with one byte flipped."""
+    real = getattr(dist, name)
+
+    class Flipped:
+        def __init__(self, work, tensor):
+            self.work, self.tensor = work, tensor
+
+        def wait(self):
+            self.work.wait()
+            self.tensor[100] ^= 0x01
+
+    def flipped(tensor, *args, **kwargs):
+        setattr(dist, name, real)
+        work = real(tensor, *args, **kwargs)
+        if work is None:  # a synchronous broadcast
+            tensor[100] ^= 0x01
+            return None
+        return Flipped(work, tensor)
+
+    setattr(dist, name, flipped)
+
+
 def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -26,38 +54,30 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    os.environ["RESILIENT_HOST_ID"] = f"host-{rank * 2 // world}"
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=device)
     torch.manual_seed(0)
     state = {f"t{i}": torch.randn(1000 + 37 * i, 301, device=device) for i in range(12)}
-    result: dict = {"nccl": exchange.nccl_group() is not None}
+    state["cpu_step"] = torch.tensor(7.0)  # a small CPU target (an optimizer's step) rides along
+    result: dict = {"size": sum(t.numel() * t.element_size() for t in state.values())}
     with resilient.Checkpointer(root, keep=0, create=True) as ck:
         ck.save(1, state).wait()
     exchange.NCCL_CHUNK = 1 << 20  # several rounds per run
-    for case in ("flipped", "clean"):
-        if case == "flipped" and rank == world - 1:  # the last rank's first receive is altered
-            real = dist.irecv
-
-            class Flipped:
-                def __init__(self, work, tensor):
-                    self.work, self.tensor = work, tensor
-
-                def wait(self):
-                    self.work.wait()
-                    self.tensor[100] ^= 0x01
-
-            def irecv(tensor, *args, real=real, **kwargs):
-                dist.irecv = real
-                return Flipped(real(tensor, *args, **kwargs), tensor)
-
-            dist.irecv = irecv
-        target = {k: torch.zeros_like(v) for k, v in state.items()}
+    cases = [("gpu", "cuda", "broadcast"), ("gpu_flipped", "cuda", "broadcast"),
+             ("hosts", "cpu", "irecv"), ("hosts_flipped", "cpu", "irecv")]
+    for case, where, op in cases:
+        if case.startswith("hosts"):
+            os.environ["RESILIENT_HOST_ID"] = f"host-{rank * 2 // world}"
+        if case.endswith("flipped") and rank == world - 1:
+            _flip_once(dist, op)
+        target = {k: torch.zeros_like(v, device=where if v.numel() > 1 else "cpu")
+                  for k, v in state.items()}
         with resilient.Checkpointer(root, restore="shared") as ck:
             ck.load(target)
-            result[case] = {"same": all(torch.equal(target[k], state[k]) for k in state),
-                            "bytes_read": ck.last_load.bytes_read}
-    result["size"] = sum(t.numel() * t.element_size() for t in state.values())
+            result[case] = {"same": all(torch.equal(target[k].cpu(), state[k].cpu())
+                                        for k in state),
+                            "bytes_read": ck.last_load.bytes_read,
+                            "phases": sorted(ck.last_load.seconds)}
     dist.barrier()
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:
@@ -65,18 +85,20 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_nccl_exchange_reads_once_and_checks_what_crossed(tmp_path):
+def test_shared_restore_over_nccl_reads_once_and_checks_what_crossed(tmp_path):
     world = torch.cuda.device_count()
     out = str(tmp_path / "result")
     rc, output = run_bounded([sys.executable, __file__, str(world), str(tmp_path / "ckpt"), out],
-                             240, "nccl exchange")
+                             240, "nccl shared restore")
     assert rc == 0, output[-4000:]
     for rank in range(world):
         r = json.load(open(f"{out}.{rank}"))
-        assert r["nccl"], r
-        assert r["clean"]["same"] and r["clean"]["bytes_read"] == r["size"], r
-        assert r["flipped"]["same"], r  # fell back to direct reads: each rank read it all
-        assert r["flipped"]["bytes_read"] >= world * r["size"], r
+        for case in ("gpu", "hosts"):
+            assert r[case]["same"] and r[case]["bytes_read"] == r["size"], (case, r)
+        assert "broadcast" in r["gpu"]["phases"], r  # GPU to GPU, no host buffer
+        assert "exchange" in r["hosts"]["phases"], r  # the host buffers' exchange
+        for case in ("gpu_flipped", "hosts_flipped"):  # fell back: each rank read it all
+            assert r[case]["same"] and r[case]["bytes_read"] >= world * r["size"], (case, r)
 
 
 if __name__ == "__main__":

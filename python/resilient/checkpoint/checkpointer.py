@@ -174,6 +174,10 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     bytes_read: int = 0  #: read from storage by all ranks together (the step loaded)
+    #: this rank's seconds per phase of a shared restore: through a host buffer (plan, read,
+    #: wait_reads, exchange, wait_exchange, copy) or, in an NCCL job, broadcast between the GPUs
+    #: (read, wait_reads, broadcast, wait_broadcast); empty for the other modes
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def tensor_descriptor(
@@ -1154,7 +1158,8 @@ class Checkpointer:
         issues = prepared.issues
         self.last_load = LoadReport(step=step, missing=issues.missing,
                                     unexpected=issues.unexpected, mismatched=issues.mismatched,
-                                    bytes_read=sum(n for _, n in finished))
+                                    bytes_read=sum(n for _, n in finished),
+                                    seconds=dict(prepared.reader.seconds))
         if issues and self._dirty is not None:
             log.warning("entries left as they were may hold bytes of step %d, whose read failed "
                         "before this load", self._dirty)

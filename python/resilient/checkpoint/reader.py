@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from resilient.checkpoint import exchange, shm
+from resilient.checkpoint import device_share, exchange, shm
 from resilient.checkpoint.codec import dtype_from_name, dtype_name
 from resilient.checkpoint.plan import Saved, ShardSpec, plan_reads
 from resilient.errors import CorruptCheckpointError, VersionMismatchError
@@ -52,6 +53,7 @@ class Reader:
         self._engine, self._manifest, self._entries = engine, manifest, entries
         self._wanted: list[Wanted] = []
         self.bytes_read = 0  # read from storage by this rank (the last run*)
+        self.seconds: dict[str, float] = {}  # this rank's phases of the last run_shared
 
     def want(
         self,
@@ -177,10 +179,20 @@ class Reader:
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
         with a warning. `tag` names this load (the same on every rank)."""
+        clock = time.perf_counter
+        stamps = [("start", clock())]
+        self.seconds = {}
         needed = sorted({c.entry for w in self._wanted for c in w.copies})
         me_host = exchange.host_id()
-        report = {"host": me_host, "pid": os.getpid(), "needed": needed}
+        nccl = exchange.nccl_group()
+        report = {"host": me_host, "pid": os.getpid(), "needed": needed,
+                  "gpu": nccl is not None and device_share.eligible(self._wanted)}
         gathered = _gather_needs(group, rank, world, failure, report)
+        counts = Counter(n for g in gathered for n in g["needed"])
+        if all(g["gpu"] for g in gathered) and all(k in (1, world) for k in counts.values()):
+            # every piece several ranks need is needed by all: read once, broadcast over NCCL
+            self._run_device(group, rank, world, nccl, counts, clock, stamps)
+            return
         hosts = exchange.Hosts.of([g["host"] for g in gathered])
         local = hosts.ranks[me_host]
         order = {name: i for i, name in enumerate(self._entries)}
@@ -227,6 +239,7 @@ class Reader:
             if any(p is not None for p in created):
                 self._fall_back(path, rank == local[0], rank, created)
                 return
+            stamps.append(("plan", clock()))
             error: BaseException | None = None
             buffer = torch.empty(0, dtype=torch.uint8)
             try:
@@ -244,11 +257,13 @@ class Reader:
                 self.bytes_read = read_own + sum(t["nbytes"] for t in targets)
             except Exception as e:
                 error = e
+            stamps.append(("read", clock()))
             status: list[Any] = [None] * world
             mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
             if isinstance(error, _NotShared):
                 mine = ("not shared", mine)
             dist.all_gather_object(status, mine, group=group)
+            stamps.append(("wait_reads", clock()))
         finally:
             if rank == local[0]:
                 shm.unlink(path)  # every rank of the host has it mapped (or failed)
@@ -262,8 +277,10 @@ class Reader:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         if plan:
             report = exchange.send_and_receive(buffer, plan, rank, world, group)
+            stamps.append(("exchange", clock()))
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, report, group=group)  # also: received, host-wide
+            stamps.append(("wait_exchange", clock()))
             bad = exchange.mismatches(everyone, plan)
             if bad:  # not what its host read: every rank reads directly instead
                 self._fall_back(path, False, rank, [f"the copy between hosts differs: {bad}"])
@@ -276,6 +293,103 @@ class Reader:
                     e = self._entries[c.entry]
                     raw = buffer[where[c.entry]: where[c.entry] + e["nbytes"]]
                     src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
+                    w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
+                        tuple(slice(a, b) for a, b in c.src)]
+        stamps.append(("copy", clock()))
+        self.seconds = {name: round(t - stamps[i][1], 4)
+                        for i, (name, t) in enumerate(stamps[1:])}
+
+    def _run_device(self, group: Any, rank: int, world: int, nccl: Any, counts: Counter,
+                    clock: Any, stamps: list) -> None:
+        """run_shared in an NCCL job (checkpoint.device_share): the pieces every rank needs are
+        split over the ranks in contiguous runs of the files, each read once into GPU memory
+        (the reader's own target where the piece fills whole rows of it) and broadcast; the
+        others each rank reads straight into its target."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        order = {name: i for i, name in enumerate(self._entries)}
+        shared = sorted((n for n, k in counts.items() if k > 1), key=order.__getitem__)
+        _, _, share = _layout(shared, self._entries, world)
+        mine = {c.entry for w in self._wanted for c in w.copies}
+        own = mine - set(shared)
+        # Where each shared piece lands on this rank: a target's rows it fills whole, or a
+        # temporary (allocated when the piece arrives, freed after its copies).
+        lands: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}
+        for i, w in enumerate(self._wanted):
+            t = w.out
+            if not t.is_cuda or not t.is_contiguous() or t.is_conj():
+                continue
+            for j, c in enumerate(w.copies):
+                if c.entry in counts and counts[c.entry] > 1 and c.entry not in lands \
+                        and self._lands_whole(c, t):
+                    offset = c.dst[0][0] * t.stride(0) * t.element_size() if c.dst else 0
+                    lands[c.entry] = (device_share.byte_view(t, offset,
+                                                             self._entries[c.entry]["nbytes"]),
+                                      (i, j))
+
+        def landing(name: str) -> torch.Tensor:
+            if name in lands:
+                return lands[name][0]
+            return torch.empty(self._entries[name]["nbytes"], dtype=torch.uint8, device=device)
+
+        error: BaseException | None = None
+        held: dict[str, torch.Tensor] = {}
+        try:
+            self.run(only=own)
+            read_own = self.bytes_read
+            held = {n: landing(n) for n in shared if share[n] == rank}
+            torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
+            self._engine.read(self._manifest, [
+                {"name": n, "ptr": b.data_ptr(), "nbytes": b.numel(), "device": device.index}
+                for n, b in held.items()])
+            self.bytes_read = read_own + sum(b.numel() for b in held.values())
+        except Exception as e:
+            error = e
+        stamps.append(("read", clock()))
+        status: list[Any] = [None] * world
+        dist.all_gather_object(status, None if error is None else
+                               f"rank {rank}: {type(error).__name__}: {error}", group=group)
+        stamps.append(("wait_reads", clock()))
+        if error is not None:
+            raise error
+        failed = [x for x in status if x is not None]
+        if failed:
+            raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
+        digests = []
+        with torch.no_grad():
+            for n in shared:
+                buf = held.get(n)
+                if buf is None:
+                    buf = landing(n)
+                dist.broadcast(buf, src=dist.get_global_rank(group, share[n]), group=nccl)
+                digests.append(device_share.digest(buf))
+                if n in mine:
+                    self._copy_out(n, buf, lands.get(n, (None, None))[1])
+                held.pop(n, None)
+        stamps.append(("broadcast", clock()))
+        sums = torch.stack(digests).tolist() if digests else []
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, sums, group=group)
+        stamps.append(("wait_broadcast", clock()))
+        # Every rank's sums equal the reader's for every piece, or every rank reads directly.
+        bad = [f"{n} at rank {r}" for r, theirs in enumerate(everyone)
+               for i, n in enumerate(shared) if theirs[i] != everyone[share[n]][i]]
+        if bad:
+            if rank == 0:
+                log.warning("restore: %d piece(s) broadcast over NCCL differ from what was read "
+                            "(%s); every rank reads directly", len(bad), bad[0])
+            self.run()
+            return
+        self.seconds = {name: round(t - stamps[i][1], 4)
+                        for i, (name, t) in enumerate(stamps[1:])}
+
+    def _copy_out(self, entry: str, raw: torch.Tensor, done: tuple[int, int] | None) -> None:
+        """The copies of saved piece `entry` (its bytes in `raw`) into this rank's targets,
+        but the one it landed in (`done`: (wanted, copy))."""
+        e = self._entries[entry]
+        src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
+        for i, w in enumerate(self._wanted):
+            for j, c in enumerate(w.copies):
+                if c.entry == entry and (i, j) != done:
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
                         tuple(slice(a, b) for a, b in c.src)]
 

@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     for method in methods:
         d = root / method
-        saves, loads, written, read = [], [], 0, 0
+        saves, loads, written, read, phases = [], [], 0, 0, {}
         for i in range(args.repeat):
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
                 cold(d)
                 loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
-                read = ck.last_load.bytes_read
+                read, phases = ck.last_load.bytes_read, ck.last_load.seconds
                 ck.close()
             elif method == "every_rank":
                 ck = Checkpointer(d / f"rank{rank}", keep=1, distributed=False)
@@ -139,6 +139,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         if read:  # resilient's own count of the bytes its restore read from storage (all ranks)
             rows[method]["storage_read_bytes"] = read
             rows[method]["storage_read_gbps"] = round(read / load_s / 1e9, 3)
+        if phases:  # rank 0's phases of its last shared restore
+            rows[method]["restore_phases_s"] = phases
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()

@@ -1,0 +1,50 @@
+"""restore="shared" in an NCCL job (checkpoint.reader.Reader.run_shared): each saved piece that
+every rank needs (replicated state) is read from storage once in all, by one rank, straight into
+GPU memory (its own target where the piece fills whole rows of it), and broadcast over NCCL into
+every other rank's target. No host buffer and no copy through host memory: the engine's reads to
+the GPU are pipelined through its pinned slabs, and NVLink or the network carries the rest.
+
+The readers split the pieces in contiguous runs of the files (sequential reads). What crossed is
+checked: every rank computes, on its GPU, a position-weighted sum over 64-byte blocks of each
+piece it received (two int64 per piece; it catches flipped bits and misplaced blocks, not a
+reordering within 64 bytes; the readers verified the chunks' XXH3 when reading from storage) and
+compares it with the reader's; any mismatch makes every rank read directly instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: CPU targets up to this size may take part (e.g. optimizers' `step` scalars): they are copied
+#: from the GPU. A rank with a larger CPU target makes the load use the host buffer instead.
+CPU_TARGET_LIMIT = 1 << 20
+_DIGEST_CHUNK = 64 << 20  # bytes summed at once (bounds the int64 temporaries)
+
+
+def eligible(wanted: list[Any]) -> bool:
+    """This rank's part of the decision: its targets are on its GPU, but for small CPU ones."""
+    return all(w.out.is_cuda or w.out.numel() * w.out.element_size() <= CPU_TARGET_LIMIT
+               for w in wanted)
+
+
+def digest(x: torch.Tensor) -> torch.Tensor:
+    """Two int64 on x's device: the sum of x's 64-byte block sums, and of the block sums each
+    times its block's position (x: flat uint8)."""
+    total = torch.zeros(2, dtype=torch.int64, device=x.device)
+    n = x.numel()
+    for lo in range(0, n, _DIGEST_CHUNK):
+        part = x[lo:min(n, lo + _DIGEST_CHUNK)]
+        k = part.numel() // 64
+        blocks = part[:k * 64].view(k, 64).sum(1, dtype=torch.int64)
+        tail = part[k * 64:].sum(dtype=torch.int64)
+        first = lo // 64 + 1
+        pos = torch.arange(first, first + k + 1, dtype=torch.int64, device=x.device)
+        total[0] += blocks.sum() + tail
+        total[1] += (blocks * pos[:k]).sum() + tail * pos[k]
+    return total
+
+
+def byte_view(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of contiguous tensor t, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)[offset:offset + nbytes]
