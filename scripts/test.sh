@@ -66,7 +66,8 @@ step "C++ unit tests"
 run ctest ctest --test-dir build/py --output-on-failure -j "$jobs" --timeout 300
 
 step "Python tests"
-run pytest python -m pytest tests/python -m "not slow" -q -p no:cacheprovider --timeout 600
+run pytest python -m pytest tests/python -m "not slow" -q -p no:cacheprovider --timeout 600 \
+  --durations=25
 
 step "smoke: resilient bench"
 run bench resilient bench --size 32MiB --tensors 16 --repeat 1 --dir build/bench-smoke

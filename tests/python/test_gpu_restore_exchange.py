@@ -31,15 +31,18 @@ def _flip_once(dist, name: str) -> None:
         def __init__(self, work, tensor):
             self.work, self.tensor = work, tensor
 
+        def is_completed(self):
+            return self.work.is_completed()
+
         def wait(self):
             self.work.wait()
-            self.tensor[100] ^= 0x01
+            self.tensor[min(100, self.tensor.numel() - 1)] ^= 0x01
 
     def flipped(tensor, *args, **kwargs):
         setattr(dist, name, real)
         work = real(tensor, *args, **kwargs)
         if work is None:  # a synchronous broadcast
-            tensor[100] ^= 0x01
+            tensor[min(100, tensor.numel() - 1)] ^= 0x01
             return None
         return Flipped(work, tensor)
 

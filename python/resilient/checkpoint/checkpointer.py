@@ -411,10 +411,12 @@ class Checkpointer:
             (default on, RESILIENT_CHECK_REPLICAS=0 turns it off).
         restore: "shared" (default, RESILIENT_DIST_RESTORE): each piece that several ranks of
             a host need is read from storage once per host, into a /dev/shm buffer the host's
-            ranks share, split over them; a piece every host needs, once in all and sent
-            between the hosts' first ranks (RESILIENT_HOST_ID); a piece one rank needs is read
-            straight into its target (Reader.run_shared; without a usable /dev/shm every
-            rank reads directly, with a warning); "direct": every rank reads the pieces it
+            ranks share, split over them; a piece every host needs, once in all, each rank
+            sending what it read to a rank of every other host (RESILIENT_HOST_ID); in an NCCL
+            job with GPU targets, a piece every rank needs is read once into one rank's GPU and
+            broadcast; a piece one rank needs is read straight into its target
+            (Reader.run_shared; without a usable /dev/shm every rank reads directly, with a
+            warning); "direct": every rank reads the pieces it
             needs from the shared directory; "redistribute": rank r reads the shards of saved
             ranks s with s % world == r and broadcasts them over the gloo group.
         tiers: slower tiers that rank 0 copies each committed step to in the background, in
@@ -1461,7 +1463,8 @@ class _Prepared:
             self.reader.run_redistributed(ck._ranks.group, ck.rank, ck.world_size, None)
         elif ck.restore == "shared" and ck.world_size > 1:
             tag = f"{ck._ranks.run_id}-{self.step}-{ck._ranks._seq}"
-            self.reader.run_shared(ck._ranks.group, ck.rank, ck.world_size, None, tag)
+            self.reader.run_shared(ck._ranks.group, ck.rank, ck.world_size, None, tag,
+                                   wait=ck._ranks.wait)
         else:
             self.reader.run()
 

@@ -19,13 +19,16 @@ import torch
 #: CPU targets up to this size may take part (e.g. optimizers' `step` scalars): they are copied
 #: from the GPU. A rank with a larger CPU target makes the load use the host buffer instead.
 CPU_TARGET_LIMIT = 1 << 20
-_DIGEST_CHUNK = 64 << 20  # bytes summed at once (bounds the int64 temporaries)
+#: Bytes summed at once: the sum casts them to int64 first (8x), so this bounds the scratch.
+_DIGEST_CHUNK = 8 << 20
 
 
-def eligible(wanted: list[Any]) -> bool:
-    """This rank's part of the decision: its targets are on its GPU, but for small CPU ones."""
-    return all(w.out.is_cuda or w.out.numel() * w.out.element_size() <= CPU_TARGET_LIMIT
-               for w in wanted)
+def eligible(wanted: list[Any], device: torch.device) -> bool:
+    """This rank's part of the decision: its targets are on its GPU (`device`), but for small
+    CPU ones."""
+    return all(w.out.device == device or (
+        w.out.device.type == "cpu" and w.out.numel() * w.out.element_size() <= CPU_TARGET_LIMIT)
+        for w in wanted)
 
 
 def digest(x: torch.Tensor) -> torch.Tensor:

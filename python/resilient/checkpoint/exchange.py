@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from resilient import _C, settings
 
-#: Bytes per NCCL transfer: the GPU staging holds one chunk to send and one per run received.
+#: Bytes per NCCL transfer: the GPU staging holds one chunk to send and one per run received,
+#: NCCL_STAGING at most (smaller chunks where a rank receives many runs).
 NCCL_CHUNK = 256 << 20
+NCCL_STAGING = 1 << 30
 
 
 def host_id() -> str:
@@ -103,23 +105,24 @@ def nccl_group() -> Any:
 
 
 def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, world: int,
-                     group: Any) -> dict[str, Any]:
-    """Collective over `group` (every rank calls it with the same plan): sends this rank's run
-    and receives the runs sent to it into `buffer`, over NCCL when nccl_group() gives one, else
-    over `group`. Returns what the check needs: {"sent": XXH3 of the run this rank read, or None,
+                     group: Any, nccl: Any, wait: Callable[[Any], None]) -> dict[str, Any]:
+    """Collective over `group` (every rank calls it with the same plan and the same `nccl`):
+    sends this rank's run and receives the runs sent to it into `buffer`, over `nccl` (the
+    default group, when every rank has NCCL) or else over `group`; `wait(work)` waits for a
+    transfer. Returns what the check needs: {"sent": XXH3 of the run this rank read, or None,
     "got": {src: XXH3 of what arrived}, "error": a transfer's error or None}. Never raises for a
     transfer: every rank must reach the gather of these reports."""
     mine = [t for t in plan if rank in (t.src, t.dst)]
     report: dict[str, Any] = {"sent": None, "got": {}, "error": None}
-    nccl = nccl_group() if plan else None
     try:
         staging = None
-        if nccl is not None:
+        chunk = chunk_bytes(plan)
+        if nccl is not None and plan:
             # The GPU staging is allocated before any transfer, and every rank learns whether
             # each one got it: a rank that fails there must not leave its partners waiting.
             problem = None
             try:
-                staging = _staging(mine, rank)
+                staging = _staging(mine, rank, chunk)
             except Exception as e:  # noqa: BLE001 -- e.g. out of GPU memory
                 problem = f"rank {rank}: {type(e).__name__}: {e}"
             ready: list[Any] = [None] * world
@@ -129,7 +132,7 @@ def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, worl
                 return report
         if mine:
             if staging is not None:
-                _over_nccl(buffer, mine, rank, group, nccl, staging)
+                _over_nccl(buffer, mine, rank, group, nccl, staging, chunk, wait)
             else:
                 _over_group(buffer, mine, rank, group)
         for t in mine:
@@ -155,7 +158,20 @@ def mismatches(reports: list[Any], plan: list[Transfer]) -> list[str]:
     return bad
 
 
+def chunk_bytes(plan: list[Transfer]) -> int:
+    """The NCCL exchange's transfer size, the same on every rank: NCCL_CHUNK, or less where a
+    rank receives so many runs that its staging (one chunk per run received, and one to send)
+    would pass NCCL_STAGING (at least 1 MiB)."""
+    receives: dict[int, int] = {}
+    for t in plan:
+        receives[t.dst] = receives.get(t.dst, 0) + 1
+    most = max(receives.values(), default=0)
+    return max(1 << 20, min(NCCL_CHUNK, NCCL_STAGING // (most + 1)) >> 20 << 20)
+
+
 def _over_group(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any) -> None:
+    """Over gloo: its point-to-point works report completion only from wait(), so they cannot
+    be polled; a lost peer closes its connections, which ends the wait with an error."""
     works = []
     for t in mine:
         if t.src == rank:
@@ -166,7 +182,7 @@ def _over_group(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: An
         w.wait()
 
 
-def _staging(mine: list[Transfer], rank: int) -> dict[Any, torch.Tensor]:
+def _staging(mine: list[Transfer], rank: int, chunk: int) -> dict[Any, torch.Tensor]:
     """GPU memory for the NCCL exchange: one chunk for the run this rank sends ("send"), one per
     run it receives (keyed by the transfer)."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -174,13 +190,14 @@ def _staging(mine: list[Transfer], rank: int) -> dict[Any, torch.Tensor]:
     for t in mine:
         key = "send" if t.src == rank else t
         if key not in out:
-            out[key] = torch.empty(min(NCCL_CHUNK, t.hi - t.lo), dtype=torch.uint8,
+            out[key] = torch.empty(min(chunk, t.hi - t.lo), dtype=torch.uint8,
                                    device=device)
     return out
 
 
 def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any, nccl: Any,
-               staging: dict[Any, torch.Tensor]) -> None:
+               staging: dict[Any, torch.Tensor], chunk: int,
+               wait: Callable[[Any], None]) -> None:
     """NCCL point-to-point, staged through this rank's GPU chunk by chunk. Ranks meet their
     partners in one global order of rank pairs, the lower rank of a pair sending first: NCCL
     creates each pair's communicator on first use, blocking both sides, and a pair's transfers
@@ -193,13 +210,13 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
         return (min(t.src, t.dst), max(t.src, t.dst), 0 if t.src < t.dst else 1)
 
     mine = sorted(mine, key=pair)
-    rounds = max(-(-(t.hi - t.lo) // NCCL_CHUNK) for t in mine)
+    rounds = max(-(-(t.hi - t.lo) // chunk) for t in mine)
     stream = torch.cuda.current_stream()
     for k in range(rounds):
         works, landing, staged = [], [], False
         for t in mine:
-            lo = t.lo + k * NCCL_CHUNK
-            hi = min(t.hi, lo + NCCL_CHUNK)
+            lo = t.lo + k * chunk
+            hi = min(t.hi, lo + chunk)
             if lo >= hi:
                 continue
             if t.src == rank:
@@ -213,7 +230,8 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
                 works.append(dist.irecv(chunk, src=glob(t.src), group=nccl))
                 landing.append((lo, hi, chunk))
         for w in works:
-            w.wait()  # makes the current stream wait; the copies below follow on it
+            wait(w)  # polled: an abort or the collective timeout ends it
+            w.wait()  # the current stream's order: the copies below follow it
         for lo, hi, chunk in landing:
             buffer[lo:hi].copy_(chunk)  # into pageable host memory: synchronous
         stream.synchronize()  # the sends are done: the staging is free for the next round

@@ -171,6 +171,11 @@ class Ranks:
         """Rank 0's `obj` on every rank."""
         return self.gather(obj if self.rank == 0 else None, timeout)[0]
 
+    def wait(self, work: Any) -> None:
+        """Waits for `work` (any process group's, NCCL's included) as the gathers do: polled,
+        ended by abort(), a peer's mark or the collective timeout (CollectiveError)."""
+        self._wait(work)
+
     def _wait(self, work: Any, timeout: float | None = None) -> None:
         """Waits for a gloo collective by polling it: a peer killed mid-collective can leave a
         survivor blocked in gloo (its neighbours gave up on the collective but their connections

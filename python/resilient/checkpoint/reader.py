@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from resilient.checkpoint import device_share, exchange, shm
 from resilient.checkpoint.codec import dtype_from_name, dtype_name
 from resilient.checkpoint.plan import Saved, ShardSpec, plan_reads
-from resilient.errors import CorruptCheckpointError, VersionMismatchError
+from resilient.errors import CorruptCheckpointError, ResilientError, VersionMismatchError
 
 log = logging.getLogger("resilient.checkpoint")
 
@@ -167,7 +167,7 @@ class Reader:
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
 
     def run_shared(self, group: Any, rank: int, world: int, failure: BaseException | None,
-                   tag: str) -> None:
+                   tag: str, wait: Callable[[Any], None] | None = None) -> None:
         """Collective: every saved piece that several ranks of a host need is read from storage
         once per host, into one /dev/shm buffer (checkpoint.shm) that the host's ranks share:
         the pieces are split over them in contiguous runs of the files (each reads its run with
@@ -178,20 +178,27 @@ class Reader:
         A piece only one rank of the host needs is read by it straight into its target. A
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
-        with a warning. `tag` names this load (the same on every rank)."""
+        with a warning. `tag` names this load (the same on every rank). `wait(work)` waits for
+        a transfer (the Checkpointer's polls it, so that an abort or a timeout ends it; default:
+        work.wait())."""
+        wait = wait or (lambda work: work.wait())
         clock = time.perf_counter
         stamps = [("start", clock())]
         self.seconds = {}
         needed = sorted({c.entry for w in self._wanted for c in w.copies})
         me_host = exchange.host_id()
         nccl = exchange.nccl_group()
-        report = {"host": me_host, "pid": os.getpid(), "needed": needed,
-                  "gpu": nccl is not None and device_share.eligible(self._wanted)}
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
+        report = {"host": me_host, "pid": os.getpid(), "needed": needed, "nccl": nccl is not None,
+                  "gpu": device is not None and device_share.eligible(self._wanted, device)}
         gathered = _gather_needs(group, rank, world, failure, report)
+        if not all(g["nccl"] for g in gathered):  # NCCL only where every rank has it
+            nccl = None
         counts = Counter(n for g in gathered for n in g["needed"])
-        if all(g["gpu"] for g in gathered) and all(k in (1, world) for k in counts.values()):
+        if (nccl is not None and all(g["gpu"] for g in gathered)
+                and all(k in (1, world) for k in counts.values())):
             # every piece several ranks need is needed by all: read once, broadcast over NCCL
-            self._run_device(group, rank, world, nccl, counts, clock, stamps)
+            self._run_device(group, rank, world, nccl, counts, wait, clock, stamps)
             return
         hosts = exchange.Hosts.of([g["host"] for g in gathered])
         local = hosts.ranks[me_host]
@@ -276,7 +283,7 @@ class Reader:
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         if plan:
-            report = exchange.send_and_receive(buffer, plan, rank, world, group)
+            report = exchange.send_and_receive(buffer, plan, rank, world, group, nccl, wait)
             stamps.append(("exchange", clock()))
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, report, group=group)  # also: received, host-wide
@@ -300,7 +307,7 @@ class Reader:
                         for i, (name, t) in enumerate(stamps[1:])}
 
     def _run_device(self, group: Any, rank: int, world: int, nccl: Any, counts: Counter,
-                    clock: Any, stamps: list) -> None:
+                    wait: Callable[[Any], None], clock: Any, stamps: list) -> None:
         """run_shared in an NCCL job (checkpoint.device_share): the pieces every rank needs are
         split over the ranks in contiguous runs of the files, each read once into GPU memory
         (the reader's own target where the piece fills whole rows of it) and broadcast; the
@@ -312,11 +319,12 @@ class Reader:
         mine = {c.entry for w in self._wanted for c in w.copies}
         own = mine - set(shared)
         # Where each shared piece lands on this rank: a target's rows it fills whole, or a
-        # temporary (allocated when the piece arrives, freed after its copies).
+        # temporary (allocated before the reads, so that running out of GPU memory is reported
+        # to every rank, not met by one of them in the middle of the broadcasts).
         lands: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}
         for i, w in enumerate(self._wanted):
             t = w.out
-            if not t.is_cuda or not t.is_contiguous() or t.is_conj():
+            if t.device != device or not t.is_contiguous() or t.is_conj():
                 continue
             for j, c in enumerate(w.copies):
                 if c.entry in counts and counts[c.entry] > 1 and c.entry not in lands \
@@ -326,22 +334,19 @@ class Reader:
                                                              self._entries[c.entry]["nbytes"]),
                                       (i, j))
 
-        def landing(name: str) -> torch.Tensor:
-            if name in lands:
-                return lands[name][0]
-            return torch.empty(self._entries[name]["nbytes"], dtype=torch.uint8, device=device)
-
         error: BaseException | None = None
         held: dict[str, torch.Tensor] = {}
         try:
+            held = {n: lands[n][0] if n in lands else torch.empty(
+                self._entries[n]["nbytes"], dtype=torch.uint8, device=device) for n in shared}
             self.run(only=own)
             read_own = self.bytes_read
-            held = {n: landing(n) for n in shared if share[n] == rank}
+            reads = [n for n in shared if share[n] == rank]
             torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
             self._engine.read(self._manifest, [
-                {"name": n, "ptr": b.data_ptr(), "nbytes": b.numel(), "device": device.index}
-                for n, b in held.items()])
-            self.bytes_read = read_own + sum(b.numel() for b in held.values())
+                {"name": n, "ptr": held[n].data_ptr(), "nbytes": held[n].numel(),
+                 "device": device.index} for n in reads])
+            self.bytes_read = read_own + sum(held[n].numel() for n in reads)
         except Exception as e:
             error = e
         stamps.append(("read", clock()))
@@ -354,22 +359,38 @@ class Reader:
         failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
-        digests = []
+        # Every rank joins every broadcast, even after an error of its own (out of GPU memory
+        # in a sum or a copy), and reports the error in the gather below: no rank is left
+        # waiting in NCCL for one that stopped.
+        digests, works, late = [], [], None
         with torch.no_grad():
             for n in shared:
-                buf = held.get(n)
-                if buf is None:
-                    buf = landing(n)
-                dist.broadcast(buf, src=dist.get_global_rank(group, share[n]), group=nccl)
-                digests.append(device_share.digest(buf))
-                if n in mine:
-                    self._copy_out(n, buf, lands.get(n, (None, None))[1])
-                held.pop(n, None)
+                buf = held.pop(n)
+                work = dist.broadcast(buf, src=dist.get_global_rank(group, share[n]),
+                                      group=nccl, async_op=True)
+                works.append(work)
+                try:
+                    if late is None:
+                        work.wait()  # the stream's order: the sum and the copies follow it
+                        digests.append(device_share.digest(buf))
+                        self._copy_out(n, buf, lands[n][1] if n in lands else None)
+                except Exception as e:
+                    late = e
+        for work in works:
+            wait(work)  # polled: an abort or the collective timeout ends it
         stamps.append(("broadcast", clock()))
-        sums = torch.stack(digests).tolist() if digests else []
+        try:
+            sums: Any = torch.stack(digests).tolist() if digests and late is None else []
+        except Exception as e:
+            late = e
+        if late is not None:
+            sums = f"rank {rank}: {type(late).__name__}: {late}"
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, sums, group=group)
         stamps.append(("wait_broadcast", clock()))
+        errors = [x for x in everyone if isinstance(x, str)]
+        if errors:
+            raise ResilientError(f"loading failed after the reads: {errors[0]}")
         # Every rank's sums equal the reader's for every piece, or every rank reads directly.
         bad = [f"{n} at rank {r}" for r, theirs in enumerate(everyone)
                for i, n in enumerate(shared) if theirs[i] != everyone[share[n]][i]]

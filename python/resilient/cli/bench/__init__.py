@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         from resilient.cli.bench.world import WORLD_METHODS, run_world_bench
 
         args.world_methods = args.methods or ",".join(WORLD_METHODS)
-        unknown = {m.strip() for m in args.world_methods.split(",")} - set(WORLD_METHODS)
+        unknown = {m.strip() for m in args.world_methods.split(",") if m.strip()} - set(
+            WORLD_METHODS)
         if unknown:
             print(f"error: unknown methods {sorted(unknown)} with --world-size (choose from "
                   f"{', '.join(WORLD_METHODS)})", file=sys.stderr)

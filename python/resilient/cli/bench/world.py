@@ -10,7 +10,8 @@
 - ``dcp``: torch.distributed.checkpoint save/load (deduplicated across ranks by its planner).
 
 Save time runs from a barrier until every rank's save is committed (durable); restore time from a
-barrier until every rank holds the whole state again, after dropping the page cache where allowed.
+barrier until every rank holds the whole state again, after zeroing it and dropping the page cache
+where allowed (untimed, every restore is then checked against the saved state's block sums).
 Write bandwidth is bytes written to storage / save time; restore bandwidth is bytes delivered to
 all ranks (N x state) / restore time.
 """
@@ -88,6 +89,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     torch.manual_seed(0)  # replicated state: the same bytes on every rank (check_replicas)
     state = make_state(shapes, dtype, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    from resilient.checkpoint.device_share import digest
+
+    def sums() -> list[list[int]]:
+        return [digest(t.reshape(-1).view(torch.uint8)).tolist() for t in state.values()]
+
+    expect = sums()  # every restore must bring these back: the targets are zeroed before it
+
+    def zero_then_cold(path: Path) -> None:
+        for t in state.values():
+            t.zero_()
+        cold(path)
+
     root = Path(args.dir)
     rows: dict[str, Any] = {}
     methods = [m.strip() for m in args.world_methods.split(",") if m.strip()]
@@ -108,22 +121,25 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             if method.startswith("sharded"):
                 ck = Checkpointer(d, keep=1, restore=_RESTORE[method])
                 saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
-                cold(d)
+                zero_then_cold(d)
                 loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
                 read, phases = ck.last_load.bytes_read, ck.last_load.seconds
                 ck.close()
             elif method == "every_rank":
                 ck = Checkpointer(d / f"rank{rank}", keep=1, distributed=False)
                 saves.append(barrier_timed(lambda ck=ck, i=i: ck.save(i + 1, state).wait()))
-                cold(d)
+                zero_then_cold(d)
                 loads.append(barrier_timed(lambda ck=ck: ck.load(state)))
                 ck.close()
             else:
                 import torch.distributed.checkpoint as dcp
 
                 saves.append(barrier_timed(lambda d=d: dcp.save(state, checkpoint_id=str(d))))
-                cold(d)
+                zero_then_cold(d)
                 loads.append(barrier_timed(lambda d=d: dcp.load(state, checkpoint_id=str(d))))
+            if sums() != expect:
+                raise RuntimeError(f"{method}: rank {rank}'s state after the restore differs "
+                                   "from what was saved")
             if rank == 0:
                 written = dir_bytes(d)
         save_s, load_s = statistics.median(saves), statistics.median(loads)
