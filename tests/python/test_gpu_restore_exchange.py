@@ -97,7 +97,8 @@ def test_shared_restore_over_nccl_reads_once_and_checks_what_crossed(tmp_path):
     for rank in range(world):
         r = json.load(open(f"{out}.{rank}"))
         for case in ("gpu", "hosts"):
-            assert r[case]["same"] and r[case]["bytes_read"] == r["size"], (case, r)
+            assert r[case]["same"] and r[case]["bytes_read"] == r["size"], (case, r,
+                                                                             output[-3000:])
         assert "broadcast" in r["gpu"]["phases"], r  # GPU to GPU, no host buffer
         assert "exchange" in r["hosts"]["phases"], r  # the host buffers' exchange
         for case in ("gpu_flipped", "hosts_flipped"):  # fell back: each rank read it all

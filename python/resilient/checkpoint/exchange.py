@@ -220,18 +220,18 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
             if lo >= hi:
                 continue
             if t.src == rank:
-                chunk = staging["send"][:hi - lo]
+                part = staging["send"][:hi - lo]
                 if not staged:  # this rank sends one run, to each other host
-                    chunk.copy_(buffer[lo:hi])
+                    part.copy_(buffer[lo:hi])
                     staged = True
-                works.append(dist.isend(chunk, dst=glob(t.dst), group=nccl))
+                works.append(dist.isend(part, dst=glob(t.dst), group=nccl))
             else:
-                chunk = staging[t][:hi - lo]
-                works.append(dist.irecv(chunk, src=glob(t.src), group=nccl))
-                landing.append((lo, hi, chunk))
+                part = staging[t][:hi - lo]
+                works.append(dist.irecv(part, src=glob(t.src), group=nccl))
+                landing.append((lo, hi, part))
         for w in works:
             wait(w)  # polled: an abort or the collective timeout ends it
             w.wait()  # the current stream's order: the copies below follow it
-        for lo, hi, chunk in landing:
-            buffer[lo:hi].copy_(chunk)  # into pageable host memory: synchronous
+        for lo, hi, part in landing:
+            buffer[lo:hi].copy_(part)  # into pageable host memory: synchronous
         stream.synchronize()  # the sends are done: the staging is free for the next round
