@@ -230,8 +230,8 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
                 works.append(dist.irecv(part, src=glob(t.src), group=nccl))
                 landing.append((lo, hi, part))
         for w in works:
-            wait(w)  # polled: an abort or the collective timeout ends it
-            w.wait()  # the current stream's order: the copies below follow it
+            wait(w)  # polled (an abort or the collective timeout ends it), then w.wait(): the
+            # current stream waits for the transfer, so the copies below follow it
         for lo, hi, part in landing:
             buffer[lo:hi].copy_(part)  # into pageable host memory: synchronous
         stream.synchronize()  # the sends are done: the staging is free for the next round
