@@ -211,7 +211,8 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
 
     mine = sorted(mine, key=pair)
     rounds = max(-(-(t.hi - t.lo) // chunk) for t in mine)
-    stream = torch.cuda.current_stream()
+    on_gpu = next(iter(staging.values())).is_cuda  # (CPU staging: the tests' in-process fake)
+    sync = torch.cuda.current_stream().synchronize if on_gpu else (lambda: None)
     for k in range(rounds):
         works, landing, staged = [], [], False
         for t in mine:
@@ -234,4 +235,4 @@ def _over_nccl(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any
             # current stream waits for the transfer, so the copies below follow it
         for lo, hi, part in landing:
             buffer[lo:hi].copy_(part)  # into pageable host memory: synchronous
-        stream.synchronize()  # the sends are done: the staging is free for the next round
+        sync()  # the sends are done: the staging is free for the next round
