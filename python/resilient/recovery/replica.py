@@ -1,0 +1,482 @@
+"""Peer replicas of sharded training state (FSDP2, tensor parallel): each rank's shard is copied,
+in the background, into the host memory of a peer on another host, so that the shard of a lost
+rank still exists in memory (restored by ``resilient.recovery.reshard``).
+
+After each optimizer step the training thread calls :meth:`PeerReplicas.replicate`. It copies
+the rank's local shards (the model's and the optimizer's, plus the small values beside them:
+learning rates, ``step`` counters) into one of two reusable host buffers: on GPUs an
+asynchronous device-to-host copy on a side stream, which the next ``optimizer.step`` waits for
+(a step pre-hook), so training does not wait for it. A sender thread then checksums the buffer
+(XXH3) and sends it over a gloo group of its own to the rank's buddies. Receiver threads keep the
+two newest verified replicas of each peer they back up. If the previous snapshot is still being
+sent, ``replicate`` skips this step (backpressure: training never waits for the network) and
+counts the skip.
+
+Buddies (:func:`buddies`): ranks are listed host by host (RESILIENT_HOST_ID, else the hostname)
+and each rank backs up the rank ``m``, ``2m``, ... places further in that list, ``m`` being the
+largest host's number of ranks: with equal hosts, every rank's replicas are on other hosts, and
+every rank holds ``factor`` replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient import settings
+from resilient.checkpoint.dtensor import is_dtensor, local_chunk_info
+
+_ALIGN = 64
+_MAGIC = 0x5245504C  # "REPL"
+_HEADER = 7  # magic, step, nbytes, digest, meta bytes, sender rank, world
+
+
+def buddies(hosts: list[str], factor: int = 1) -> list[list[int]]:
+    """For each rank, the ranks that hold its replicas (pure).
+
+    `hosts[r]` is rank r's host. Ranks are ordered host by host (hosts in the order of their
+    first rank); rank r's k-th buddy is k * m places further in that order (cyclically), m the
+    largest host's size. Every rank is the buddy of exactly `factor` ranks, and with hosts of
+    equal size no rank's buddy shares its host. One host: the next ranks.
+    """
+    world = len(hosts)
+    if world < 2:
+        return [[] for _ in hosts]
+    factor = max(1, min(int(factor), world - 1))
+    order: list[int] = []
+    first: dict[str, int] = {}
+    for r, h in enumerate(hosts):
+        first.setdefault(h, r)
+    for h in sorted(first, key=first.get):
+        order += [r for r in range(world) if hosts[r] == h]
+    largest = max(sum(1 for x in hosts if x == h) for h in first)
+    shift = largest if largest < world else 1
+    # the same offsets (in the host-ordered list) for every rank, so each offset is a
+    # permutation: multiples of the shift first (other hosts), then the rest
+    offsets: list[int] = []
+    for d in [k * shift % world for k in range(1, world)] + list(range(1, world)):
+        if d and d not in offsets:
+            offsets.append(d)
+    offsets = offsets[:factor]
+    pos = {r: i for i, r in enumerate(order)}
+    return [[order[(pos[r] + d) % world] for d in offsets] for r in range(world)]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a snapshot: its key (a JSON path into the state), dtype, its box in the
+    global tensor, and where its bytes start in the buffer."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+    replicated: bool
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The model's and the optimizer's state keyed by parameter names (FQN), DTensors kept:
+    torch.distributed.checkpoint.state_dict.get_state_dict, which also creates a fresh
+    optimizer's state (so a new optimizer has every tensor a restore fills)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def flatten(state: Any) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+    """(tensors as (key, tensor)), other leaves as {key: value}) of a nested dict/list state;
+    keys are JSON lists of the path."""
+    tensors: list[tuple[str, Any]] = []
+    leaves: dict[str, Any] = {}
+
+    def walk(x: Any, path: list) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, [*path, k if isinstance(k, (str, int)) else str(k)])
+        elif isinstance(x, (list, tuple)) and not _is_plain(x):
+            for i, v in enumerate(x):
+                walk(v, [*path, i])
+        elif isinstance(x, torch.Tensor):
+            tensors.append((json.dumps(path), x))
+        else:
+            leaves[json.dumps(path)] = x
+
+    walk(state, [])
+    return tensors, leaves
+
+
+def _is_plain(x: Any) -> bool:
+    """A list/tuple of plain values (betas, a param group's parameter names): one leaf."""
+    return all(isinstance(v, (int, float, str, bool)) or v is None for v in x)
+
+
+def local_view(t: Any) -> tuple[torch.Tensor, tuple, tuple, bool]:
+    """(local tensor, global shape, offset, replicated) of a tensor or DTensor."""
+    if is_dtensor(t):
+        local, place, replicated = local_chunk_info(t)
+        return local, place.global_shape, place.offset, replicated
+    shape = tuple(int(s) for s in t.shape)
+    return t.detach(), shape, tuple(0 for _ in shape), True
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """torch.float32 from "torch.float32"."""
+    d = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return d
+
+
+def layout(tensors: list[tuple[str, Any]]) -> tuple[list[Entry], list[torch.Tensor], int]:
+    """The snapshot's entries (64-byte aligned), their local tensors, and the buffer size."""
+    entries, locals_, at = [], [], 0
+    for key, t in tensors:
+        local, gshape, offset, replicated = local_view(t)
+        n = local.numel() * local.element_size()
+        entries.append(Entry(key, str(local.dtype), gshape, offset,
+                             tuple(int(s) for s in local.shape), at, n, replicated))
+        locals_.append(local)
+        at += -(-n // _ALIGN) * _ALIGN
+    return entries, locals_, at
+
+
+def entry_tensor(buf: torch.Tensor, e: Entry) -> torch.Tensor:
+    """The entry's bytes in `buf` viewed as its local tensor."""
+    return buf[e.start:e.start + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+
+
+def _digest(buf: torch.Tensor, n: int) -> int:
+    from resilient import _C
+
+    return int(_C.xxh3_buffer(buf.data_ptr(), n)) if n else 0
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+@dataclass
+class Snapshot:
+    """One rank's state at one step: entries, leaves (JSON-able values) and bytes."""
+
+    rank: int  # the rank in the group the snapshot was taken in
+    world: int
+    step: int
+    entries: list[Entry]
+    leaves: dict[str, Any]
+    buf: torch.Tensor
+    nbytes: int
+    digest: int = 0
+    ready: Any = None  # a CUDA event while the device-to-host copy may be running
+    state: str = "writing"  # writing -> ok | bad
+
+    def meta(self) -> bytes:
+        return json.dumps({"rank": self.rank, "world": self.world, "step": self.step,
+                           "leaves": self.leaves,
+                           "entries": [[e.key, e.dtype, e.global_shape, e.offset, e.shape,
+                                        e.start, e.nbytes, e.replicated] for e in self.entries]},
+                          default=_jsonable).encode()
+
+    def verify(self) -> bool:
+        """The buffer still has the digest it was sent or received with, and every floating
+        tensor is finite (a diverged state is not worth restoring)."""
+        if _digest(self.buf, self.nbytes) != self.digest:
+            return False
+        for e in self.entries:
+            t = entry_tensor(self.buf, e)
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                return False
+        return True
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    raise TypeError(f"a {type(x).__name__} value in the optimizer state cannot be replicated")
+
+
+def snapshot_from_meta(meta: dict, buf: torch.Tensor, nbytes: int, digest: int) -> Snapshot:
+    """A received snapshot; ValueError when its entries do not fit its `nbytes`."""
+    entries = [Entry(k, d, tuple(g), tuple(o), tuple(s), st, n, bool(r))
+               for k, d, g, o, s, st, n, r in meta["entries"]]
+    if any(e.start < 0 or e.nbytes < 0 or e.start + e.nbytes > nbytes for e in entries):
+        raise ValueError("a replica whose entries lie outside its bytes")
+    return Snapshot(meta["rank"], meta["world"], meta["step"], entries, meta["leaves"], buf,
+                    nbytes, digest)
+
+
+@dataclass
+class ReplicaStats:
+    """Counters: snapshots sent and skipped (previous one still in flight), replicas received
+    and rejected (checksum), seconds spent on the training thread, bytes per snapshot."""
+
+    sent: int = 0
+    skipped: int = 0
+    received: int = 0
+    rejected: int = 0
+    copy_s: float = 0.0
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class PeerReplicas:
+    """Background replication of this rank's model and optimizer shards to peers' host memory.
+
+    Collective to create (over the default group): it gathers the hosts and creates a gloo
+    group of its own. ``replicate(step)`` after each ``optimizer.step()``; ``close()`` at the
+    end. After a failure, pass it to ``resilient.recovery.reshard.restore_sharded`` on the new
+    group.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 factor: int | None = None, memory_bytes: int | None = None,
+                 host: str | None = None, timeout_s: float = 86400.0) -> None:
+        from resilient.checkpoint.exchange import host_id
+
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        factor = settings.get("replica_factor") if factor is None else factor
+        self.memory_bytes = (settings.get("replica_memory") if memory_bytes is None
+                             else memory_bytes)
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, host or host_id())
+        plan = buddies([str(h) for h in hosts], factor)
+        self.to = plan[self.rank]
+        self.sources = [r for r in range(self.world) if self.rank in plan[r]]
+        self.stats = ReplicaStats()
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._lock = threading.Lock()
+        self._own: list[Snapshot] = []
+        self._held: dict[int, list[Snapshot]] = {r: [] for r in self.sources}
+        self._queue: queue.Queue = queue.Queue()  # one snapshot at a time (_sending)
+        self._sending = False
+        self._stopped = False
+        self._stream = None
+        self._hook = optimizer.register_step_pre_hook(self._wait_copy)
+        self._threads = [threading.Thread(target=self._send_loop, daemon=True,
+                                          name="resilient-replica-send")]
+        self._threads += [threading.Thread(target=self._receive_loop, args=(r,), daemon=True,
+                                           name=f"resilient-replica-recv-{r}")
+                          for r in self.sources]
+        for t in self._threads:
+            t.start()
+
+    # --- the training thread -------------------------------------------------------------
+
+    def replicate(self, step: int) -> bool:
+        """Snapshots the state of `step` and hands it to the sender; False (counted) when the
+        previous snapshot is still being sent."""
+        if self._stopped or not self.to:
+            return False
+        with self._lock:
+            if self._sending:
+                self.stats.skipped += 1
+                return False
+            self._sending = True
+        t0 = time.monotonic()
+        try:
+            snap = self._take(step)
+        except BaseException:
+            with self._lock:
+                self._sending = False
+            raise
+        self.stats.copy_s += time.monotonic() - t0
+        self._queue.put(snap)
+        return True
+
+    def _take(self, step: int) -> Snapshot:
+        tensors, leaves = flatten(state_of(self.model, self.optimizer))
+        entries, locals_, nbytes = layout(tensors)
+        self._check_budget(nbytes)
+        cuda = any(t.is_cuda for t in locals_)
+        with self._lock:
+            # the older of the two own snapshots is reused; the newer one stays restorable
+            reuse = self._own.pop(0) if len(self._own) == 2 else None
+        buf = reuse.buf if reuse is not None and reuse.buf.numel() >= nbytes else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        snap = Snapshot(self.rank, self.world, step, entries, leaves, buf, nbytes)
+        if cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for e, t in zip(entries, locals_):
+                    entry_tensor(buf, e).copy_(t, non_blocking=True)
+                snap.ready = torch.cuda.Event()
+                snap.ready.record(self._stream)
+        else:
+            for e, t in zip(entries, locals_):
+                entry_tensor(buf, e).copy_(t)
+        with self._lock:
+            self._own.append(snap)
+        self.stats.bytes = nbytes
+        return snap
+
+    def _check_budget(self, nbytes: int) -> None:
+        need = memory_needed(nbytes, len(self.sources))
+        if self.memory_bytes and need > self.memory_bytes:
+            raise MemoryError(
+                f"peer replicas need {need / 2**30:.2f} GiB of host memory on rank {self.rank} "
+                f"(two snapshots of its own {nbytes / 2**30:.2f} GiB state and two of each of "
+                f"{len(self.sources)} peers'), over RESILIENT_REPLICA_MEMORY "
+                f"({self.memory_bytes / 2**30:.2f} GiB)")
+
+    def _wait_copy(self, *_: Any) -> None:
+        """Optimizer step pre-hook: the update waits (on the GPU) for the snapshot's copy."""
+        with self._lock:
+            newest = self._own[-1] if self._own else None
+        if newest is not None and newest.ready is not None:
+            torch.cuda.current_stream().wait_event(newest.ready)
+
+    # --- threads ------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            snap = self._queue.get()
+            if snap is None:  # stop: the buddies' receivers end too (a dead buddy: no matter)
+                self._send_stop()
+                return
+            try:
+                if snap.ready is not None:
+                    snap.ready.synchronize()
+                snap.digest = _digest(snap.buf, snap.nbytes)
+                snap.state = "ok"
+                meta = torch.frombuffer(bytearray(snap.meta()), dtype=torch.uint8)
+                header = torch.tensor([_MAGIC, snap.step, snap.nbytes, _signed(snap.digest),
+                                       meta.numel(), self.rank, self.world], dtype=torch.int64)
+                for b in self.to:
+                    dist.send(header, group_dst=b, group=self._group)
+                    dist.send(meta, group_dst=b, group=self._group)
+                    dist.send(snap.buf[:snap.nbytes], group_dst=b, group=self._group)
+                self.stats.sent += 1
+            except Exception as e:  # a peer that died: recovery rebuilds the ring
+                self.stats.errors.append(f"send: {e}")
+                return
+            finally:
+                with self._lock:
+                    self._sending = False
+
+    def _send_stop(self) -> None:
+        header = torch.tensor([_MAGIC, -1, 0, 0, 0, self.rank, self.world], dtype=torch.int64)
+        for b in self.to:
+            try:
+                dist.send(header, group_dst=b, group=self._group)
+            except Exception:
+                pass
+
+    def _receive_loop(self, src: int) -> None:
+        while True:
+            try:
+                header = torch.empty(_HEADER, dtype=torch.int64)
+                dist.recv(header, group_src=src, group=self._group)
+                magic, step, nbytes, digest, meta_len, rank, _world = header.tolist()
+                if magic != _MAGIC or rank != src:
+                    raise RuntimeError(f"a stray message from rank {src}: header {header.tolist()}")
+                if step < 0:  # the sender stopped
+                    return
+                meta_t = torch.empty(meta_len, dtype=torch.uint8)
+                dist.recv(meta_t, group_src=src, group=self._group)
+                meta = json.loads(bytes(meta_t.numpy()))
+                with self._lock:
+                    if self._stopped:
+                        return
+                    held = self._held[src]
+                    reuse = held.pop(0) if len(held) == 2 else None
+                buf = reuse.buf if reuse is not None and reuse.buf.numel() >= nbytes else None
+                if buf is None:
+                    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+                dist.recv(buf[:nbytes], group_src=src, group=self._group)
+                snap = snapshot_from_meta(meta, buf, nbytes, digest % (1 << 64))
+                ok = step == meta["step"] and _digest(buf, nbytes) == snap.digest
+                snap.state = "ok" if ok else "bad"
+                with self._lock:
+                    if ok:
+                        held.append(snap)
+                        self.stats.received += 1
+                    else:
+                        self.stats.rejected += 1
+            except Exception as e:
+                with self._lock:
+                    if not self._stopped:
+                        self.stats.errors.append(f"receive from {src}: {e}")
+                return
+
+    # --- restore and shutdown -----------------------------------------------------------
+
+    def holdings(self) -> list[Snapshot]:
+        """The verified snapshots held here (own and peers'), newest first per rank. Stops the
+        replication first: what a restore reads no longer changes."""
+        self.stop()
+        with self._lock:
+            own = list(self._own)
+            held = [s for v in self._held.values() for s in v]
+        for s in own:  # a snapshot taken but not yet checksummed by the sender: complete now
+            if s.state == "writing":
+                if s.ready is not None:
+                    s.ready.synchronize()
+                s.digest = _digest(s.buf, s.nbytes)
+                s.state = "ok"
+        out = []
+        for s in own + held:
+            if s.verify():
+                out.append(s)
+            else:
+                self.stats.rejected += 1
+        return out
+
+    def stop(self) -> None:
+        """Ends replication (threads blocked on a dead peer are left behind: daemon threads)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._hook.remove()
+        self._queue.put(None)
+
+    def drain(self, step: int, timeout_s: float = 60.0) -> None:
+        """Waits until this rank's snapshot of `step` (or a later one) was sent and a replica of
+        `step` or later from every peer it backs up arrived; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                sent = not self._sending and any(s.step >= step and s.state == "ok"
+                                                 for s in self._own)
+                got = all(any(s.step >= step for s in v) for v in self._held.values())
+                errors = list(self.stats.errors)
+            if errors:
+                raise RuntimeError(f"peer replication failed: {errors}")
+            if (sent or not self.to) and got:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"replicas of step {step} not complete after {timeout_s} s on rank "
+                    f"{self.rank}: own steps {[x.step for x in self._own]}, held "
+                    f"{ {r: [x.step for x in v] for r, v in self._held.items()} }, {self.stats}")
+            time.sleep(0.005)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops replication and waits for the sender to finish its snapshot."""
+        self.stop()
+        self._threads[0].join(timeout_s)
+
+
+def memory_needed(nbytes: int, sources: int) -> int:
+    """Host bytes for two own snapshots and two replicas of each of `sources` peers."""
+    return 2 * nbytes * (1 + sources)
+
+
+__all__ = ["Entry", "PeerReplicas", "ReplicaStats", "Snapshot", "buddies", "flatten",
+           "layout", "memory_needed", "state_of"]
