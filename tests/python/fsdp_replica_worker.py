@@ -81,6 +81,9 @@ def main() -> None:
         sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    global LOST
+    if scenario.endswith("1"):  # rank 1 lost: the survivors' ranks move down (2 -> 1, 3 -> 2)
+        LOST, scenario = 1, scenario[:-1]
     spare = scenario == "spare"
     new_world = WORLD if spare else WORLD - 1
     result: dict = {"rank": rank, "role": role}
@@ -93,7 +96,7 @@ def main() -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank,
                                 world_size=WORLD, timeout=timedelta(seconds=60))
         model, opt = build()
-        # two emulated hosts: ranks 0, 1 and 2, 3; rank 3's buddy is rank 1
+        # two emulated hosts: ranks 0, 1 and 2, 3; rank 3's buddy is rank 1, 1's is 3
         replicas = PeerReplicas(model, opt, host=f"host{rank // 2}")
         result["buddies"] = replicas.to
         hashes = {}
@@ -104,7 +107,7 @@ def main() -> None:
             hashes[step] = full_hash(model, opt)  # collective
         replicas.drain(STEPS - 1 if scenario == "lag" else STEPS)
         dist.barrier()
-        if rank == 1 and scenario.startswith("corrupt"):
+        if rank == (1 if LOST == 3 else 3) and scenario.startswith("corrupt"):  # its buddy
             held = replicas._held[LOST]
             for snap in held[-1:] if scenario == "corrupt" else held:
                 snap.buf[snap.nbytes // 2] ^= 0xFF  # memory damaged after it was verified
@@ -113,6 +116,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         rebuild_process_group(store, generation=1, excluded=[LOST], new_size=new_world,
                               backend="gloo")
+        result["new_rank"] = dist.get_rank()
         result["old_stats"] = {k: v for k, v in vars(replicas.stats).items()}
     model2, opt2 = build()
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 from hypothesis import given
@@ -67,6 +69,25 @@ def test_failures_are_classified_by_type_and_origin_not_by_message():
     assert classify(RuntimeError("my gloo-themed model failed: connection reset")) is None
     assert classify(KeyError("nccl")) is None
     assert classify(_raise_from_torch_distributed()) == "collective_error"
+    # a functional collective's wait (DTensor redistribute, full_tensor) raises below it, from
+    # the op dispatcher: still a collective error; the dispatcher alone is not
+    assert classify(_raise_below("_functional_collectives.py")) == "collective_error"
+    assert classify(_raise_below("_tensor_ops_only.py")) is None
+
+
+def _raise_below(name: str) -> RuntimeError:
+    """A RuntimeError raised by code in torch/_ops.py called from torch/distributed/<name>."""
+    sep = os.sep
+    scope: dict = {}
+    exec(compile("def op():\n    raise RuntimeError('Connection reset by peer')\n",
+                 f"{sep}x{sep}torch{sep}_ops.py", "exec"), scope)
+    exec(compile("def wait(op):\n    op()\n",
+                 f"{sep}x{sep}torch{sep}distributed{sep}{name}", "exec"), scope)
+    try:
+        scope["wait"](scope["op"])
+    except RuntimeError as e:
+        return e
+    raise AssertionError("expected an error")
 
 
 def test_recovery_errors_are_resilient_errors():

@@ -37,17 +37,20 @@ def _chunk_list(t: Any) -> list:
     """t.__create_chunk_list__() (torch builds it in Python: milliseconds per save for hundreds
     of sharded tensors), computed once per placement spec."""
     spec = getattr(t, "_spec", None)
+    # Meshes compare equal by their layout alone, but the chunk depends on this process's place
+    # in the mesh, which changes when a rebuilt group orders the same processes differently.
+    key = (spec, tuple(t.device_mesh.get_coordinate() or ())) if spec is not None else None
     try:
-        hit = _BY_SPEC.get(spec) if spec is not None else None
+        hit = _BY_SPEC.get(key) if key is not None else None
     except TypeError:  # an unhashable spec: no cache
-        spec, hit = None, None
+        key, hit = None, None
     if hit is not None:
         return hit
     chunks = t.__create_chunk_list__()
-    if spec is not None:
+    if key is not None:
         if len(_BY_SPEC) > 100_000:
             _BY_SPEC.clear()
-        _BY_SPEC[spec] = chunks
+        _BY_SPEC[key] = chunks
     return chunks
 
 

@@ -175,6 +175,7 @@ def join_process_group(
     if backend == "nccl":
         prepare_nccl_env()
     _reset_group_names()
+    forget_device_meshes()
     dist.init_process_group(
         backend,
         store=generation_store(store, generation),
@@ -184,6 +185,26 @@ def join_process_group(
         **kwargs,
     )
     return dist.group.WORLD
+
+
+def forget_device_meshes() -> None:
+    """Clears DTensor's sharding-propagation caches (C++ and Python). They are keyed by specs
+    whose meshes compare equal by layout alone, so after a rebuild that keeps the mesh's shape
+    (a spare took a lost rank's place) a DTensor operation on the new group's tensors would be
+    answered with the old group's mesh: its coordinate (the process's old rank) and its groups.
+    FSDP2's parameters are made by such an operation."""
+    import sys
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    api = sys.modules.get("torch.distributed.tensor._api")
+    prop = getattr(getattr(getattr(api, "DTensor", None), "_op_dispatcher", None),
+                   "sharding_propagator", None)
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cached = getattr(prop, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _reset_group_names() -> None:
@@ -282,6 +303,7 @@ def rebuild_process_group(
         timings.method = "shrink"
         t0 = time.monotonic()
         group = dist.shrink_group(sorted(excluded), old, shrink_flags=shrink_abort_flag())
+        forget_device_meshes()
         timings.rebuild_s = time.monotonic() - t0
     else:
         timings.method = "reinit"

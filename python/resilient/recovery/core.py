@@ -54,11 +54,13 @@ from resilient import _follow_store_setting
 from resilient.checkpoint.broadcast import broadcast_state
 from resilient.comm.process_group import (
     abort_process_group,
+    forget_device_meshes,
     join_process_group,
     shrink_abort_flag,
     supports_shrink,
 )
 from resilient.errors import CollectiveError
+from resilient.recovery import sharded
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.decisions import (
     PeerFailure,
@@ -121,6 +123,11 @@ class Recovery(StepLoop):
         samplers: the ResumableSampler(DistributedSampler(...)) objects of the user's
             DataLoaders: a failed step rewinds them to where it began and a world change
             re-splits the rest of the epoch over the new group (resilient.recovery.samplers).
+        build: for a sharded model (FSDP2 ``fully_shard``): a function that creates the model
+            and shards it over the current default group, as the script did at start. Its
+            shards are then replicated to peers' host memory after every step, and after a
+            failure the model is built again on the new group and filled from memory
+            (resilient.recovery.sharded).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, model: torch.nn.Module,
@@ -130,7 +137,8 @@ class Recovery(StepLoop):
                  checkpointer: Any = None, checkpoint_every: int = 0,
                  extra_state: dict | None = None, detector: Any = None,
                  detector_options: dict | None = None, job: str | None = None,
-                 ddp_kwargs: dict | None = None, samplers: list | None = None) -> None:
+                 ddp_kwargs: dict | None = None, samplers: list | None = None,
+                 build: Callable[[], torch.nn.Module] | None = None) -> None:
         self.config = config or RecoveryConfig.from_env()
         self.config.validate()
         self.store = store
@@ -170,6 +178,10 @@ class Recovery(StepLoop):
             self._share_manager_state(model, optimizer)
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.samplers = Samplers(samplers)
+        self.build = build  #: the sharded model's factory (None: DDP)
+        self.replicas: Any = None  #: the sharded model's PeerReplicas
+        if build is not None:
+            sharded.check(self)
         self.timeline = Timeline(rank)
         self.fault_hooks: dict[str, list[Callable[[Recovery], None]]] = {
             p: [] for p in FAULT_POINTS}
@@ -299,6 +311,9 @@ class Recovery(StepLoop):
                 device_id=self._device if self._device.type == "cuda" else None)
         self._wrap(init_sync=True)
         self._gate_optimizer()
+        if self.build is not None:
+            sharded.poll_collectives(self, self.module)
+            sharded.start_replicas(self)
         self.timeline.add("started", world_size=self.world_size)
         return self
 
@@ -306,6 +321,8 @@ class Recovery(StepLoop):
         """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
         referenced: their destructors could block until the group timeout (see comm docs)."""
         self.started = False
+        if self.replicas is not None:
+            self.replicas.close()
         if self._gated:  # the optimizers outlive this Recovery
             for handle in self._gate_handles:
                 handle.remove()
@@ -353,18 +370,22 @@ class Recovery(StepLoop):
         self._finished()
         return self.step
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, check_verdict: bool = True) -> None:
+        """A step starts. ``check_verdict=False`` (``attempt``, which cannot skip its block once
+        entered): a member lost between steps is found by the step's first collective, which
+        raises inside the block, where the step can be redone."""
         self._applied = False  # this step's update has not run yet (the optimizer gate)
         self.samplers.begin(self.step)
         self._run_hooks("step_start")
         if self._evicted.is_set():
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
-        if self._verdict.is_set() and self._members_failed():
+        if check_verdict and self._verdict.is_set() and self._members_failed():
             raise PeerFailure("verdict")
 
     def _end_step(self) -> None:
         self.step += 1
         self.detector.step(self.step)
+        sharded.replicate(self)
         try:  # collectives of their own (the manager's save, an admission): a peer may die
             self._maybe_checkpoint()
             maybe_admit(self)
@@ -399,7 +420,7 @@ class Recovery(StepLoop):
         mbs = self.plan.micro_batches(self.rank)
         for i, mb in enumerate(mbs):
             sync = i == len(mbs) - 1
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            with contextlib.nullcontext() if sync else self.no_sync():
                 loss = loss_fn(step, mb)
                 (loss * mb.loss_scale).backward()
         self.optimizer.step()  # gated: _before_optimizer_step
@@ -496,6 +517,13 @@ class Recovery(StepLoop):
         except Exception as exc:
             self._pending_cause = "collective_error"
             raise PeerFailure("collective_error", str(exc).splitlines()[0][:200]) from exc
+
+    def wait(self, work: Any) -> None:
+        """Waits for the work of a collective of the loop's own, issued with ``async_op=True``
+        inside a step, polling it while watching the verdict: a peer lost meanwhile raises
+        PeerFailure (recovered from by ``attempt``) instead of blocking until the group's
+        timeout, which gloo cannot abort."""
+        self._wait_work(work)
 
     def _wait_work(self, work: Any) -> None:
         self._poll(work.is_completed, work.wait)
@@ -668,6 +696,7 @@ class Recovery(StepLoop):
                 and supports_shrink(self._group)):
             self._retired.append(self._group)
             group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
+            forget_device_meshes()
             method = "shrink"
         else:
             if dist.is_initialized():
@@ -689,6 +718,10 @@ class Recovery(StepLoop):
         """Makes every member hold the same state (see the module docstring, step 5). Joiners
         admitted in this recovery take part with ``holds_state=False``: their entries are left
         out of the comparison, and they receive the agreed state."""
+        if self.build is not None:
+            source = sharded.restore(self, holds_state)
+            self.timeline.add("restored", source=source, step=self.step)
+            return
         starts = [x for pos in self.samplers.start_of(self.step) for x in pos]
         mine = torch.tensor([self.step if holds_state else -1, *starts], dtype=torch.int64,
                             device=self._device)
@@ -829,7 +862,17 @@ class Recovery(StepLoop):
         return message
 
     # ---- helpers ----
+    def no_sync(self) -> Any:
+        """A context without gradient reduction (accumulating micro-batches): DDP's no_sync,
+        FSDP2's set_requires_gradient_sync(False)."""
+        if self.build is not None:
+            return sharded.no_sync(self.model)
+        return self.model.no_sync()
+
     def _wrap(self, init_sync: bool) -> None:
+        if self.build is not None:  # FSDP2 shards over the default group: nothing to wrap
+            self.model = self.module
+            return
         kwargs = dict(self.ddp_kwargs)
         if self._device.type == "cuda":
             kwargs.setdefault("device_ids", [self._device.index])

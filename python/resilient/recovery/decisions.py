@@ -105,13 +105,20 @@ _COLLECTIVE_CODE = (f"{os.sep}torch{os.sep}distributed{os.sep}",
                     f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}distributed.py")
 
 
+# A functional collective's wait (DTensor redistribution, full_tensor, FSDP2's state dicts)
+# raises from the dispatcher below it (torch/_ops.py), not from torch.distributed's own code.
+_COLLECTIVE_WAIT = f"{os.sep}torch{os.sep}distributed{os.sep}_functional_collectives.py"
+
+
 def _raised_in_torch_distributed(exc: BaseException) -> bool:
     """True when the innermost Python frame of the traceback is torch.distributed's or DDP's
-    (the call that raised was one of their collectives)."""
-    tb, last = exc.__traceback__, None
+    (the call that raised was one of their collectives), or when the error came out of a
+    functional collective's wait."""
+    tb, last, waited = exc.__traceback__, None, False
     while tb is not None:
         last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    return last is not None and any(part in last for part in _COLLECTIVE_CODE)
+        waited = waited or last.endswith(_COLLECTIVE_WAIT)
+    return last is not None and (waited or any(part in last for part in _COLLECTIVE_CODE))
 
 
 def _dist_errors() -> tuple[type, ...]:

@@ -214,6 +214,8 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int], *,
     rec.follow_group(lost_rank=False)
     if recovery:  # the survivors' restore, in which this rank holds no state
         rec.restore_as_joiner()
+    elif rec.build is not None:  # a sharded model: resharded from the members' snapshots
+        rec._restore(holds_state=rec.replicas is not None)
     else:
         rec.broadcast_state(0)
         rec.rewrap()

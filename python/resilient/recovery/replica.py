@@ -181,10 +181,11 @@ class Snapshot:
     digest: int = 0
     ready: Any = None  # a CUDA event while the device-to-host copy may be running
     state: str = "writing"  # writing -> ok | bad
+    extra: dict = field(default_factory=dict)  # the caller's JSON-able state (replicate)
 
     def meta(self) -> bytes:
         return json.dumps({"rank": self.rank, "world": self.world, "step": self.step,
-                           "leaves": self.leaves,
+                           "leaves": self.leaves, "extra": self.extra,
                            "entries": [[e.key, e.dtype, e.global_shape, e.offset, e.shape,
                                         e.start, e.nbytes, e.replicated] for e in self.entries]},
                           default=_jsonable).encode()
@@ -214,7 +215,7 @@ def snapshot_from_meta(meta: dict, buf: torch.Tensor, nbytes: int, digest: int) 
     if any(e.start < 0 or e.nbytes < 0 or e.start + e.nbytes > nbytes for e in entries):
         raise ValueError("a replica whose entries lie outside its bytes")
     return Snapshot(meta["rank"], meta["world"], meta["step"], entries, meta["leaves"], buf,
-                    nbytes, digest)
+                    nbytes, digest, extra=meta.get("extra") or {})
 
 
 @dataclass
@@ -275,9 +276,10 @@ class PeerReplicas:
 
     # --- the training thread -------------------------------------------------------------
 
-    def replicate(self, step: int) -> bool:
-        """Snapshots the state of `step` and hands it to the sender; False (counted) when the
-        previous snapshot is still being sent."""
+    def replicate(self, step: int, extra: dict | None = None) -> bool:
+        """Snapshots the state of `step` (and `extra`, JSON-able values that travel with it: a
+        scheduler's state_dict, data positions) and hands it to the sender; False (counted)
+        when the previous snapshot is still being sent."""
         if self._stopped or not self.to:
             return False
         with self._lock:
@@ -288,6 +290,8 @@ class PeerReplicas:
         t0 = time.monotonic()
         try:
             snap = self._take(step)
+            snap.extra = dict(extra or {})
+            snap.meta()  # a value that cannot travel fails here, on the training thread
         except BaseException:
             with self._lock:
                 self._sending = False

@@ -66,6 +66,7 @@ class Restored:
     bytes_received: int
     bytes_local: int
     seconds: dict[str, float] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  #: what ``replicate(step, extra=...)`` carried
 
 
 def choose_step(offers: list[dict[tuple[int, int], list[int]]],
@@ -176,13 +177,14 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # each holder sends the entry lists of the old ranks it serves (small: metadata only)
     metas = {old: [_entry_row(e) for e in mine[(old, old_world)][step].entries]
              for old, j in holders.items() if j == me}
-    leaves = mine[(min(o for o, j in holders.items() if j == me), old_world)][step].leaves \
+    first = mine[(min(o for o, j in holders.items() if j == me), old_world)][step] \
         if metas else None
+    plain = (first.leaves, first.extra) if first is not None else None
     all_meta: list[Any] = [None] * world
-    dist.all_gather_object(all_meta, (metas, leaves), group=group)
+    dist.all_gather_object(all_meta, (metas, plain), group=group)
     sources = {old: [Entry(*_row_entry(r)) for r in rows]
                for m, _ in all_meta for old, rows in m.items()}
-    leaves = next(lv for _, lv in all_meta if lv is not None)
+    leaves, extra = next(p for _, p in all_meta if p is not None)
     try:  # every rank computes the same plan, so every rank raises the same error
         moves = plan_moves([t for _, _, t in gathered], sources, holders)
     except ValueError as e:
@@ -206,7 +208,7 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     seconds["total"] = time.monotonic() - t0
-    return Restored(step, old_world, received, local, seconds)
+    return Restored(step, old_world, received, local, seconds, extra)
 
 
 def _entry_row(e: Entry) -> list:

@@ -1,0 +1,189 @@
+"""Recovery of sharded models (FSDP2, ``fully_shard``): ``Recovery.adopt(model, opt,
+build=make_model)``.
+
+A sharded model cannot simply be re-wrapped over the survivors' group as DDP is: its parameters
+are DTensors of the old group's mesh, and the lost rank's shard exists nowhere else. So:
+
+* after every step, each rank's shards are replicated to peers' host memory in the background
+  (resilient.recovery.replica; ``RESILIENT_REPLICA_FACTOR`` peers on other hosts);
+* after the rebuild, ``build()`` (the user's function that creates the model and shards it over
+  the current default group, as at start) makes the model again on the new group; the user's
+  optimizer is pointed at its parameters (same names), so schedulers that hold the optimizer
+  keep working;
+* every member (survivors and hot spares) fills it from memory (resilient.recovery.reshard):
+  the newest step whose shards are all held and verified; a lagging replica means every rank
+  goes back to that step, with the schedulers' states, the samplers' positions and the
+  learning-rate factor of that step, which travel with the snapshot. When memory holds no
+  complete step, the CheckpointManager's newest checkpoint is loaded, or the job stops.
+
+The loop uses ``rec.model`` (the model changes) and the optimizer it passed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.recovery.decisions import RecoveryStopped
+
+
+def check(rec: Any) -> None:
+    """Refuses what the sharded path cannot do (at construction)."""
+    if not isinstance(rec.optimizer, torch.optim.Optimizer):
+        raise TypeError("Recovery(build=...) needs a torch.optim.Optimizer (its parameters are "
+                        "moved onto the rebuilt model)")
+
+
+def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
+    """On gloo: FSDP2's all-gathers and reduce-scatters are issued asynchronously and polled
+    by the training thread while it watches the verdict (``Recovery._wait_work``), as the DDP
+    comm hook does (a reduce-scatter as an all-reduce: gloo's cannot be polled). gloo cannot
+    abort a collective that waits on a healthy peer which left it (docs/comm.md), so without
+    this a survivor could wait for the group timeout. NCCL needs
+    none: the detector's thread aborts the communicator."""
+    if rec.backend != "gloo":
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    class PolledAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any,
+                     async_op: bool = False) -> Any:
+            work = super().__call__(output_tensor, input_tensor, group, async_op=True)
+            rec._wait_work(work)
+            return work if async_op else None
+
+    class PolledReduceScatter(DefaultReduceScatter):
+        # gloo's reduce_scatter work reports completion only from wait(): an all-reduce of
+        # FSDP2's (temporary) input buffer, which can be polled, then this rank's chunk of it
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
+            rec._wait_work(work)
+            n, me = output_tensor.numel(), dist.get_rank(group)
+            output_tensor.view(-1).copy_(input_tensor.view(-1)[me * n:(me + 1) * n])
+            return work if async_op else None
+
+    gather, scatter = PolledAllGather(), PolledReduceScatter()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
+
+
+def start_replicas(rec: Any) -> None:
+    """Starts peer replication of the current model over the current group (collective)."""
+    from resilient.recovery.replica import PeerReplicas
+
+    rec.replicas = PeerReplicas(rec.module, rec.optimizer)
+
+
+def replicate(rec: Any) -> None:
+    """After a completed step: snapshot and send (skipped while the previous one is in flight)."""
+    if rec.replicas is not None:
+        rec.replicas.replicate(rec.step, extra=_extra(rec))
+
+
+def _extra(rec: Any) -> dict:
+    objects = {}
+    for key, obj in rec.extra_state.items():
+        if isinstance(obj, torch.optim.Optimizer) or not hasattr(obj, "state_dict"):
+            continue
+        objects[key] = obj.state_dict()
+    return {"lr_factor": rec.lr_factor, "samplers": rec.samplers.state(rec.step),
+            "objects": objects}
+
+
+@contextlib.contextmanager
+def no_sync(model: Any) -> Iterator[None]:
+    """Gradient accumulation without reduction for one micro-batch (FSDP2's switch)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old: torch.nn.Module,
+                     new: torch.nn.Module) -> None:
+    """Points `optimizer`'s groups at `new`'s parameters of the same names and empties its
+    state (the restore fills it)."""
+    names = {id(p): n for n, p in old.named_parameters()}
+    params = dict(new.named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        except KeyError as e:
+            raise ValueError(f"build() made a model without the parameter {e} that the "
+                             "optimizer holds") from e
+    optimizer.state = collections.defaultdict(dict)
+
+
+def restore(rec: Any, holds_state: bool) -> str:
+    """Builds the model on the new group and fills it from memory (else storage); returns the
+    source. Collective over the new group."""
+    from resilient.recovery.reshard import ReplicaUnavailable, restore_sharded
+
+    old_replicas = rec.replicas if holds_state else None
+    if old_replicas is not None:
+        old_replicas.stop()
+    rec.replicas = None
+    module = rec.build()
+    poll_collectives(rec, module)
+    rebind_optimizer(rec.optimizer, rec.module, module)
+    rec._retired.append(rec.module)
+    _replace_in_manager(rec, rec.module, module)
+    rec.module = rec.model = module
+    try:
+        restored = restore_sharded(module, rec.optimizer, old_replicas)
+    except ReplicaUnavailable as e:
+        if rec.manager is None:
+            raise RecoveryStopped(rec._stop(f"the lost shard is not in memory ({e}) and there "
+                                            "is no CheckpointManager to load from")) from e
+        step = rec.manager.restore()
+        if step is None:
+            raise RecoveryStopped(rec._stop(f"the lost shard is not in memory ({e}) and no "
+                                            "checkpoint is committed")) from e
+        rec.step = step
+        source = "storage"
+    else:
+        rec.step = restored.step
+        _apply_extra(rec, restored.extra)
+        source = "replica"
+        rec.timeline.add("replica_restored", step=restored.step,
+                         bytes_received=restored.bytes_received,
+                         bytes_local=restored.bytes_local, seconds=restored.seconds)
+    rec.optimizer.zero_grad(set_to_none=True)
+    start_replicas(rec)
+    return source
+
+
+def _apply_extra(rec: Any, extra: dict) -> None:
+    rec.lr_factor = float(extra.get("lr_factor", rec.lr_factor))
+    for key, state in extra.get("objects", {}).items():
+        obj = rec.extra_state.get(key)
+        if obj is not None:
+            obj.load_state_dict(state)
+    samplers = extra.get("samplers")
+    if samplers:
+        rec.samplers.set_state(samplers, rec.step)
+
+
+def _replace_in_manager(rec: Any, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """The CheckpointManager saves the model it was given: the rebuilt one from now on."""
+    state = getattr(rec.manager, "state", None)
+    if isinstance(state, dict):
+        for key, obj in list(state.items()):
+            if obj is old:
+                state[key] = new
+
+
+__all__ = ["check", "no_sync", "rebind_optimizer", "replicate", "restore", "start_replicas"]
