@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag replica. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -237,6 +237,14 @@ PY
         tar czf "$OUT/run-recovery-ranks.tgz" -C /tmp/rrb . 2>/dev/null  # every rank's timeline
         grep -v '^ ' "$OUT/run-recovery.log" | cut -c1-600 | tail -n 30
         python -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$OUT/run_recovery_bench.json" ;;
+    replica) # Issue 16: FSDP2 peer replicas on GPUs: the restore tests (4 GPUs), then the
+             # training step with and without replication (paired blocks).
+        log "FSDP2 peer replicas on GPUs"
+        timeout 300 python -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_replica.py \
+          >"$OUT/replica-test.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/replica-test.log"
+        timeout 400 python benchmarks/replica_overhead.py --json "$OUT/replica-overhead.json" \
+          ${REPLICA_ARGS:-} >"$OUT/replica-overhead.log" 2>&1; echo "rc=$?"
+        tail -n 40 "$OUT/replica-overhead.log" | cut -c1-300 ;;
     diag) # Crash diagnosis for the NCCL paths (see benchmarks/RESULTS.md, "comm and recovery").
           # Every run keeps its stderr; NCCL logs go to $OUT/nccl-*.
           export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,RAS,PROXY

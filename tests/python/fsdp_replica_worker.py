@@ -3,6 +3,9 @@ SIGKILL, and restores the lost shard from memory on the survivors' new group (wi
 resharded N -> N-1). Run by test_recovery_replica.py; writes <out>/rank<r>.json.
 
     fsdp_replica_worker.py ROLE RANK PORT OUT SCENARIO     (ROLE: member | spare)
+
+DEVICE=cuda (tests/python/test_gpu_replica.py): NCCL, one GPU per rank (the spare takes the lost
+rank's GPU); replicas still travel between host memories over gloo.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from resilient.recovery.replica import PeerReplicas, flatten
 from resilient.recovery.reshard import ReplicaUnavailable, restore_sharded
 
 WORLD, STEPS, LOST = 4, 5, 3
+DEVICE = os.environ.get("DEVICE", "cpu")
+BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
 class Net(nn.Module):
@@ -46,22 +51,31 @@ class Net(nn.Module):
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     """The user's factory: the model sharded over the current default group, its optimizer."""
     torch.manual_seed(0)
-    model = Net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Net().to(_device())
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else \
+        torch.device("cpu")
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    loss = model(torch.randn(8, 29, generator=g)).pow(2).mean()
+    loss = model(torch.randn(8, 29, generator=g).to(_device())).pow(2).mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
     for group in opt.param_groups:  # a schedule: the rates differ from step to step
         group["lr"] *= 0.9
+
+
+def _dev_id() -> torch.device | None:
+    return _device() if DEVICE == "cuda" else None
 
 
 def full_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -71,30 +85,33 @@ def full_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for key, t in sorted(tensors, key=lambda kv: kv[0]):
         h.update(key.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     h.update(json.dumps(leaves, sort_keys=True).encode())
     return h.hexdigest()
 
 
 def main() -> None:
+    global LOST
     role, rank, port, out, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    global LOST
     if scenario.endswith("1"):  # rank 1 lost: the survivors' ranks move down (2 -> 1, 3 -> 2)
         LOST, scenario = 1, scenario[:-1]
     spare = scenario == "spare"
+    if DEVICE == "cuda":
+        torch.cuda.set_device(LOST if role == "spare" else rank)
     new_world = WORLD if spare else WORLD - 1
     result: dict = {"rank": rank, "role": role}
     if role == "spare":
         join_process_group(store, generation=1, rank=WORLD - 1, world_size=new_world,
-                           backend="gloo")
-        verify_group()  # the survivors' rebuild runs it as the new group's first collective
+                           backend=BACKEND, device_id=_dev_id())
+        verify_group(device=_device())  # the survivors' rebuild runs it first too
         replicas = None
     else:
-        dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank,
-                                world_size=WORLD, timeout=timedelta(seconds=60))
+        dist.init_process_group(BACKEND, store=dist.PrefixStore("gen0/", store), rank=rank,
+                                world_size=WORLD, timeout=timedelta(seconds=60),
+                                device_id=_dev_id())
         model, opt = build()
         # two emulated hosts: ranks 0, 1 and 2, 3; rank 3's buddy is rank 1, 1's is 3
         replicas = PeerReplicas(model, opt, host=f"host{rank // 2}")
@@ -115,7 +132,7 @@ def main() -> None:
         if rank == LOST:
             os.kill(os.getpid(), signal.SIGKILL)
         rebuild_process_group(store, generation=1, excluded=[LOST], new_size=new_world,
-                              backend="gloo")
+                              backend=BACKEND, device_id=_dev_id())
         result["new_rank"] = dist.get_rank()
         result["old_stats"] = {k: v for k, v in vars(replicas.stats).items()}
     model2, opt2 = build()
