@@ -1,8 +1,8 @@
 """examples/fsdp_recoverable.py (FSDP2 under Recovery(build=...)) under ``resilient run`` on 4 CPU
-ranks: one worker is SIGKILLed mid-run. The others (with a hot spare in its place, or resharded
-over 3 ranks) finish; the state each step starts from after the recovery is the state the job
-had at the end of that step before the loss (full-state hashes, gathered over whatever group
-holds it), and no sample of the epoch is trained on twice."""
+ranks: one worker is SIGKILLed (or SIGSTOPped) mid-run. The others (with a hot spare in its
+place, or resharded over 3 ranks) finish; the state each step starts from after the recovery is
+the state the job had at the end of that step before the loss (full-state hashes, gathered over
+whatever group holds it), and no sample of the epoch is trained on twice."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp_recoverable.py"
 
 
-def _run(tmp: Path, steps: int, kill_after: int, spares: int) -> tuple[str, list[dict]]:
+def _run(tmp: Path, steps: int, kill_after: int, spares: int,
+         sig: int = signal.SIGKILL) -> tuple[str, list[dict]]:
     (tmp / "samples").mkdir()
     (tmp / "state").mkdir()
     log = open(tmp / "launcher.log", "w")  # noqa: SIM115 -- owned by the child
@@ -46,12 +47,15 @@ def _run(tmp: Path, steps: int, kill_after: int, spares: int) -> tuple[str, list
                     break
             time.sleep(0.01)
         assert victim is not None, "no worker reached the kill step"
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
     finally:
         code = wait_or_kill(p, 150)
     out = (tmp / "launcher.log").read_text()
     assert code == 0, out[-6000:]
-    assert f"(pid {victim}) exited with -9" in out, out[-6000:]
+    if sig == signal.SIGKILL:
+        assert f"(pid {victim}) exited with -9" in out, out[-6000:]
+    else:  # frozen: the survivors removed it; the launcher kills it once they finished
+        assert "still running 30s after the others finished" in out, out[-6000:]
     states = [json.loads(line) for line in (tmp / "state" / "state.log").read_text().splitlines()]
     return str(victim), states
 
@@ -96,11 +100,14 @@ def _check_samples(tmp: Path, victim: str, back_to: int, per_step: int) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("spares,per_step", [(0, 24), (1, 32)])
-def test_a_killed_fsdp2_rank_is_restored_from_peer_memory(tmp_path: Path, spares: int,
-                                                          per_step: int) -> None:
+@pytest.mark.parametrize("spares,per_step,sig", [(0, 24, signal.SIGKILL), (1, 32, signal.SIGKILL),
+                                                 (0, 24, signal.SIGSTOP)])
+def test_a_lost_fsdp2_rank_is_restored_from_peer_memory(tmp_path: Path, spares: int,
+                                                        per_step: int, sig: int) -> None:
+    """SIGKILL (with and without a hot spare) and SIGSTOP (a frozen rank: the detector's
+    verdict ends the survivors' polled collectives)."""
     steps = 30
-    victim, states = _run(tmp_path, steps, kill_after=8, spares=spares)
+    victim, states = _run(tmp_path, steps, kill_after=8, spares=spares, sig=sig)
     back_to = _check_states(states, steps)
     assert back_to >= 6  # from memory: at most a step or two back, not to a checkpoint
     _check_samples(tmp_path, victim, back_to, per_step)
