@@ -22,6 +22,9 @@ DDP model adopted by Recovery) with ``python -m resilient.run --standalone``; ra
   broadcast, the timeline's ``started``). Nothing is loaded from storage, so this is a lower
   bound of the restart-from-storage path.
 
+``--fsdp``: the example's model is sharded with FSDP2; the survivors and the spare restore the
+shards from peers' host memory (docs/recovery.md).
+
 Every run is bounded by ``--timeout``; a run that fails is reported with its output's tail.
 Prints one JSON object and writes it to DIR/run_recovery_bench.json.
 """
@@ -91,7 +94,7 @@ def run_one(scenario: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
            str(a.nproc), "--finish-grace-s", "10", *SCENARIOS[scenario], str(EXAMPLE),
            "--device", a.device, "--user-loop", "--steps", str(a.steps), "--kill-rank",
            str(a.kill_rank), "--kill-step", str(a.kill_step), "--out", str(out),
-           "--step-sleep", str(a.step_sleep)]
+           "--step-sleep", str(a.step_sleep)] + (["--fsdp"] if a.fsdp else [])
     if scenario == "replacement":  # the members wait for its ticket, so it joins before the end
         cmd += ["--wait-for-joiner", str(a.kill_step + 1)]
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'python'}:{os.environ.get('PYTHONPATH', '')}")
@@ -116,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-step", type=int, default=10)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="the example's FSDP2 model (shards restored from peers' memory)")
     ap.add_argument("--out", default="build/run-recovery-bench")
     a = ap.parse_args(argv)
     out = Path(a.out)
-    result: dict[str, Any] = {"nproc": a.nproc, "device": a.device, "kill_rank": a.kill_rank,
+    result: dict[str, Any] = {"nproc": a.nproc, "device": a.device, "fsdp": a.fsdp,
+                              "kill_rank": a.kill_rank,
                               "kill_step": a.kill_step, "runs": {}, "summary": {}}
     if a.device == "cuda":
         import torch

@@ -16,7 +16,9 @@ on a world change, and logs the sample indices of every completed step to
 ``DIR/rank<R>.json`` (step, world, parameters, timeline),
 ``DIR/rank<R>.pid`` and ``DIR/rank<R>.step`` (the step it is running). ``resilient run
 --replacements 1`` starts a new rank for a lost one; it joins at a step boundary and receives the
-state from a live peer.
+state from a live peer. ``--fsdp`` shards the model with FSDP2 (``fully_shard``) instead of
+DDP: Recovery rebuilds it on the new group with ``build`` and restores the shards from peers'
+host memory (docs/recovery.md, "Sharded models"); the report then has no parameters.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-method", default="env://",
                    help="e.g. etcd://h1:2379,h2:2379/job42/ (the job's store on etcd: no rank "
                         "hosts it; RANK and WORLD_SIZE from the environment)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 (fully_shard over the default group) instead of DDP")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="etcd:// only: seconds; bounds the group's collectives and every store "
                         "call (a rank cut off from the store's quorum stops after about twice "
@@ -140,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", init_method=a.init_method)
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else (
         torch.device("cpu"))
-    model = DDP(make_model().to(device))
+    def build() -> torch.nn.Module:  # --fsdp: the model sharded over the current group
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        m = make_model().to(device)
+        return fully_shard(m, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+
+    model = build() if a.fsdp else DDP(make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     sampler = None
     if a.loader:
@@ -149,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = forever(DataLoader(data, batch_size=a.micro_batch, sampler=sampler))
     rec = Recovery.adopt(model, opt, global_batch=a.global_batch,  # resilient
                          micro_batch=a.micro_batch,  # resilient
-                         samplers=[sampler] if sampler else None)  # resilient (--loader)
+                         samplers=[sampler] if sampler else None,  # resilient (--loader)
+                         build=build if a.fsdp else None)  # resilient (--fsdp)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     rec.fault_hooks["step_start"].append(lambda r: progress(a, r))
@@ -190,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = rec.initial_rank  # a replacement rank's id: resilient.recovery.join.JOIN_BASE + n
     if a.out:
         report.update(rank=rank, joined=rec.joined, step=rec.step, world_size=rec.world_size,
-                      members=rec.members,
-                      params=torch.cat([p.detach().flatten() for p in rec.module.parameters()])
-                      .tolist(), timeline=rec.timeline.events)
+                      members=rec.members, timeline=rec.timeline.events)
+        if not a.fsdp:  # FSDP2: each rank holds shards
+            report["params"] = torch.cat([p.detach().flatten()
+                                          for p in rec.module.parameters()]).tolist()
         path = os.path.join(a.out, f"rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)

@@ -232,7 +232,7 @@ PY
         n=$(python -c "import torch; print(torch.cuda.device_count())")
         log "recovery under resilient run ($n GPUs)"
         timeout 560 python benchmarks/run_recovery_bench.py --nproc "$n" --device cuda \
-          --repeat ${RR_REPEAT:-2} --scenarios ${RR_SCENARIOS:-survivors,spare,replacement,restart} --out /tmp/rrb >"$OUT/run-recovery.log" 2>&1; echo "rc=$?"
+          --repeat ${RR_REPEAT:-2} --scenarios ${RR_SCENARIOS:-survivors,spare,replacement,restart} ${RR_ARGS:-} --out /tmp/rrb >"$OUT/run-recovery.log" 2>&1; echo "rc=$?"
         cp /tmp/rrb/run_recovery_bench.json "$OUT/" 2>/dev/null
         tar czf "$OUT/run-recovery-ranks.tgz" -C /tmp/rrb . 2>/dev/null  # every rank's timeline
         grep -v '^ ' "$OUT/run-recovery.log" | cut -c1-600 | tail -n 30

@@ -59,6 +59,7 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
                      async_op: bool = False) -> Any:
             work = super().__call__(output_tensor, input_tensor, group, async_op=True)
             rec._wait_work(work)
+            rec._first_collective_done()
             return work if async_op else None
 
     class PolledReduceScatter(DefaultReduceScatter):
@@ -70,6 +71,7 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
             rec._wait_work(work)
             n, me = output_tensor.numel(), dist.get_rank(group)
             output_tensor.view(-1).copy_(input_tensor.view(-1)[me * n:(me + 1) * n])
+            rec._first_collective_done()
             return work if async_op else None
 
     gather, scatter = PolledAllGather(), PolledReduceScatter()
