@@ -168,23 +168,20 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for s in held:
         mine.setdefault((s.rank, s.world), {}).setdefault(s.step, s)
     own_rank = replicas.rank if replicas is not None else -1
-    offer = {k: sorted(v) for k, v in mine.items()}
+    # what this rank holds, with each snapshot's entries and plain values (metadata only), so
+    # that one gather tells every rank everything the plan needs
+    offer = {k: {step: ([_entry_row(e) for e in snap.entries], snap.leaves, snap.extra)
+                 for step, snap in v.items()} for k, v in mine.items()}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (own_rank, offer, targets), group=group)
     seconds["gather"] = time.monotonic() - t0
-    step, old_world, holders = choose_step([o for _, o, _ in gathered],
-                                           [r for r, _, _ in gathered])
-    # each holder sends the entry lists of the old ranks it serves (small: metadata only)
-    metas = {old: [_entry_row(e) for e in mine[(old, old_world)][step].entries]
-             for old, j in holders.items() if j == me}
-    first = mine[(min(o for o, j in holders.items() if j == me), old_world)][step] \
-        if metas else None
-    plain = (first.leaves, first.extra) if first is not None else None
-    all_meta: list[Any] = [None] * world
-    dist.all_gather_object(all_meta, (metas, plain), group=group)
+    step, old_world, holders = choose_step(
+        [{k: sorted(v) for k, v in o.items()} for _, o, _ in gathered],
+        [r for r, _, _ in gathered])
+    chosen = {old: gathered[j][1][(old, old_world)][step] for old, j in holders.items()}
     sources = {old: [Entry(*_row_entry(r)) for r in rows]
-               for m, _ in all_meta for old, rows in m.items()}
-    leaves, extra = next(p for _, p in all_meta if p is not None)
+               for old, (rows, _, _) in chosen.items()}
+    _, leaves, extra = chosen[0]
     try:  # every rank computes the same plan, so every rank raises the same error
         moves = plan_moves([t for _, _, t in gathered], sources, holders)
     except ValueError as e:
