@@ -5,7 +5,8 @@ with replication on and off (ABAB, the same processes), so both share the machin
     python benchmarks/replica_overhead.py --gpus 4 --layers 24 --dim 4096 --json out.json
 
 Prints and writes: seconds per step with and without replication (median of the blocks), their
-ratio (goal <= 1.02), snapshots sent and skipped, and the bytes per snapshot.
+ratio (goal <= 1.02), snapshots sent, how often and how long a step waited for the previous
+snapshot's send, and the bytes per snapshot.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.dim, device=dev)
-    replicas = PeerReplicas(model, opt)
+    replicas = PeerReplicas(model, opt, every=args.every)
 
     def step(i: int, replicate: bool) -> None:
         opt.zero_grad()
@@ -74,7 +75,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
                "steps_per_block": args.steps, "blocks": args.blocks, "step_s_off": off,
                "step_s_on": on, "ratio": on / off, "blocks_off": times["off"],
                "blocks_on": times["on"], "snapshot_bytes": stats["bytes"],
-               "sent": stats["sent"], "skipped": stats["skipped"],
+               "every": replicas.every, "sent": stats["sent"], "waits": stats["waits"],
+               "waited_s": stats["waited_s"],
                "copy_s_on_training_thread": stats["copy_s"], "errors": stats["errors"]}
         print(json.dumps(out, indent=1), flush=True)
         if args.json:
@@ -92,6 +94,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--blocks", type=int, default=4, help="blocks per mode")
+    p.add_argument("--every", type=int, default=1, help="RESILIENT_REPLICA_EVERY")
     p.add_argument("--json", default="")
     args = p.parse_args()
     with socket.socket() as s:

@@ -73,18 +73,21 @@ def test_failures_are_classified_by_type_and_origin_not_by_message():
     # the op dispatcher: still a collective error; the dispatcher alone is not
     assert classify(_raise_below("_functional_collectives.py")) == "collective_error"
     assert classify(_raise_below("_tensor_ops_only.py")) is None
+    # another op on an AsyncCollectiveTensor (an OOM, a shape error) is the program's error
+    assert classify(_raise_below("_functional_collectives.py", "__torch_dispatch__")) is None
 
 
-def _raise_below(name: str) -> RuntimeError:
-    """A RuntimeError raised by code in torch/_ops.py called from torch/distributed/<name>."""
+def _raise_below(name: str, caller: str = "wait_tensor") -> RuntimeError:
+    """A RuntimeError raised by code in torch/_ops.py called from function `caller` of
+    torch/distributed/<name>."""
     sep = os.sep
     scope: dict = {}
     exec(compile("def op():\n    raise RuntimeError('Connection reset by peer')\n",
                  f"{sep}x{sep}torch{sep}_ops.py", "exec"), scope)
-    exec(compile("def wait(op):\n    op()\n",
+    exec(compile(f"def {caller}(op):\n    op()\n",
                  f"{sep}x{sep}torch{sep}distributed{sep}{name}", "exec"), scope)
     try:
-        scope["wait"](scope["op"])
+        scope[caller](scope["op"])
     except RuntimeError as e:
         return e
     raise AssertionError("expected an error")

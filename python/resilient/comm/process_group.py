@@ -205,6 +205,14 @@ def forget_device_meshes() -> None:
         cached = getattr(prop, name, None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+    # the redistribution planner's caches are keyed by meshes too
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    planner = getattr(redistribute, "clear_redistribute_planner_cache", None)
+    if planner is not None:
+        planner()
+    infos = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(infos, "cache_clear"):
+        infos.cache_clear()
 
 
 def _reset_group_names() -> None:

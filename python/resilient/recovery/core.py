@@ -379,8 +379,11 @@ class Recovery(StepLoop):
         self._run_hooks("step_start")
         if self._evicted.is_set():
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
-        if check_verdict and self._verdict.is_set() and self._members_failed():
-            raise PeerFailure("verdict")
+        if self._verdict.is_set() and self._members_failed():
+            if check_verdict:
+                raise PeerFailure("verdict")
+            if self.backend == "nccl":  # the verdict came between steps: nothing aborted the
+                self._abort_in_flight()  # group, and this step's kernels would wait on it
 
     def _end_step(self) -> None:
         self.step += 1

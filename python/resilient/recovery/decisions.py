@@ -112,13 +112,16 @@ _COLLECTIVE_WAIT = f"{os.sep}torch{os.sep}distributed{os.sep}_functional_collect
 
 def _raised_in_torch_distributed(exc: BaseException) -> bool:
     """True when the innermost Python frame of the traceback is torch.distributed's or DDP's
-    (the call that raised was one of their collectives), or when the error came out of a
-    functional collective's wait."""
-    tb, last, waited = exc.__traceback__, None, False
+    (the call that raised was one of their collectives), or when the innermost frame of the
+    functional collectives' module is their wait (``wait_tensor``): an error of another op on
+    an AsyncCollectiveTensor (its ``__torch_dispatch__`` is in that module too) is not."""
+    tb, last, in_wait = exc.__traceback__, None, False
     while tb is not None:
-        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-        waited = waited or last.endswith(_COLLECTIVE_WAIT)
-    return last is not None and (waited or any(part in last for part in _COLLECTIVE_CODE))
+        code = tb.tb_frame.f_code
+        last, tb = code.co_filename, tb.tb_next
+        if last.endswith(_COLLECTIVE_WAIT):
+            in_wait = code.co_name == "wait_tensor"
+    return last is not None and (in_wait or any(part in last for part in _COLLECTIVE_CODE))
 
 
 def _dist_errors() -> tuple[type, ...]:

@@ -8,9 +8,13 @@ learning rates, ``step`` counters) into one of two reusable host buffers: on GPU
 asynchronous device-to-host copy on a side stream, which the next ``optimizer.step`` waits for
 (a step pre-hook), so training does not wait for it. A sender thread then checksums the buffer
 (XXH3) and sends it over a gloo group of its own to the rank's buddies. Receiver threads keep the
-two newest verified replicas of each peer they back up. If the previous snapshot is still being
-sent, ``replicate`` skips this step (backpressure: training never waits for the network) and
-counts the skip.
+two newest verified replicas of each peer they back up (a replica arrives in a third buffer and
+replaces the older one only once it verified). Every rank snapshots the same steps, every
+``RESILIENT_REPLICA_EVERY``-th, so that a step held for every rank always exists: if the previous
+snapshot is still being sent when the next is due, ``replicate`` waits for it (``stats.waited_s``;
+choose ``every`` so that a snapshot's send fits in that many steps). A send that does not finish
+within ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S`` stops the replication (logged; a restore then
+falls back to storage) rather than stall training.
 
 Buddies (:func:`buddies`): ranks are listed host by host (RESILIENT_HOST_ID, else the hostname)
 and each rank backs up the rank ``m``, ``2m``, ... places further in that list, ``m`` being the
@@ -21,6 +25,7 @@ every rank holds ``factor`` replicas.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -33,6 +38,8 @@ import torch.distributed as dist
 
 from resilient import settings
 from resilient.checkpoint.dtensor import is_dtensor, local_chunk_info
+
+log = logging.getLogger("resilient.recovery")
 
 _ALIGN = 64
 _MAGIC = 0x5245504C  # "REPL"
@@ -190,12 +197,15 @@ class Snapshot:
                                         e.start, e.nbytes, e.replicated] for e in self.entries]},
                           default=_jsonable).encode()
 
-    def verify(self) -> bool:
+    def verify(self, constant: frozenset = frozenset()) -> bool:
         """The buffer still has the digest it was sent or received with, and every floating
-        tensor is finite (a diverged state is not worth restoring)."""
+        tensor but the `constant` keys (buffers: a causal mask may hold -inf) is finite (a
+        diverged state is not worth restoring)."""
         if _digest(self.buf, self.nbytes) != self.digest:
             return False
         for e in self.entries:
+            if e.key in constant:
+                continue
             t = entry_tensor(self.buf, e)
             if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
                 return False
@@ -220,14 +230,16 @@ def snapshot_from_meta(meta: dict, buf: torch.Tensor, nbytes: int, digest: int) 
 
 @dataclass
 class ReplicaStats:
-    """Counters: snapshots sent and skipped (previous one still in flight), replicas received
-    and rejected (checksum), seconds spent on the training thread, bytes per snapshot."""
+    """Counters: snapshots sent, snapshots that had to wait for the previous one's send,
+    replicas received and rejected (checksum), seconds spent on the training thread (copying,
+    waiting), bytes per snapshot."""
 
     sent: int = 0
-    skipped: int = 0
+    waits: int = 0
     received: int = 0
     rejected: int = 0
     copy_s: float = 0.0
+    waited_s: float = 0.0  # the training thread waiting for the previous snapshot's send
     bytes: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -243,6 +255,7 @@ class PeerReplicas:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  factor: int | None = None, memory_bytes: int | None = None,
+                 every: int | None = None, send_timeout_s: float | None = None,
                  host: str | None = None, timeout_s: float = 86400.0) -> None:
         from resilient.checkpoint.exchange import host_id
 
@@ -251,6 +264,14 @@ class PeerReplicas:
         factor = settings.get("replica_factor") if factor is None else factor
         self.memory_bytes = (settings.get("replica_memory") if memory_bytes is None
                              else memory_bytes)
+        self.every = max(1, int(settings.get("replica_every") if every is None else every))
+        self.send_timeout_s = float(settings.get("recovery_group_timeout_s")
+                                    if send_timeout_s is None else send_timeout_s)
+        self.broken: str | None = None  #: why replication stopped (None while it runs)
+        # buffers (parameters excluded) are left out of the finiteness check
+        params = {n for n, _ in model.named_parameters()}
+        self._constant = frozenset(json.dumps(["model", n]) for n, _ in model.named_buffers()
+                                   if n not in params)
         hosts: list[Any] = [None] * self.world
         dist.all_gather_object(hosts, host or host_id())
         plan = buddies([str(h) for h in hosts], factor)
@@ -261,6 +282,8 @@ class PeerReplicas:
         self._lock = threading.Lock()
         self._own: list[Snapshot] = []
         self._held: dict[int, list[Snapshot]] = {r: [] for r in self.sources}
+        self._spare: dict[int, torch.Tensor | None] = {r: None for r in self.sources}
+        self._sent = threading.Condition(self._lock)
         self._queue: queue.Queue = queue.Queue()  # one snapshot at a time (_sending)
         self._sending = False
         self._stopped = False
@@ -278,15 +301,25 @@ class PeerReplicas:
 
     def replicate(self, step: int, extra: dict | None = None) -> bool:
         """Snapshots the state of `step` (and `extra`, JSON-able values that travel with it: a
-        scheduler's state_dict, data positions) and hands it to the sender; False (counted)
-        when the previous snapshot is still being sent."""
-        if self._stopped or not self.to:
+        scheduler's state_dict, data positions) and hands it to the sender, when `step` is a
+        multiple of ``every``; waits first for the previous snapshot's send. False when no
+        snapshot was taken (not a scheduled step, or replication stopped: ``broken``)."""
+        if self._stopped or not self.to or self.broken or step % self.every:
             return False
+        t0 = time.monotonic()
         with self._lock:
             if self._sending:
-                self.stats.skipped += 1
+                self.stats.waits += 1  # counted: how often the send was the bottleneck
+                done = self._sent.wait_for(lambda: not self._sending or self._stopped,
+                                           timeout=self.send_timeout_s)
+                if not done:
+                    self._break(f"the snapshot before step {step} was not sent within "
+                                f"{self.send_timeout_s:g} s")
+                    return False
+            if self.broken or self._stopped:
                 return False
             self._sending = True
+        self.stats.waited_s += time.monotonic() - t0
         t0 = time.monotonic()
         try:
             snap = self._take(step)
@@ -295,10 +328,19 @@ class PeerReplicas:
         except BaseException:
             with self._lock:
                 self._sending = False
+                self._sent.notify_all()
             raise
         self.stats.copy_s += time.monotonic() - t0
         self._queue.put(snap)
         return True
+
+    def _break(self, why: str) -> None:
+        """Replication stops (called with the lock held or not): logged once; a restore then
+        finds no newer step here and falls back to storage."""
+        if self.broken is None:
+            self.broken = why
+            self.stats.errors.append(why)
+            log.error("resilient: peer replication on rank %d stopped: %s", self.rank, why)
 
     def _take(self, step: int) -> Snapshot:
         tensors, leaves = flatten(state_of(self.model, self.optimizer))
@@ -334,8 +376,8 @@ class PeerReplicas:
         if self.memory_bytes and need > self.memory_bytes:
             raise MemoryError(
                 f"peer replicas need {need / 2**30:.2f} GiB of host memory on rank {self.rank} "
-                f"(two snapshots of its own {nbytes / 2**30:.2f} GiB state and two of each of "
-                f"{len(self.sources)} peers'), over RESILIENT_REPLICA_MEMORY "
+                f"(two snapshots of its own {nbytes / 2**30:.2f} GiB state and three buffers for "
+                f"each of {len(self.sources)} peers'), over RESILIENT_REPLICA_MEMORY "
                 f"({self.memory_bytes / 2**30:.2f} GiB)")
 
     def _wait_copy(self, *_: Any) -> None:
@@ -367,11 +409,12 @@ class PeerReplicas:
                     dist.send(snap.buf[:snap.nbytes], group_dst=b, group=self._group)
                 self.stats.sent += 1
             except Exception as e:  # a peer that died: recovery rebuilds the ring
-                self.stats.errors.append(f"send: {e}")
+                self._break(f"send: {e}")
                 return
             finally:
                 with self._lock:
                     self._sending = False
+                    self._sent.notify_all()
 
     def _send_stop(self) -> None:
         header = torch.tensor([_MAGIC, -1, 0, 0, 0, self.rank, self.world], dtype=torch.int64)
@@ -398,10 +441,9 @@ class PeerReplicas:
                     if self._stopped:
                         return
                     held = self._held[src]
-                    reuse = held.pop(0) if len(held) == 2 else None
-                buf = reuse.buf if reuse is not None and reuse.buf.numel() >= nbytes else None
-                if buf is None:
-                    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+                    buf, self._spare[src] = self._spare[src], None
+                if buf is None or buf.numel() < nbytes:  # a third buffer: the two verified
+                    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)  # replicas stay
                 dist.recv(buf[:nbytes], group_src=src, group=self._group)
                 snap = snapshot_from_meta(meta, buf, nbytes, digest % (1 << 64))
                 ok = step == meta["step"] and _digest(buf, nbytes) == snap.digest
@@ -410,11 +452,16 @@ class PeerReplicas:
                     if ok:
                         held.append(snap)
                         self.stats.received += 1
+                        if len(held) > 2:
+                            self._spare[src] = held.pop(0).buf
                     else:
+                        self._spare[src] = buf
                         self.stats.rejected += 1
             except Exception as e:
-                with self._lock:
-                    if not self._stopped:
+                if not self._stopped:
+                    log.warning("resilient: rank %d stopped receiving replicas from rank %d: %s",
+                                self.rank, src, e)
+                    with self._lock:
                         self.stats.errors.append(f"receive from {src}: {e}")
                 return
 
@@ -435,7 +482,7 @@ class PeerReplicas:
                 s.state = "ok"
         out = []
         for s in own + held:
-            if s.verify():
+            if s.verify(self._constant):
                 out.append(s)
             else:
                 self.stats.rejected += 1
@@ -447,6 +494,7 @@ class PeerReplicas:
             if self._stopped:
                 return
             self._stopped = True
+            self._sent.notify_all()
         self._hook.remove()
         self._queue.put(None)
 
@@ -471,6 +519,13 @@ class PeerReplicas:
                     f"{ {r: [x.step for x in v] for r, v in self._held.items()} }, {self.stats}")
             time.sleep(0.005)
 
+    def release(self) -> None:
+        """Drops the snapshots (after a restore took what it needed)."""
+        self.stop()
+        with self._lock:
+            self._own, self._held = [], {r: [] for r in self.sources}
+            self._spare = {r: None for r in self.sources}
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Stops replication and waits for the sender to finish its snapshot."""
         self.stop()
@@ -478,8 +533,9 @@ class PeerReplicas:
 
 
 def memory_needed(nbytes: int, sources: int) -> int:
-    """Host bytes for two own snapshots and two replicas of each of `sources` peers."""
-    return 2 * nbytes * (1 + sources)
+    """Host bytes for two own snapshots and three buffers (two replicas and one arriving) for
+    each of `sources` peers."""
+    return nbytes * (2 + 3 * sources)
 
 
 __all__ = ["Entry", "PeerReplicas", "ReplicaStats", "Snapshot", "buddies", "flatten",

@@ -37,6 +37,15 @@ def check(rec: Any) -> None:
     if not isinstance(rec.optimizer, torch.optim.Optimizer):
         raise TypeError("Recovery(build=...) needs a torch.optim.Optimizer (its parameters are "
                         "moved onto the rebuilt model)")
+    others = [k for k, v in rec.extra_state.items() if isinstance(v, torch.optim.Optimizer)
+              and v is not rec.optimizer]
+    if others:
+        raise ValueError(f"Recovery(build=...) moves one optimizer onto the rebuilt model; "
+                         f"{others} hold further optimizers, which would go on updating the "
+                         "old model's parameters")
+    if rec.manager is not None and not isinstance(getattr(rec.manager, "state", None), dict):
+        raise ValueError("Recovery(build=...) with a CheckpointManager needs its state as a "
+                         "dict (the rebuilt model replaces the old one in it)")
 
 
 def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
@@ -82,9 +91,12 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
 
 
 def start_replicas(rec: Any) -> None:
-    """Starts peer replication of the current model over the current group (collective)."""
+    """Starts peer replication of the current model over the current group (collective), and
+    notes the names of its (sharded) parameters: during a step FSDP2 registers the unsharded
+    ones, so a failure mid-step would find other objects there."""
     from resilient.recovery.replica import PeerReplicas
 
+    rec._param_names = {id(p): n for n, p in rec.module.named_parameters()}
     rec.replicas = PeerReplicas(rec.module, rec.optimizer)
 
 
@@ -114,11 +126,10 @@ def no_sync(model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, old: torch.nn.Module,
+def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
                      new: torch.nn.Module) -> None:
-    """Points `optimizer`'s groups at `new`'s parameters of the same names and empties its
-    state (the restore fills it)."""
-    names = {id(p): n for n, p in old.named_parameters()}
+    """Points `optimizer`'s groups at `new`'s parameters of the same names (`names`: the old
+    parameters' ids to their names) and empties its state (the restore fills it)."""
     params = dict(new.named_parameters())
     for group in optimizer.param_groups:
         try:
@@ -136,12 +147,17 @@ def restore(rec: Any, holds_state: bool) -> str:
 
     old_replicas = rec.replicas if holds_state else None
     if old_replicas is not None:
-        old_replicas.stop()
-    rec.replicas = None
+        old_replicas.stop()  # kept on rec until a restore succeeded (a second failure retries)
+    names = getattr(rec, "_param_names", None) or {
+        id(p): n for n, p in rec.module.named_parameters()}
     module = rec.build()
     poll_collectives(rec, module)
-    rebind_optimizer(rec.optimizer, rec.module, module)
-    rec._retired.append(rec.module)
+    rebind_optimizer(rec.optimizer, names, module)
+    rec._param_names = {id(p): n for n, p in module.named_parameters()}
+    # The old model is dropped (its shards and buffers freed); its meshes, which hold the old
+    # groups, stay referenced: a group's destructor may block on a dead peer.
+    rec._retired += list({id(p.device_mesh): p.device_mesh for p in rec.module.parameters()
+                          if hasattr(p, "device_mesh")}.values())
     _replace_in_manager(rec, rec.module, module)
     rec.module = rec.model = module
     try:
@@ -164,6 +180,8 @@ def restore(rec: Any, holds_state: bool) -> str:
                          bytes_received=restored.bytes_received,
                          bytes_local=restored.bytes_local, seconds=restored.seconds)
     rec.optimizer.zero_grad(set_to_none=True)
+    if old_replicas is not None:
+        old_replicas.release()
     start_replicas(rec)
     return source
 
