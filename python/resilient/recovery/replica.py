@@ -438,10 +438,15 @@ class PeerReplicas:
                 dist.recv(meta_t, group_src=src, group=self._group)
                 meta = json.loads(bytes(meta_t.numpy()))
                 with self._lock:
-                    if self._stopped:
-                        return
+                    stopped = self._stopped
                     held = self._held[src]
-                    buf, self._spare[src] = self._spare[src], None
+                    buf = None
+                    if not stopped:
+                        buf, self._spare[src] = self._spare[src], None
+                if stopped:  # drained until the sender's stop, which close() awaits
+                    dist.recv(torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes],
+                              group_src=src, group=self._group)
+                    continue
                 if buf is None or buf.numel() < nbytes:  # a third buffer: the two verified
                     buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)  # replicas stay
                 dist.recv(buf[:nbytes], group_src=src, group=self._group)
@@ -527,9 +532,13 @@ class PeerReplicas:
             self._spare = {r: None for r in self.sources}
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stops replication and waits for the sender to finish its snapshot."""
+        """Stops replication: the sender finishes its snapshot and tells its buddies, and the
+        receivers take what their sources still send until those stop. Every rank calls it (a
+        thread left blocked in gloo at exit aborts the interpreter); bounded by `timeout_s`."""
         self.stop()
-        self._threads[0].join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def memory_needed(nbytes: int, sources: int) -> int:
