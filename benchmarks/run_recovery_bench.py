@@ -17,6 +17,9 @@ DDP model adopted by Recovery) with ``python -m resilient.run --standalone``; ra
 * ``replacement``: ``--replacements 1``: a process started after the loss (import, CUDA and
   NCCL init) joins; until its first completed collective (the members pause at the step after
   the kill until it has asked to join, so that it joins before the run ends);
+* ``device``: the rank's device fails instead (a real device-side assert on CUDA, which poisons
+  its context): it exits with 75 and the launcher restarts it alone (``--max-restarts 1``); the
+  survivors recover meanwhile; measured as ``replacement``;
 * ``restart``: ``--no-in-process-recovery --max-restarts 1``: torchrun's path, every worker
   stopped and started again; until the new group's first collective (DDP's initial parameter
   broadcast, the timeline's ``started``). Nothing is loaded from storage, so this is a lower
@@ -49,6 +52,7 @@ SCENARIOS = {
     "spare": ["--spares", "1"],
     "replacement": ["--replacements", "1"],
     "restart": ["--no-in-process-recovery", "--max-restarts", "1"],
+    "device": ["--max-restarts", "1"],
 }
 
 
@@ -95,8 +99,10 @@ def run_one(scenario: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
            "--device", a.device, "--user-loop", "--steps", str(a.steps), "--kill-rank",
            str(a.kill_rank), "--kill-step", str(a.kill_step), "--out", str(out),
            "--step-sleep", str(a.step_sleep)] + (["--fsdp"] if a.fsdp else [])
-    if scenario == "replacement":  # the members wait for its ticket, so it joins before the end
-        cmd += ["--wait-for-joiner", str(a.kill_step + 1)]
+    if scenario in ("replacement", "device"):  # the members wait for its ticket, so it joins
+        cmd += ["--wait-for-joiner", str(a.kill_step + 1)]  # before the end
+    if scenario == "device":
+        cmd += ["--fault", "device"]
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'python'}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env,

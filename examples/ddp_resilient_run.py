@@ -72,6 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (demos)")
     p.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     p.add_argument("--kill-step", type=int, default=-1, help="... at the start of this step")
+    p.add_argument("--fault", default="kill", choices=("kill", "device"),
+                   help="what happens to --kill-rank: SIGKILL, or its device fails (a real "
+                        "device-side assert on CUDA, emulated on CPU)")
     p.add_argument("--out", default="", help="directory for per-rank reports")
     p.add_argument("--wait-for-joiner", type=int, default=-1,
                    help="test hook: at this step the members wait (up to 60 s) until a "
@@ -110,6 +113,10 @@ def progress(a: argparse.Namespace, rec: Recovery) -> None:
         if a.out:  # the fault's time, on the clock of the timeline's time_mono
             with open(os.path.join(a.out, f"rank{rec.initial_rank}.killed"), "w") as f:
                 f.write(repr(time.monotonic()))
+        if a.fault == "device":
+            from resilient.chaos.faults import lose_device
+
+            lose_device(rec.device)  # this process leaves; resilient run restarts it alone
         os.kill(os.getpid(), signal.SIGKILL)
     if rec.step == a.wait_for_joiner and not rec.joined:
         from resilient.recovery.join import tickets_taken
@@ -203,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         report.update(rank=rank, joined=rec.joined, step=rec.step, world_size=rec.world_size,
                       members=rec.members, timeline=rec.timeline.events)
-        if not a.fsdp:  # FSDP2: each rank holds shards
-            report["params"] = torch.cat([p.detach().flatten()
-                                          for p in rec.module.parameters()]).tolist()
+        if "stopped" not in report:  # FSDP2: gathered from the shards (every rank is here)
+            report["params"] = torch.cat([
+                (p.full_tensor() if a.fsdp else p).detach().flatten().cpu()
+                for p in rec.module.parameters()]).tolist()
         path = os.path.join(a.out, f"rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)

@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,15 +27,20 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from resilient import CheckpointManager, Recovery, ResumableSampler, forever
+from resilient.chaos.faults import lose_device
 
 p = argparse.ArgumentParser()
 p.add_argument("--ckpt", required=True)
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--state-log", default="")
 p.add_argument("--sample-log", default="")
+p.add_argument("--lose-device", default="", metavar="RANK:STEP",
+               help="fault injection: that rank's device fails at that step (emulated on CPU)")
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (tests)")
 args = p.parse_args()
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
+first_rank = dist.get_rank()
 
 
 def build() -> nn.Module:
@@ -95,11 +101,14 @@ for step in rec.steps(start, args.steps):                                       
     with rec.attempt():                                                        # resilient
         if args.state_log:  # the state this step starts from (after a recovery: the restored)
             log({"begin": step, "hash": state_hash(rec, rec.model, opt)})
+        if args.lose_device == f"{first_rank}:{step}" and not rec.joined:
+            lose_device(rec.device)  # the process leaves; resilient run restarts it alone
         xb, yb, index = next(batches)
         opt.zero_grad()
         nn.functional.mse_loss(rec.model(xb), yb).backward()                   # resilient
         opt.step()
         sched.step()
+        time.sleep(args.step_sleep)
         if args.sample_log:
             with open(os.path.join(args.sample_log, f"pid{os.getpid()}.samples"), "a") as f:
                 f.write(json.dumps([step, os.getpid(), index.tolist()]) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -98,3 +99,53 @@ def test_recovery_errors_are_resilient_errors():
     assert issubclass(RecoveryStopped, ResilientError)
     with pytest.raises(RuntimeError):  # still RuntimeErrors for code that caught those
         raise RecoveryStopped("too few ranks")
+
+
+def test_a_device_is_lost_only_when_its_error_is_the_devices_and_the_device_fails(monkeypatch):
+    from resilient.recovery import device as device_state
+
+    cpu = torch.device("cpu")
+    cuda_error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    # the device still works: the program's own error (or a peer's), nothing to leave for
+    assert device_state.lost(cuda_error, cpu, collective_error=False) is None
+    calls = []
+
+    def broken(dev: torch.device) -> None:
+        calls.append(dev)
+        err = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        err.error_code = 700
+        raise err
+
+    monkeypatch.setattr(device_state, "probe", broken)
+    why = device_state.lost(cuda_error, cpu, collective_error=False)
+    assert why == "AcceleratorError 700: CUDA error: an illegal memory access was encountered"
+    # raised from one (a wrapper's error): found through the chain
+    try:
+        try:
+            raise cuda_error
+        except RuntimeError as inner:
+            raise ValueError("the step failed") from inner
+    except ValueError as outer:
+        assert device_state.lost(outer, cpu, collective_error=False) is not None
+    # a collective's error (NCCL reports CUDA failures as one) is probed too ...
+    assert device_state.lost(dist.DistBackendError("NCCL"), cpu, collective_error=True)
+    # ... but not the program's other errors, whatever they say: no probe at all
+    calls.clear()
+    assert device_state.lost(RuntimeError("CUDA error"), cpu, collective_error=False) is None
+    assert calls == []
+
+
+def test_the_agent_restarts_a_rank_whose_device_was_lost_from_max_restarts() -> None:
+    from resilient.recovery.agent import ResilientAgent
+    from resilient.recovery.device import EXIT_DEVICE_LOST
+
+    agent = ResilientAgent.__new__(ResilientAgent)  # the budget logic only
+    agent.replacements_left, agent._remaining_restarts = 0, 1
+    assert agent._restart_budget(-9) is None  # a lost rank without --replacements: not replaced
+    assert agent._restart_budget(1) is None
+    assert agent._restart_budget(EXIT_DEVICE_LOST) == "restarts"
+    agent._remaining_restarts = 0
+    assert agent._restart_budget(EXIT_DEVICE_LOST) is None
+    agent.replacements_left = 1  # --replacements pays first, for any lost rank
+    assert agent._restart_budget(-9) == "replacements"
+    assert agent._restart_budget(EXIT_DEVICE_LOST) == "replacements"

@@ -43,7 +43,10 @@ def test_first_host(nodes: str, first: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_srun_tasks_survive_a_kill(tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_srun_tasks_survive_a_kill(tmp_path: Path, free_port: int, fsdp: bool) -> None:
+    """DDP, and FSDP2 (the lost shard restored from a peer's memory): the survivors end with
+    the failure-free run's parameters (the batch is kept)."""
     pytest.importorskip("torch")
     import torch.distributed as dist
 
@@ -55,8 +58,8 @@ def test_srun_tasks_survive_a_kill(tmp_path: Path, free_port: int) -> None:
              "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "localhost",
              "SLURM_JOB_ID": f"{free_port}", "SLURM_STEP_ID": "0",
              "RESILIENT_STORE": f"127.0.0.1:{free_port}"} for r in range(4)]
-    codes = run_ranks(envs, ["--steps", "16", "--kill-rank", "2", "--kill-step", "6"], tmp_path,
-                      timeout=90)
+    codes = run_ranks(envs, ["--steps", "16", "--kill-rank", "2", "--kill-step", "6",
+                             *(["--fsdp"] if fsdp else [])], tmp_path, timeout=90)
     assert codes[2] == -signal.SIGKILL
     check_survivors(tmp_path, [0, 1, 3], codes)
     # Recovery's keys live under the srun step's prefix of the external store.

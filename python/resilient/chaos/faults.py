@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 
 def signal_group(pid: int, sig: int) -> None:
@@ -43,6 +44,31 @@ class DutyCycle:
         self._quit.set()
         self._thread.join(timeout=2)
         signal_group(self._pid, signal.SIGCONT)
+
+
+def lose_device(device: Any) -> NoReturn:
+    """Makes this process's device unusable, as a GPU fault does, and raises its error. On a
+    CUDA device for real: an out-of-bounds index in a kernel, a device-side assert, which
+    poisons the CUDA context (every later CUDA call fails). On a CPU device (tests without a
+    GPU) emulated: the same torch.AcceleratorError, and resilient.recovery.device's probe of
+    the device fails from now on."""
+    import torch
+
+    import resilient.recovery.device as device_state
+
+    if torch.device(device).type == "cuda":
+        x = torch.zeros(1, device=device)
+        x[torch.tensor([1 << 20], device=device)] = 1.0
+        torch.cuda.synchronize(device)  # raises: CUDA error: device-side assert triggered
+        raise AssertionError("an out-of-bounds index did not fail the device")
+    error = torch.AcceleratorError("CUDA error: device-side assert triggered (emulated)")
+    error.error_code = 710  # cudaErrorAssert
+
+    def probe(_device: Any) -> None:
+        raise error
+
+    device_state.probe = probe
+    raise error
 
 
 def step_dirs(root: str | Path) -> list[tuple[int, Path]]:

@@ -24,6 +24,7 @@ rng=False.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -194,7 +195,18 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, *, strict: bool = True) -> int:
         """Loads the newest checkpoint of the lineage (or `step`) into the state; returns its
-        step, 0 for a fresh root. Raises like Checkpointer.load."""
+        step, 0 for a fresh root. Raises like Checkpointer.load.
+
+        In a process that ``resilient run`` started to join a running job (a spare or a
+        replacement: ``RESILIENT_JOIN=1``), nothing is read and 0 is returned: its state comes
+        from the job's members when Recovery admits it, and reading the checkpoint in its
+        one-rank group before that would load every rank's shards into this one."""
+        from resilient.recovery.environment import JOIN_ENV
+
+        if step is None and os.environ.get(JOIN_ENV) == "1":
+            log.info("this process joins a running job: its state comes from the members, "
+                     "the checkpoint is not read")
+            return 0
         state = self._state()
         require_live(state, "CheckpointManager state")
         samplers = samplers_in(self.rank_state)

@@ -33,6 +33,10 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   rebuild when a rank is lost (resilient.recovery.join.admit_in_recovery). The lost worker's
   slot is then the spare's. Spares are used before replacements;
   a spare still waiting when the job finishes exits 0 (it finds the members' ``finished`` key).
+* A worker that exits with 75 (``EXIT_DEVICE_LOST``: Recovery found its CUDA context poisoned,
+  resilient.recovery.device) is restarted alone, on the same join path, paid from
+  ``--max-restarts`` when no ``--replacements`` are left (torchrun would restart every worker
+  for it).
 * Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
   not counted as failures: ranks finish together, so these are ranks the survivors removed (a
   frozen, SIGSTOPped rank stays a live process) or ranks stuck on the way out.
@@ -71,6 +75,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from resilient.ports import free_port
+from resilient.recovery.device import EXIT_DEVICE_LOST
 from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, JOIN_STORE_ENV, LAUNCHER_ENV
 
 log = logging.getLogger("resilient.recovery")
@@ -228,8 +233,9 @@ class ResilientAgent(LocalElasticAgent):
                                     spare.proc.pid, worker.global_rank)
                         running += 1
                         continue
-                    if others and self.replacements_left > 0:
-                        self._replace(worker_group, local_rank)
+                    budget = self._restart_budget(code) if others else None
+                    if budget is not None:
+                        self._replace(worker_group, local_rank, budget)
                         running += 1
                         continue
             if code != 0 and handler.proc.pid not in self._reaped:
@@ -271,18 +277,34 @@ class ResilientAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
     # ---- replacements ----
-    def _replace(self, worker_group: WorkerGroup, local_rank: int) -> None:
+    def _restart_budget(self, code: int) -> str | None:
+        """Which budget pays for replacing a worker that exited with ``code``: "replacements"
+        (``--replacements``), or "restarts" (``--max-restarts``) for a worker whose device was
+        lost (resilient.recovery.device): torchrun would restart the whole group for it, this
+        agent restarts that rank alone. None: it is not replaced."""
+        if self.replacements_left > 0:
+            return "replacements"
+        if code == EXIT_DEVICE_LOST and getattr(self, "_remaining_restarts", 0) > 0:
+            return "restarts"
+        return None
+
+    def _replace(self, worker_group: WorkerGroup, local_rank: int,
+                 budget: str = "replacements") -> None:
         """Starts a new process for ``local_rank`` that joins the running job (module
-        docstring)."""
+        docstring), paid from ``budget`` (:meth:`_restart_budget`)."""
         pc = self._pcontext
         assert pc is not None
-        self.replacements_left -= 1
+        if budget == "restarts":
+            self._remaining_restarts -= 1
+            left = self._remaining_restarts
+        else:
+            self.replacements_left -= 1
+            left = self.replacements_left
         handler = self._joiner(local_rank, f"replacement{len(self.exits)}", {})
         pc.subprocess_handlers[local_rank] = handler
         worker_group.workers[local_rank].id = handler.proc.pid
-        log.warning("resilient run: started pid %d to replace rank %s (%d replacements left)",
-                    handler.proc.pid, pc.envs[local_rank].get("RANK", ""),
-                    self.replacements_left)
+        log.warning("resilient run: started pid %d to replace rank %s (%d %s left)",
+                    handler.proc.pid, pc.envs[local_rank].get("RANK", ""), left, budget)
 
     def _joiner(self, local_rank: int, tag: str, extra: dict[str, str]) -> Any:
         """A process on the join path, with ``local_rank``'s command and environment (a
@@ -330,7 +352,7 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
     # Inherited by the workers (the subprocess handler starts from os.environ).
     os.environ[LAUNCHER_ENV] = "resilient run"
     os.environ[IN_PROCESS_ENV] = "1" if in_process else "0"
-    if in_process and (replacements or spares):
+    if in_process and (replacements or spares or config.max_restarts):
         os.environ.setdefault("RESILIENT_RECOVERY_JOIN_CHECK_EVERY", "1")
     if in_process and spares:
         os.environ.setdefault("RESILIENT_RECOVERY_MAX_WORLD", "-1")

@@ -60,6 +60,7 @@ from resilient.comm.process_group import (
     supports_shrink,
 )
 from resilient.errors import CollectiveError
+from resilient.recovery import device as device_state
 from resilient.recovery import sharded
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.decisions import (
@@ -407,6 +408,7 @@ class Recovery(StepLoop):
         """Recovers from ``exc``; a failure during the recovery starts the next one."""
         while True:
             cause = self._failure_cause(exc)
+            self._leave_if_device_lost(exc, cause)
             if cause is None:
                 raise exc
             try:
@@ -417,6 +419,19 @@ class Recovery(StepLoop):
                 raise
             except Exception as again:  # noqa: BLE001 -- classified on the next iteration
                 exc = again
+
+    def _leave_if_device_lost(self, exc: BaseException, cause: str | None) -> None:
+        """Ends this process when the step's failure left its device unusable (a sticky CUDA
+        error): it cannot take part in a recovery (resilient.recovery.device)."""
+        why = device_state.lost(exc, self._device, collective_error=cause is not None)
+        if why is None:
+            return
+        message = device_state.describe(self.initial_rank, self._device, why)
+        self.timeline.add("device_lost", step=self.step, error=why)
+        log.error("resilient recovery: %s", message, exc_info=exc)
+        with contextlib.suppress(Exception):  # the peers' verdict follows from the silence
+            self.detector.stop()
+        device_state.leave()
 
     def _train_step(self, loss_fn: LossFn, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
@@ -568,10 +583,12 @@ class Recovery(StepLoop):
         if group is None:
             return
         self.timeline.add("aborted", generation=self.generation)
+        t0 = time.monotonic()
         try:
             group.abort()
         except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
             log.warning("resilient recovery: aborting the NCCL group failed (%s)", exc)
+        self.timeline.add("abort_returned", seconds=time.monotonic() - t0)
 
     def _on_evicted(self, generation: int) -> None:
         self.timeline.add("evicted", generation=generation)
@@ -685,6 +702,8 @@ class Recovery(StepLoop):
         recovery (resilient.recovery.join.admit_in_recovery), decided once the survivors met."""
         excluded = [i for i, m in enumerate(self.members) if m not in survivors]
         t0 = time.monotonic()
+        if self.replicas is not None:  # before their group ends with the old ones (quietly)
+            self.replicas.stop()
         if self.store is not None:  # every survivor of `gen` meets first (gate.py says why)
             meet(self.store, f"gen{1000 * gen}", self.initial_rank, survivors,
                  newer=lambda: member_failed(*self.detector.generation, min_generation=gen + 1,

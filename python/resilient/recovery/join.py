@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from resilient.comm.process_group import abort_process_group, join_process_group
+from resilient.recovery import sharded
 
 JOIN_BASE = 1 << 20
 
@@ -202,6 +203,10 @@ def mark_finished(rec: Any) -> None:
 def _regroup(rec: Any, group_gen: int, rank: int, members: list[int], *,
              recovery: bool = False) -> None:
     t0 = time.monotonic()
+    if rec.replicas is not None:
+        if not recovery:  # a member at a step boundary: its state now, not the last replica's
+            sharded.snapshot_now(rec)
+        rec.replicas.stop()  # before their group ends with the old ones (quietly)
     if dist.is_initialized():
         abort_process_group()  # healthy, but a joiner forces a fresh group (reinit path)
     group = join_process_group(

@@ -256,7 +256,8 @@ class PeerReplicas:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  factor: int | None = None, memory_bytes: int | None = None,
                  every: int | None = None, send_timeout_s: float | None = None,
-                 host: str | None = None, timeout_s: float = 86400.0) -> None:
+                 host: str | None = None, timeout_s: float = 86400.0,
+                 group: Any = None) -> None:
         from resilient.checkpoint.exchange import host_id
 
         self.model, self.optimizer = model, optimizer
@@ -272,13 +273,15 @@ class PeerReplicas:
         params = {n for n, _ in model.named_parameters()}
         self._constant = frozenset(json.dumps(["model", n]) for n, _ in model.named_buffers()
                                    if n not in params)
+        # a gloo group over every rank, for the replicas only (`group`: one created by the
+        # caller with a long timeout, e.g. the restore's: a receiver waits for the next send)
+        self._group = group if group is not None else replica_group(timeout_s)
         hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, host or host_id())
+        dist.all_gather_object(hosts, host or host_id(), group=self._group)
         plan = buddies([str(h) for h in hosts], factor)
         self.to = plan[self.rank]
         self.sources = [r for r in range(self.world) if self.rank in plan[r]]
         self.stats = ReplicaStats()
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
         self._own: list[Snapshot] = []
         self._held: dict[int, list[Snapshot]] = {r: [] for r in self.sources}
@@ -334,23 +337,35 @@ class PeerReplicas:
         self._queue.put(snap)
         return True
 
+    def snapshot_now(self, step: int, extra: dict | None = None) -> None:
+        """Takes a snapshot of the current state (`step`) for a restore that follows at once,
+        and sends nothing: a member's state when a joiner grows the group (the newest replica
+        may be older: ``every``). Whatever the schedule, even with nobody to send to."""
+        with self._lock:
+            reuse = not self._sending  # the sender may still read the older buffer
+        snap = self._take(step, reuse=reuse)
+        snap.extra = dict(extra or {})
+
     def _break(self, why: str) -> None:
         """Replication stops (called with the lock held or not): logged once; a restore then
         finds no newer step here and falls back to storage."""
         if self.broken is None:
             self.broken = why
             self.stats.errors.append(why)
-            log.error("resilient: peer replication on rank %d stopped: %s", self.rank, why)
+            if self._stopped:  # a send that the group's end (a recovery, a join) cut short
+                log.info("resilient: peer replication on rank %d ended: %s", self.rank, why)
+            else:
+                log.error("resilient: peer replication on rank %d stopped: %s", self.rank, why)
 
-    def _take(self, step: int) -> Snapshot:
+    def _take(self, step: int, reuse: bool = True) -> Snapshot:
         tensors, leaves = flatten(state_of(self.model, self.optimizer))
         entries, locals_, nbytes = layout(tensors)
         self._check_budget(nbytes)
         cuda = any(t.is_cuda for t in locals_)
         with self._lock:
             # the older of the two own snapshots is reused; the newer one stays restorable
-            reuse = self._own.pop(0) if len(self._own) == 2 else None
-        buf = reuse.buf if reuse is not None and reuse.buf.numel() >= nbytes else None
+            old = self._own.pop(0) if reuse and len(self._own) == 2 else None
+        buf = old.buf if old is not None and old.buf.numel() >= nbytes else None
         if buf is None:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
         snap = Snapshot(self.rank, self.world, step, entries, leaves, buf, nbytes)
@@ -541,6 +556,11 @@ class PeerReplicas:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+def replica_group(timeout_s: float = 86400.0) -> Any:
+    """A gloo group over every rank of the default group, for PeerReplicas (collective)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def memory_needed(nbytes: int, sources: int) -> int:
     """Host bytes for two own snapshots and three buffers (two replicas and one arriving) for
     each of `sources` peers."""
@@ -548,4 +568,4 @@ def memory_needed(nbytes: int, sources: int) -> int:
 
 
 __all__ = ["Entry", "PeerReplicas", "ReplicaStats", "Snapshot", "buddies", "flatten",
-           "layout", "memory_needed", "state_of"]
+           "layout", "memory_needed", "replica_group", "state_of"]

@@ -17,7 +17,9 @@ every rank: load from storage instead.
 from __future__ import annotations
 
 import json
+import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,15 +150,21 @@ def _box(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
 
 
 def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    replicas: PeerReplicas | None, *, group: Any = None) -> Restored:
+                    replicas: PeerReplicas | None, *, group: Any = None,
+                    wait: Callable[[Any], None] | None = None) -> Restored:
     """Fills `model` and `optimizer` (sharded over the current default group) with the newest
     step of the old group's state held in memory; returns what it did. Collective over the
     default group (`group`: a gloo group over the same ranks, created if the default group is
-    not gloo). Raises ReplicaUnavailable (every rank) when memory holds no complete step."""
+    not gloo). Raises ReplicaUnavailable (every rank) when memory holds no complete step.
+
+    `wait(work)` waits for each of its collectives, issued asynchronously (Recovery's: polled
+    while it watches the detector, so a peer lost during the restore raises PeerFailure
+    instead of blocking until the group's timeout); default: ``work.wait()``."""
     t0 = time.monotonic()
     seconds: dict[str, float] = {}
     if group is None and dist.get_backend() != "gloo":
         group = dist.new_group(backend="gloo")
+    wait = wait or (lambda work: work.wait())
     me, world = dist.get_rank(group), dist.get_world_size(group)
     state = state_of(model, optimizer)
     tensors, _ = flatten(state)
@@ -172,8 +180,7 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # that one gather tells every rank everything the plan needs
     offer = {k: {step: ([_entry_row(e) for e in snap.entries], snap.leaves, snap.extra)
                  for step, snap in v.items()} for k, v in mine.items()}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (own_rank, offer, targets), group=group)
+    gathered = _gather_objects((own_rank, offer, targets), group, wait)
     seconds["gather"] = time.monotonic() - t0
     step, old_world, holders = choose_step(
         [{k: sorted(v) for k, v in o.items()} for _, o, _ in gathered],
@@ -189,12 +196,11 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     seconds["plan"] = time.monotonic() - t0 - seconds["gather"]
     try:
         received, local = _exchange(moves, me, world, group, mine, old_world, step, entries,
-                                    locals_)
+                                    locals_, wait)
         problem = None
     except ReplicaUnavailable as e:
         problem, received, local = str(e), 0, 0
-    problems: list[Any] = [None] * world
-    dist.all_gather_object(problems, problem, group=group)  # one rank's bad bytes fail all
+    problems = _gather_objects(problem, group, wait)  # one rank's bad bytes fail all
     bad = [f"rank {j}: {p}" for j, p in enumerate(problems) if p]
     if bad:
         raise ReplicaUnavailable("; ".join(bad))
@@ -206,6 +212,22 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    optim_state_dict=state["optim"])
     seconds["total"] = time.monotonic() - t0
     return Restored(step, old_world, received, local, seconds, extra)
+
+
+def _gather_objects(obj: Any, group: Any, wait: Callable[[Any], None]) -> list[Any]:
+    """``all_gather_object`` as two asynchronous all-gathers (sizes, then the padded bytes),
+    each waited for by `wait`."""
+    world = dist.get_world_size(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=group, async_op=True))
+    n = max(int(t) for t in sizes)
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
+    wait(dist.all_gather(parts, padded, group=group, async_op=True))
+    return [pickle.loads(p[:int(k)].numpy().tobytes())  # noqa: S301 -- the job's own ranks
+            for p, k in zip(parts, sizes)]
 
 
 def _entry_row(e: Entry) -> list:
@@ -220,7 +242,8 @@ def _row_entry(r: list) -> tuple:
 
 def _exchange(moves: list[Move], me: int, world: int, group: Any,
               mine: dict[tuple[int, int], dict[int, Snapshot]], old_world: int, step: int,
-              entries: list[Entry], locals_: list[torch.Tensor]) -> tuple[int, int]:
+              entries: list[Entry], locals_: list[torch.Tensor],
+              wait: Callable[[Any], None]) -> tuple[int, int]:
     """Sends this rank's boxes to their needers in one all-to-all (each destination's bytes
     followed by their XXH3) and copies the received ones into the local targets."""
     target = {e.key: t for e, t in zip(entries, locals_)}
@@ -257,7 +280,7 @@ def _exchange(moves: list[Move], me: int, world: int, group: Any,
     recv_sizes = [n + (8 if j != me else 0) for j, n in enumerate(in_sizes)]
     inp = torch.cat(send)
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    dist.all_to_all_single(out, inp, recv_sizes, out_sizes, group=group)
+    wait(dist.all_to_all_single(out, inp, recv_sizes, out_sizes, group=group, async_op=True))
     at, pos = 0, {}
     for j, n in enumerate(recv_sizes):
         if j != me:

@@ -90,20 +90,27 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
             m.set_custom_reduce_scatter(scatter)
 
 
-def start_replicas(rec: Any) -> None:
-    """Starts peer replication of the current model over the current group (collective), and
-    notes the names of its (sharded) parameters: during a step FSDP2 registers the unsharded
-    ones, so a failure mid-step would find other objects there."""
+def start_replicas(rec: Any, group: Any = None) -> None:
+    """Starts peer replication of the current model over the current group (collective;
+    `group`: a gloo group over it to use, see :func:`restore`), and notes the names of its
+    (sharded) parameters: during a step FSDP2 registers the unsharded ones, so a failure
+    mid-step would find other objects there."""
     from resilient.recovery.replica import PeerReplicas
 
     rec._param_names = {id(p): n for n, p in rec.module.named_parameters()}
-    rec.replicas = PeerReplicas(rec.module, rec.optimizer)
+    rec.replicas = PeerReplicas(rec.module, rec.optimizer, group=group)
 
 
 def replicate(rec: Any) -> None:
     """After a completed step: snapshot and send (skipped while the previous one is in flight)."""
     if rec.replicas is not None:
         rec.replicas.replicate(rec.step, extra=_extra(rec))
+
+
+def snapshot_now(rec: Any) -> None:
+    """Before a joiner grows the group: the members' current state, for the restore."""
+    if rec.replicas is not None:
+        rec.replicas.snapshot_now(rec.step, extra=_extra(rec))
 
 
 def _extra(rec: Any) -> dict:
@@ -143,6 +150,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
 def restore(rec: Any, holds_state: bool) -> str:
     """Builds the model on the new group and fills it from memory (else storage); returns the
     source. Collective over the new group."""
+    from resilient.recovery.replica import replica_group
     from resilient.recovery.reshard import ReplicaUnavailable, restore_sharded
 
     old_replicas = rec.replicas if holds_state else None
@@ -160,8 +168,12 @@ def restore(rec: Any, holds_state: bool) -> str:
                           if hasattr(p, "device_mesh")}.values())
     _replace_in_manager(rec, rec.module, module)
     rec.module = rec.model = module
+    # One gloo group for the restore's exchange and then the new replicas (a group costs a
+    # rendezvous of every rank; on NCCL jobs the gather of hosts also stays off the GPU).
+    group = replica_group()
     try:
-        restored = restore_sharded(module, rec.optimizer, old_replicas)
+        restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,
+                                   wait=rec._wait_work)  # polled: a peer lost meanwhile
     except ReplicaUnavailable as e:
         if rec.manager is None:
             raise RecoveryStopped(rec._stop(f"the lost shard is not in memory ({e}) and there "
@@ -182,7 +194,7 @@ def restore(rec: Any, holds_state: bool) -> str:
     rec.optimizer.zero_grad(set_to_none=True)
     if old_replicas is not None:
         old_replicas.release()
-    start_replicas(rec)
+    start_replicas(rec, group)
     return source
 
 
@@ -206,4 +218,5 @@ def _replace_in_manager(rec: Any, old: torch.nn.Module, new: torch.nn.Module) ->
                 state[key] = new
 
 
-__all__ = ["check", "no_sync", "rebind_optimizer", "replicate", "restore", "start_replicas"]
+__all__ = ["check", "no_sync", "rebind_optimizer", "replicate", "restore", "snapshot_now",
+           "start_replicas"]
