@@ -1,7 +1,9 @@
 // resilient._C.comm: the NCCL loader and the communicator manager, whose store is any store
 // as_store() accepts (a torch.distributed.Store, resilient._C.InMemoryStore). Every native wait
 // releases the GIL; callbacks into Python (the store, the done query) take it back.
+#include <cstdint>
 #include <cstring>
+#include <stdexcept>
 
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
@@ -131,9 +133,21 @@ void register_comm(pyb::module_& m) {
       .def_property_readonly("version_string",
                              [](const NcclLibrary& l) { return format_nccl_version(l.version()); })
       .def_property_readonly("origin", &NcclLibrary::origin)
-      .def("supports", [](const NcclLibrary& l, const std::string& f) {
-        return l.supports(parse_nccl_feature(f));
-      });
+      .def("supports", [](const NcclLibrary& l,
+                          const std::string& f) { return l.supports(parse_nccl_feature(f)); })
+      .def(
+          "revoke_comm",
+          [](const NcclLibrary& l, std::uintptr_t comm) {
+            // Another owner's communicator (torch's ProcessGroupNCCL._comm_ptr()): in-flight
+            // operations stop at once, without the teardown an abort does.
+            throw_if_error(l.require(NcclFeature::kRevoke));
+            if (comm == 0) throw pyb::value_error("revoke_comm: a null communicator");
+            auto* c = reinterpret_cast<NcclComm>(comm);
+            const int rc = without_gil([&] { return l.api().comm_revoke(c, 0); });
+            if (rc != 0) throw std::runtime_error("ncclCommRevoke: " + l.describe(rc, c));
+          },
+          pyb::arg("comm"),
+          "ncclCommRevoke on a communicator given by address; errors: NCCL too old, or NCCL's");
 
   pyb::class_<CommManager>(s, "CommManager", "One non-blocking NCCL communicator.")
       .def(pyb::init([](std::shared_ptr<NcclLibrary> lib, const CommOptions& o) {
