@@ -1,6 +1,7 @@
 """One rank of an FSDP2 job (CPU, gloo) that replicates its shards to peers, loses rank 3 to
 SIGKILL, and restores the lost shard from memory on the survivors' new group (with a spare, or
-resharded N -> N-1). Run by test_recovery_replica.py; writes <out>/rank<r>.json.
+resharded N -> N-1; hsdp: HSDP over 2 replica groups without peer copies, the lost shard taken
+from the other replica group). Run by test_recovery_replica.py; writes <out>/rank<r>.json.
 
     fsdp_replica_worker.py ROLE RANK PORT OUT SCENARIO     (ROLE: member | spare)
 
@@ -48,11 +49,16 @@ class Net(nn.Module):
         return self.layers[1](torch.tanh(self.layers[0](x))) * self.scale
 
 
+HSDP = False  # scenario "hsdp": 2 replica groups of 2 ranks while the world is 4
+
+
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     """The user's factory: the model sharded over the current default group, its optimizer."""
     torch.manual_seed(0)
     model = Net().to(_device())
-    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = (init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("replicate", "shard"))
+            if HSDP and world == 4 else init_device_mesh(DEVICE, (world,)))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -91,7 +97,7 @@ def full_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
 
 
 def main() -> None:
-    global LOST
+    global LOST, HSDP
     role, rank, port, out, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
@@ -99,6 +105,7 @@ def main() -> None:
     if scenario.endswith("1"):  # rank 1 lost: the survivors' ranks move down (2 -> 1, 3 -> 2)
         LOST, scenario = 1, scenario[:-1]
     spare = scenario == "spare"
+    HSDP = scenario == "hsdp"
     if DEVICE == "cuda":
         torch.cuda.set_device(LOST if role == "spare" else rank)
     new_world = WORLD if spare else WORLD - 1
@@ -114,7 +121,10 @@ def main() -> None:
                                 device_id=_dev_id())
         model, opt = build()
         # two emulated hosts: ranks 0, 1 and 2, 3; rank 3's buddy is rank 1, 1's is 3
-        replicas = PeerReplicas(model, opt, host=f"host{rank // 2}")
+        # hsdp: no peer copies at all (factor 0): rank 3's shard is rank 1's, its twin in
+        # the other replica group
+        replicas = PeerReplicas(model, opt, host=f"host{rank // 2}",
+                                factor=0 if HSDP else None)
         result["buddies"] = replicas.to
         hashes = {}
         for step in range(1, STEPS + 1):

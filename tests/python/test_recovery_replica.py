@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 
 from resilient.checkpoint.plan import ShardSpec
 from resilient.recovery.replica import Entry, buddies
-from resilient.recovery.reshard import ReplicaUnavailable, choose_step, plan_moves
+from resilient.recovery.reshard import (
+    ReplicaUnavailable,
+    candidate_steps,
+    choose_step,
+    plan_moves,
+)
 
 WORKER = Path(__file__).with_name("fsdp_replica_worker.py")
 
@@ -59,15 +64,20 @@ def _run(tmp_path: Path, scenario: str) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("scenario,step", [("shrink", 5), ("spare", 5), ("lag", 4),
-                                           ("corrupt", 4), ("shrink1", 5), ("spare1", 5)])
+                                           ("corrupt", 4), ("shrink1", 5), ("spare1", 5),
+                                           ("hsdp", 5)])
 def test_lost_shard_restored_from_memory(tmp_path: Path, scenario: str, step: int) -> None:
-    """Rank 3 (or 1: then the survivors' ranks move down and every shard moves) is lost."""
+    """Rank 3 (or 1: then the survivors' ranks move down and every shard moves) is lost.
+    hsdp: HSDP (2 replica groups of 2) without peer replicas, resharded to FSDP over 3."""
     res = _run(tmp_path, scenario)
     lost = 1 if scenario.endswith("1") else 3
     members = [r for r in range(4) if r != lost]
     spare = scenario.startswith("spare")
     assert sorted(res) == sorted(members + [4] if spare else members)
-    assert res[3 if lost == 1 else 1]["buddies"] == [lost]  # its replica is on the other host
+    if scenario == "hsdp":  # no peer copies: the other replica group holds rank 3's shard
+        assert all(res[r]["buddies"] == [] for r in members)
+    else:
+        assert res[3 if lost == 1 else 1]["buddies"] == [lost]  # its replica: the other host
     for r in members:
         assert res[r]["new_rank"] == members.index(r)
         assert res[r]["step"] == step, res[r]
@@ -156,3 +166,14 @@ def test_choose_step_prefers_newest_complete_and_own_holder() -> None:
         choose_step([{(0, 2): [5]}, {}], [0, -1])
     with pytest.raises(ReplicaUnavailable, match="no replicated state"):
         choose_step([{}, {}], [-1, -1])
+
+
+def test_candidate_steps_list_partial_steps_newest_first() -> None:
+    """A step where an old rank is held by nobody is still a candidate (HSDP: its boxes may be
+    another rank's); choose_step keeps asking for every old rank."""
+    offers = [{(0, 4): [5, 6], (2, 4): [5]}, {(1, 4): [5, 6]}, {(2, 4): [5, 6]}]
+    old_world, cands = candidate_steps(offers, [0, 1, 2])
+    assert old_world == 4
+    assert cands == [(6, {0: 0, 1: 1, 2: 2}), (5, {0: 0, 1: 1, 2: 2})]
+    with pytest.raises(ReplicaUnavailable, match="old ranks' shards"):
+        choose_step(offers, [0, 1, 2])  # old rank 3 is held at no step

@@ -55,9 +55,9 @@ def buddies(hosts: list[str], factor: int = 1) -> list[list[int]]:
     equal size no rank's buddy shares its host. One host: the next ranks.
     """
     world = len(hosts)
-    if world < 2:
+    if world < 2 or factor <= 0:  # 0: no peer copies (HSDP: the replica groups hold them)
         return [[] for _ in hosts]
-    factor = max(1, min(int(factor), world - 1))
+    factor = min(int(factor), world - 1)
     order: list[int] = []
     first: dict[str, int] = {}
     for r, h in enumerate(hosts):
@@ -263,6 +263,7 @@ class PeerReplicas:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         factor = settings.get("replica_factor") if factor is None else factor
+        self.factor = int(factor)
         self.memory_bytes = (settings.get("replica_memory") if memory_bytes is None
                              else memory_bytes)
         self.every = max(1, int(settings.get("replica_every") if every is None else every))
@@ -307,8 +308,15 @@ class PeerReplicas:
         scheduler's state_dict, data positions) and hands it to the sender, when `step` is a
         multiple of ``every``; waits first for the previous snapshot's send. False when no
         snapshot was taken (not a scheduled step, or replication stopped: ``broken``)."""
-        if self._stopped or not self.to or self.broken or step % self.every:
+        if self._stopped or self.broken or step % self.every:
             return False
+        if not self.to:
+            if self.factor > 0:  # a group of one: nothing to restore for
+                return False
+            # RESILIENT_REPLICA_FACTOR=0 (HSDP: the other replica groups hold each shard): the
+            # own snapshot is all, read by a restore that takes the lost shard's boxes from it
+            self._take(step).extra = dict(extra or {})
+            return True
         t0 = time.monotonic()
         with self._lock:
             if self._sending:

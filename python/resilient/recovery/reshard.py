@@ -78,30 +78,46 @@ def choose_step(offers: list[dict[tuple[int, int], list[int]]],
     is the new rank that was that old rank (`own[j]`: new rank j's old rank, -1 for a spare)
     when it holds that step, else the lowest new rank that does. Pure; raises
     ReplicaUnavailable."""
+    old_world, candidates = candidate_steps(offers, own)
+    for step, holders in candidates:
+        if len(holders) == old_world:
+            return step, old_world, holders
+    raise ReplicaUnavailable(_incomplete(offers, old_world))
+
+
+def candidate_steps(offers: list[dict[tuple[int, int], list[int]]],
+                    own: list[int]) -> tuple[int, list[tuple[int, dict[int, int]]]]:
+    """(old world, [(step, holders)] newest step first): every step at which some old rank's
+    snapshot is held, with the holder of each old rank held at it (as :func:`choose_step`).
+    A step that lacks an old rank can still be complete when others hold the same boxes (HSDP:
+    the other replica group); the restore plans each in turn. Pure."""
     worlds = {w for o in offers for (_, w) in o}
     if len(worlds) != 1:
         raise ReplicaUnavailable(
             "no replicated state to restore from" if not worlds else
             f"the snapshots held come from groups of different sizes {sorted(worlds)}")
     old_world = worlds.pop()
-    steps: dict[int, set[int]] = {}
+    steps = sorted({s for o in offers for held in o.values() for s in held}, reverse=True)
+    out = []
+    for step in steps:
+        holders: dict[int, int] = {}
+        for old in range(old_world):
+            cands = [j for j, o in enumerate(offers) if step in o.get((old, old_world), ())]
+            mine = [j for j in cands if own[j] == old]
+            if cands:
+                holders[old] = (mine or cands)[0]
+        out.append((step, holders))
+    return old_world, out
+
+
+def _incomplete(offers: list[dict[tuple[int, int], list[int]]], old_world: int) -> str:
+    have: dict[int, set[int]] = {r: set() for r in range(old_world)}
     for o in offers:
         for (old, _), held in o.items():
-            steps.setdefault(old, set()).update(held)
-    missing = [r for r in range(old_world) if r not in steps]
-    common = set.intersection(*(steps[r] for r in range(old_world))) if not missing else set()
-    if not common:
-        have = {r: sorted(steps.get(r, ())) for r in range(old_world)}
-        raise ReplicaUnavailable(
-            f"no step of all {old_world} old ranks' shards is held in memory (steps held per old "
-            f"rank: {have}); load the checkpoint from storage")
-    step = max(common)
-    holders: dict[int, int] = {}
-    for old in range(old_world):
-        cands = [j for j, o in enumerate(offers) if step in o.get((old, old_world), ())]
-        mine = [j for j in cands if own[j] == old]
-        holders[old] = (mine or cands)[0]
-    return step, old_world, holders
+            have.setdefault(old, set()).update(held)
+    return (f"no step of all {old_world} old ranks' shards is held in memory (steps held per old "
+            f"rank: { {r: sorted(v) for r, v in have.items()} }); load the checkpoint from "
+            "storage")
 
 
 def plan_moves(targets: list[list[tuple[str, str, ShardSpec, bool]]],
@@ -182,17 +198,23 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  for step, snap in v.items()} for k, v in mine.items()}
     gathered = _gather_objects((own_rank, offer, targets), group, wait)
     seconds["gather"] = time.monotonic() - t0
-    step, old_world, holders = choose_step(
-        [{k: sorted(v) for k, v in o.items()} for _, o, _ in gathered],
-        [r for r, _, _ in gathered])
-    chosen = {old: gathered[j][1][(old, old_world)][step] for old, j in holders.items()}
-    sources = {old: [Entry(*_row_entry(r)) for r in rows]
-               for old, (rows, _, _) in chosen.items()}
-    _, leaves, extra = chosen[0]
-    try:  # every rank computes the same plan, so every rank raises the same error
-        moves = plan_moves([t for _, _, t in gathered], sources, holders)
-    except ValueError as e:
-        raise ReplicaUnavailable(f"the state in memory does not fit the new model: {e}") from e
+    offers = [{k: sorted(v) for k, v in o.items()} for _, o, _ in gathered]
+    old_world, candidates = candidate_steps(offers, [r for r, _, _ in gathered])
+    # the newest step whose held snapshots fill every new target (every rank plans the same)
+    why = _incomplete(offers, old_world)
+    for step, holders in candidates:
+        chosen = {old: gathered[j][1][(old, old_world)][step] for old, j in holders.items()}
+        sources = {old: [Entry(*_row_entry(r)) for r in rows]
+                   for old, (rows, _, _) in chosen.items()}
+        try:
+            moves = plan_moves([t for _, _, t in gathered], sources, holders)
+            break
+        except ValueError as e:
+            if len(holders) == old_world:  # every old rank held: the model does not match
+                why = f"the state in memory does not fit the new model: {e}"
+    else:
+        raise ReplicaUnavailable(why)
+    _, leaves, extra = chosen[min(chosen)]
     seconds["plan"] = time.monotonic() - t0 - seconds["gather"]
     try:
         received, local = _exchange(moves, me, world, group, mine, old_world, step, entries,
@@ -324,5 +346,5 @@ def _apply_leaves(state: dict, leaves: dict[str, Any]) -> None:
         node[path[-1]] = tuple(value) if isinstance(old, tuple) else value
 
 
-__all__ = ["Move", "ReplicaUnavailable", "Restored", "choose_step", "plan_moves",
-           "restore_sharded"]
+__all__ = ["Move", "ReplicaUnavailable", "Restored", "candidate_steps", "choose_step",
+           "plan_moves", "restore_sharded"]
