@@ -147,7 +147,8 @@ void register_comm(pyb::module_& m) {
             if (rc != 0) throw std::runtime_error("ncclCommRevoke: " + l.describe(rc, c));
           },
           pyb::arg("comm"),
-          "ncclCommRevoke on a communicator given by address; errors: NCCL too old, or NCCL's");
+          "ncclCommRevoke on a communicator given by address, which this library must have made "
+          "(load_nccl() finds torch's copy first); errors: NCCL too old, or NCCL's");
 
   pyb::class_<CommManager>(s, "CommManager", "One non-blocking NCCL communicator.")
       .def(pyb::init([](std::shared_ptr<NcclLibrary> lib, const CommOptions& o) {

@@ -233,7 +233,10 @@ class ResilientAgent(LocalElasticAgent):
                                     spare.proc.pid, worker.global_rank)
                         running += 1
                         continue
-                    budget = self._restart_budget(code) if others else None
+                    # a lost device is this process's alone: restarted even when it was the
+                    # node's last worker (the job's other ranks are on other nodes)
+                    budget = (self._restart_budget(code)
+                              if others or code == EXIT_DEVICE_LOST else None)
                     if budget is not None:
                         self._replace(worker_group, local_rank, budget)
                         running += 1

@@ -71,7 +71,11 @@ from resilient.recovery.decisions import (
     member_failed,
     poll_collective,
 )
-from resilient.recovery.environment import may_be_served_by_a_rank, warn_about_launcher
+from resilient.recovery.environment import (
+    JOIN_ENV,
+    may_be_served_by_a_rank,
+    warn_about_launcher,
+)
 from resilient.recovery.gate import GateAbandoned, meet
 from resilient.recovery.join import (
     JOIN_BASE,
@@ -281,6 +285,9 @@ class Recovery(StepLoop):
         if join or self._join_on_start:
             warn_about_launcher()
             self.joined = join_as_spare(self, self.config.join_timeout_s)
+            # A member from now on: its CheckpointManager reads storage again when a later
+            # recovery falls back to it (RESILIENT_JOIN only spares the read before admission).
+            os.environ.pop(JOIN_ENV, None)
             self._polled_detector = True
             self.timeline.add("started", world_size=self.world_size, joined=self.joined)
             if not self.joined:
@@ -423,7 +430,7 @@ class Recovery(StepLoop):
     def _leave_if_device_lost(self, exc: BaseException, cause: str | None) -> None:
         """Ends this process when the step's failure left its device unusable (a sticky CUDA
         error): it cannot take part in a recovery (resilient.recovery.device)."""
-        why = device_state.lost(exc, self._device, collective_error=cause is not None)
+        why = device_state.lost(exc, self._compute_device(), collective_error=cause is not None)
         if why is None:
             return
         message = device_state.describe(self.initial_rank, self._device, why)
@@ -432,6 +439,14 @@ class Recovery(StepLoop):
         with contextlib.suppress(Exception):  # the peers' verdict follows from the silence
             self.detector.stop()
         device_state.leave()
+
+    def _compute_device(self) -> torch.device:
+        """The device the model computes on: the collectives' one, or (a gloo job training on a
+        GPU) the current CUDA device once CUDA is in use."""
+        if self._device.type == "cpu" and torch.cuda.is_available() and \
+                torch.cuda.is_initialized():
+            return torch.device("cuda", torch.cuda.current_device())
+        return self._device
 
     def _train_step(self, loss_fn: LossFn, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -257,7 +259,7 @@ class PeerReplicas:
                  factor: int | None = None, memory_bytes: int | None = None,
                  every: int | None = None, send_timeout_s: float | None = None,
                  host: str | None = None, timeout_s: float = 86400.0,
-                 group: Any = None) -> None:
+                 group: Any = None, wait: Callable[[Any], None] | None = None) -> None:
         from resilient.checkpoint.exchange import host_id
 
         self.model, self.optimizer = model, optimizer
@@ -277,8 +279,9 @@ class PeerReplicas:
         # a gloo group over every rank, for the replicas only (`group`: one created by the
         # caller with a long timeout, e.g. the restore's: a receiver waits for the next send)
         self._group = group if group is not None else replica_group(timeout_s)
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, host or host_id(), group=self._group)
+        # `wait`: how the gather's collectives are waited for (Recovery polls them: the group's
+        # timeout is long)
+        hosts = gather_objects(host or host_id(), self._group, wait or _wait)
         plan = buddies([str(h) for h in hosts], factor)
         self.to = plan[self.rank]
         self.sources = [r for r in range(self.world) if self.rank in plan[r]]
@@ -349,10 +352,10 @@ class PeerReplicas:
         """Takes a snapshot of the current state (`step`) for a restore that follows at once,
         and sends nothing: a member's state when a joiner grows the group (the newest replica
         may be older: ``every``). Whatever the schedule, even with nobody to send to."""
-        with self._lock:
-            reuse = not self._sending  # the sender may still read the older buffer
-        snap = self._take(step, reuse=reuse)
+        snap = self._take(step, reuse=False)  # both earlier snapshots stay restorable
         snap.extra = dict(extra or {})
+        if snap.ready is not None:  # the restore frees the old state right after
+            snap.ready.synchronize()
 
     def _break(self, why: str) -> None:
         """Replication stops (called with the lock held or not): logged once; a restore then
@@ -384,6 +387,8 @@ class PeerReplicas:
             with torch.cuda.stream(self._stream):
                 for e, t in zip(entries, locals_):
                     entry_tensor(buf, e).copy_(t, non_blocking=True)
+                    if t.is_cuda:  # a state freed before the copy ran (a recovery drops the
+                        t.record_stream(self._stream)  # old one) is not reused until it has
                 snap.ready = torch.cuda.Event()
                 snap.ready.record(self._stream)
         else:
@@ -564,6 +569,26 @@ class PeerReplicas:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def gather_objects(obj: Any, group: Any, wait: Callable[[Any], None] = _wait) -> list[Any]:
+    """``all_gather_object`` as two asynchronous all-gathers (sizes, then the padded bytes),
+    each waited for by `wait` (Recovery's polls them against the detector's verdict)."""
+    world = dist.get_world_size(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=group, async_op=True))
+    n = max(int(t) for t in sizes)
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
+    wait(dist.all_gather(parts, padded, group=group, async_op=True))
+    return [pickle.loads(p[:int(k)].numpy().tobytes())  # noqa: S301 -- the job's own ranks
+            for p, k in zip(parts, sizes)]
+
+
 def replica_group(timeout_s: float = 86400.0) -> Any:
     """A gloo group over every rank of the default group, for PeerReplicas (collective)."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -576,4 +601,4 @@ def memory_needed(nbytes: int, sources: int) -> int:
 
 
 __all__ = ["Entry", "PeerReplicas", "ReplicaStats", "Snapshot", "buddies", "flatten",
-           "layout", "memory_needed", "replica_group", "state_of"]
+           "gather_objects", "layout", "memory_needed", "replica_group", "state_of"]

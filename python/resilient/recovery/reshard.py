@@ -17,7 +17,6 @@ every rank: load from storage instead.
 from __future__ import annotations
 
 import json
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from resilient.recovery.replica import (
     _digest,
     entry_tensor,
     flatten,
+    gather_objects,
     layout,
     state_of,
 )
@@ -196,7 +196,7 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # that one gather tells every rank everything the plan needs
     offer = {k: {step: ([_entry_row(e) for e in snap.entries], snap.leaves, snap.extra)
                  for step, snap in v.items()} for k, v in mine.items()}
-    gathered = _gather_objects((own_rank, offer, targets), group, wait)
+    gathered = gather_objects((own_rank, offer, targets), group, wait)
     seconds["gather"] = time.monotonic() - t0
     offers = [{k: sorted(v) for k, v in o.items()} for _, o, _ in gathered]
     old_world, candidates = candidate_steps(offers, [r for r, _, _ in gathered])
@@ -210,8 +210,9 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             moves = plan_moves([t for _, _, t in gathered], sources, holders)
             break
         except ValueError as e:
-            if len(holders) == old_world:  # every old rank held: the model does not match
-                why = f"the state in memory does not fit the new model: {e}"
+            if len(holders) == old_world:  # every old rank held: the model does not match,
+                raise ReplicaUnavailable(  # and an older step would not either
+                    f"the state in memory does not fit the new model: {e}") from e
     else:
         raise ReplicaUnavailable(why)
     _, leaves, extra = chosen[min(chosen)]
@@ -222,7 +223,7 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         problem = None
     except ReplicaUnavailable as e:
         problem, received, local = str(e), 0, 0
-    problems = _gather_objects(problem, group, wait)  # one rank's bad bytes fail all
+    problems = gather_objects(problem, group, wait)  # one rank's bad bytes fail all
     bad = [f"rank {j}: {p}" for j, p in enumerate(problems) if p]
     if bad:
         raise ReplicaUnavailable("; ".join(bad))
@@ -234,22 +235,6 @@ def restore_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    optim_state_dict=state["optim"])
     seconds["total"] = time.monotonic() - t0
     return Restored(step, old_world, received, local, seconds, extra)
-
-
-def _gather_objects(obj: Any, group: Any, wait: Callable[[Any], None]) -> list[Any]:
-    """``all_gather_object`` as two asynchronous all-gathers (sizes, then the padded bytes),
-    each waited for by `wait`."""
-    world = dist.get_world_size(group)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    wait(dist.all_gather(sizes, torch.tensor([data.numel()]), group=group, async_op=True))
-    n = max(int(t) for t in sizes)
-    padded = torch.zeros(n, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    parts = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
-    wait(dist.all_gather(parts, padded, group=group, async_op=True))
-    return [pickle.loads(p[:int(k)].numpy().tobytes())  # noqa: S301 -- the job's own ranks
-            for p, k in zip(parts, sizes)]
 
 
 def _entry_row(e: Entry) -> list:

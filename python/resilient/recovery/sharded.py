@@ -98,7 +98,7 @@ def start_replicas(rec: Any, group: Any = None) -> None:
     from resilient.recovery.replica import PeerReplicas
 
     rec._param_names = {id(p): n for n, p in rec.module.named_parameters()}
-    rec.replicas = PeerReplicas(rec.module, rec.optimizer, group=group)
+    rec.replicas = PeerReplicas(rec.module, rec.optimizer, group=group, wait=rec._wait_work)
 
 
 def replicate(rec: Any) -> None:
