@@ -1,7 +1,8 @@
 """One rank of an FSDP2 job (CPU, gloo) that replicates its shards to peers, loses rank 3 to
 SIGKILL, and restores the lost shard from memory on the survivors' new group (with a spare, or
 resharded N -> N-1; hsdp: HSDP over 2 replica groups without peer copies, the lost shard taken
-from the other replica group). Run by test_recovery_replica.py; writes <out>/rank<r>.json.
+from the other replica group; tp: tensor parallel x FSDP2 on 4 ranks, resharded to FSDP2 on 3).
+Run by test_recovery_replica.py; writes <out>/rank<r>.json.
 
     fsdp_replica_worker.py ROLE RANK PORT OUT SCENARIO     (ROLE: member | spare)
 
@@ -39,10 +40,11 @@ BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 37) -> None:
         super().__init__()
-        # odd sizes: FSDP2's chunks are uneven over 4 and over 3 ranks
-        self.layers = nn.ModuleList([nn.Linear(29, 37), nn.Linear(37, 11)])
+        # odd sizes: FSDP2's chunks are uneven over 4 and over 3 ranks (tp: a hidden size
+        # that the tensor-parallel pairs split evenly, as TP's local outputs need)
+        self.layers = nn.ModuleList([nn.Linear(29, hidden), nn.Linear(hidden, 11)])
         self.scale = nn.Parameter(torch.ones(11))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,15 +52,28 @@ class Net(nn.Module):
 
 
 HSDP = False  # scenario "hsdp": 2 replica groups of 2 ranks while the world is 4
+TP = False  # scenario "tp": tensor parallel over pairs of ranks, FSDP2 across them (world 4)
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     """The user's factory: the model sharded over the current default group, its optimizer."""
     torch.manual_seed(0)
-    model = Net().to(_device())
+    model = Net(38 if TP else 37).to(_device())
     world = dist.get_world_size()
-    mesh = (init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("replicate", "shard"))
-            if HSDP and world == 4 else init_device_mesh(DEVICE, (world,)))
+    if TP and world == 4:  # layer 0 column-, layer 1 row-parallel; FSDP2 over the other dim
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh2 = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh2["tp"], {"layers.0": ColwiseParallel(),
+                                                "layers.1": RowwiseParallel()})
+        mesh = mesh2["dp"]
+    else:
+        mesh = (init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("replicate", "shard"))
+                if HSDP and world == 4 else init_device_mesh(DEVICE, (world,)))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -71,7 +86,9 @@ def _device() -> torch.device:
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    # tensor-parallel peers take the same input
+    data_rank = dist.get_rank() // 2 if TP and dist.get_world_size() == 4 else dist.get_rank()
+    g = torch.Generator().manual_seed(1000 * step + data_rank)
     loss = model(torch.randn(8, 29, generator=g).to(_device())).pow(2).mean()
     opt.zero_grad()
     loss.backward()
@@ -97,7 +114,7 @@ def full_hash(model: nn.Module, opt: torch.optim.Optimizer) -> str:
 
 
 def main() -> None:
-    global LOST, HSDP
+    global LOST, HSDP, TP
     role, rank, port, out, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
@@ -105,7 +122,7 @@ def main() -> None:
     if scenario.endswith("1"):  # rank 1 lost: the survivors' ranks move down (2 -> 1, 3 -> 2)
         LOST, scenario = 1, scenario[:-1]
     spare = scenario == "spare"
-    HSDP = scenario == "hsdp"
+    HSDP, TP = scenario == "hsdp", scenario == "tp"
     if DEVICE == "cuda":
         torch.cuda.set_device(LOST if role == "spare" else rank)
     new_world = WORLD if spare else WORLD - 1

@@ -65,10 +65,11 @@ def _run(tmp_path: Path, scenario: str) -> dict[int, dict]:
 
 @pytest.mark.parametrize("scenario,step", [("shrink", 5), ("spare", 5), ("lag", 4),
                                            ("corrupt", 4), ("shrink1", 5), ("spare1", 5),
-                                           ("hsdp", 5)])
+                                           ("hsdp", 5), ("tp", 5)])
 def test_lost_shard_restored_from_memory(tmp_path: Path, scenario: str, step: int) -> None:
     """Rank 3 (or 1: then the survivors' ranks move down and every shard moves) is lost.
-    hsdp: HSDP (2 replica groups of 2) without peer replicas, resharded to FSDP over 3."""
+    hsdp: HSDP (2 replica groups of 2) without peer replicas, resharded to FSDP over 3; tp:
+    tensor parallel (pairs) x FSDP2, resharded to FSDP over 3."""
     res = _run(tmp_path, scenario)
     lost = 1 if scenario.endswith("1") else 3
     members = [r for r in range(4) if r != lost]
