@@ -52,6 +52,7 @@ class Reader:
     def __init__(self, engine: Any, manifest: Any, entries: dict[str, dict]):
         self._engine, self._manifest, self._entries = engine, manifest, entries
         self._wanted: list[Wanted] = []
+        self._copies_of: dict[str, list[tuple[int, int]]] | None = None  # see _copy_out
         self.bytes_read = 0  # read from storage by this rank (the last run*)
         self.seconds: dict[str, float] = {}  # this rank's phases of the last run_shared
 
@@ -66,6 +67,7 @@ class Reader:
     ) -> Wanted:
         w = Wanted(name, target, dtype, shape, plan_reads(name, dtype, shape, spec, pieces))
         self._wanted.append(w)
+        self._copies_of = None
         return w
 
     def run(self, only: set[str] | None = None) -> None:
@@ -408,11 +410,16 @@ class Reader:
         but the one it landed in (`done`: (wanted, copy))."""
         e = self._entries[entry]
         src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
-        for i, w in enumerate(self._wanted):
-            for j, c in enumerate(w.copies):
-                if c.entry == entry and (i, j) != done:
-                    w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
-                        tuple(slice(a, b) for a, b in c.src)]
+        if self._copies_of is None:  # entry -> its copies, once (not a scan per piece)
+            self._copies_of = {}
+            for i, w in enumerate(self._wanted):
+                for j, c in enumerate(w.copies):
+                    self._copies_of.setdefault(c.entry, []).append((i, j))
+        for i, j in self._copies_of.get(entry, ()):
+            if (i, j) != done:
+                w, c = self._wanted[i], self._wanted[i].copies[j]
+                w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
+                    tuple(slice(a, b) for a, b in c.src)]
 
     def _fall_back(self, path: str, creator: bool, rank: int, why: list) -> None:
         """run_shared without a usable buffer: every rank reads directly (the same on all)."""
