@@ -92,15 +92,35 @@ def wait_for_a_replacement(out: Path, launcher: subprocess.Popen, timeout: float
         time.sleep(0.05)
 
 
-def _samples(out: Path) -> tuple[dict[int, int], Counter, dict[int, list[int]]]:
-    """Samples per step, how often each sample index was trained on, and each rank's steps."""
+def _samples(out: Path, rolled_back: bool = False) -> tuple[dict[int, int], Counter,
+                                                             dict[int, list[int]]]:
+    """Samples per step, how often each sample index was trained on, and each rank's steps.
+
+    `rolled_back`: the survivors may have gone back once to the newest checkpoint (the
+    documented mismatch: one survivor's all-reduce of the failed step completed, another's did
+    not, and the newest save is loaded). Then the steps every rank logged from that step on
+    before going back are not part of the job's run and are left out; all survivors must go
+    back to the same step, a saved one (a multiple of 5), at most once."""
+    logs: dict[int, list[tuple[int, list[int]]]] = {}
+    for f in (out / "samples").glob("rank*.samples"):
+        logs[int(f.stem[4:])] = [(step, index) for step, _pid, index in
+                                 map(json.loads, f.read_text().splitlines())]
+    back = {r: next((b for a, (b, _) in zip(log, log[1:]) if b <= a[0]), None)
+            for r, log in logs.items()}
+    targets = {b for b in back.values() if b is not None} if rolled_back else set()
+    assert len(targets) <= 1, back
+    to = targets.pop() if targets else None
+    if to is not None:
+        assert to % 5 == 0, back  # a committed checkpoint's step
+        for r, log in logs.items():
+            j = next((i + 1 for i, (a, b) in enumerate(zip(log, log[1:])) if b[0] <= a[0]),
+                     len(log))
+            logs[r] = [e for e in log[:j] if e[0] < to] + log[j:]
     per_step: Counter = Counter()
     seen: Counter = Counter()
     steps: dict[int, list[int]] = {}
-    for f in (out / "samples").glob("rank*.samples"):
-        rank = int(f.stem[4:])
-        for line in f.read_text().splitlines():
-            step, _pid, index = json.loads(line)
+    for rank, log in logs.items():
+        for step, index in log:
             per_step[step] += len(index)
             seen.update(index)
             steps.setdefault(rank, []).append(step)
@@ -123,10 +143,10 @@ def test_a_killed_rank_the_quickstart_finishes_and_keeps_checkpointing(tmp_path:
     assert code == 0, log
     assert "exited with -9" in log, log
 
-    per_step, seen, ran = _samples(tmp_path)
+    per_step, seen, ran = _samples(tmp_path, rolled_back=True)
     assert sorted(per_step) == list(range(steps)), per_step
-    killed_at = len(ran[1])  # the steps rank 1 completed
-    assert killed_at >= kill_after
+    killed_at = len(ran[1])  # the steps rank 1 completed (and that the job kept)
+    assert killed_at >= kill_after or killed_at % 5 == 0, killed_at  # else: back to a save
     for r in (0, 2, 3):
         assert ran[r] == list(range(steps)), (r, ran[r])  # each step once, the redone one too
     assert all(per_step[s] == 32 for s in range(killed_at)), per_step
