@@ -430,10 +430,11 @@ class Recovery(StepLoop):
     def _leave_if_device_lost(self, exc: BaseException, cause: str | None) -> None:
         """Ends this process when the step's failure left its device unusable (a sticky CUDA
         error): it cannot take part in a recovery (resilient.recovery.device)."""
-        why = device_state.lost(exc, self._compute_device(), collective_error=cause is not None)
+        device = self._compute_device()
+        why = device_state.lost(exc, device, collective_error=cause is not None)
         if why is None:
             return
-        message = device_state.describe(self.initial_rank, self._device, why)
+        message = device_state.describe(self.initial_rank, device, why)
         self.timeline.add("device_lost", step=self.step, error=why)
         log.error("resilient recovery: %s", message, exc_info=exc)
         with contextlib.suppress(Exception):  # the peers' verdict follows from the silence
