@@ -589,9 +589,22 @@ def gather_objects(obj: Any, group: Any, wait: Callable[[Any], None] = _wait) ->
             for p, k in zip(parts, sizes)]
 
 
-def replica_group(timeout_s: float = 86400.0) -> Any:
-    """A gloo group over every rank of the default group, for PeerReplicas (collective)."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+def replica_group(timeout_s: float = 86400.0, rendezvous_s: float | None = None) -> Any:
+    """A gloo group over every rank of the default group, for PeerReplicas (collective).
+
+    Creating it connects every rank to every other, which waits for every rank: that wait is
+    bounded by `rendezvous_s` (default ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S``, the bound of the
+    default group's creation), so a peer lost meanwhile fails it (the next recovery follows)
+    instead of blocking for `timeout_s`. Its operations then wait up to `timeout_s` (long: a
+    receiver waits for the next send)."""
+    from torch.distributed import distributed_c10d
+
+    rendezvous = float(settings.get("recovery_group_timeout_s") if rendezvous_s is None
+                       else rendezvous_s)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(rendezvous, timeout_s)))
+    if timeout_s > rendezvous:
+        distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+    return group
 
 
 def memory_needed(nbytes: int, sources: int) -> int:

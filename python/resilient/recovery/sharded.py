@@ -95,9 +95,11 @@ def start_replicas(rec: Any, group: Any = None) -> None:
     `group`: a gloo group over it to use, see :func:`restore`), and notes the names of its
     (sharded) parameters: during a step FSDP2 registers the unsharded ones, so a failure
     mid-step would find other objects there."""
-    from resilient.recovery.replica import PeerReplicas
+    from resilient.recovery.replica import PeerReplicas, replica_group
 
     rec._param_names = {id(p): n for n, p in rec.module.named_parameters()}
+    if group is None:
+        group = replica_group(rendezvous_s=rec.config.group_timeout_s)
     rec.replicas = PeerReplicas(rec.module, rec.optimizer, group=group, wait=rec._wait_work)
 
 
@@ -170,7 +172,7 @@ def restore(rec: Any, holds_state: bool) -> str:
     rec.module = rec.model = module
     # One gloo group for the restore's exchange and then the new replicas (a group costs a
     # rendezvous of every rank; on NCCL jobs the gather of hosts also stays off the GPU).
-    group = replica_group()
+    group = replica_group(rendezvous_s=rec.config.group_timeout_s)
     try:
         restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,
                                    wait=rec._wait_work)  # polled: a peer lost meanwhile
