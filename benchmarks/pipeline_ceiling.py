@@ -37,6 +37,7 @@ CONFIGS = [
     ("slab 256MiB", {"RESILIENT_POOL_SLAB_BYTES": "256MiB"}),
     ("files_per_rank=4", {"RESILIENT_FILES_PER_RANK": "4"}),
     ("files_per_rank=8", {"RESILIENT_FILES_PER_RANK": "8"}),
+    ("files_per_rank=16", {"RESILIENT_FILES_PER_RANK": "16"}),
     ("all of the above", {"RESILIENT_COPY_THREADS": "16", "RESILIENT_IO_QUEUE_DEPTH": "32",
                           "RESILIENT_RESTORE_THREADS": "16", "RESILIENT_FILES_PER_RANK": "8"}),
 ]
@@ -99,7 +100,7 @@ def stages(args: argparse.Namespace, nbytes: int) -> dict:
         out[f"raw_{w['engine']}_qd{depth}"] = {"write_gbps": _gbps(nbytes, w["seconds"]),
                                  "read_gbps": _gbps(nbytes, r["seconds"]),
                                  "engine": w["engine"], "direct": w["direct"]}
-    for k in (1, 2, 4, 8):  # the same bytes as k files written (then read) by k threads at once
+    for k in (1, 2, 4, 8, 16):  # the same bytes as k files, written (then read) by k threads
         runs = [_parallel_files(args.dir, nbytes, k) for _ in range(2)]
         out[f"raw_{k}_files"] = {d: max(r[d] for r in runs) for d in runs[0]}  # best of 2
     return out

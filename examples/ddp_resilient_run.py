@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from resilient import ResumableSampler, forever  # resilient (--loader)
-from resilient.recovery import Recovery, RecoveryStopped  # resilient
+from resilient.recovery import Recovery, RecoveryStopped, joining  # resilient
 from resilient.recovery.environment import init_env  # resilient
 
 FEATURES, HIDDEN = 32, 64
@@ -151,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", init_method=a.init_method)
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else (
         torch.device("cpu"))
-    def build() -> torch.nn.Module:  # --fsdp: the model sharded over the current group
+    def build(on: torch.device = device) -> torch.nn.Module:  # --fsdp: sharded over the group
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        m = make_model().to(device)
+        with on:
+            m = make_model()
         return fully_shard(m, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
 
-    model = build() if a.fsdp else DDP(make_model().to(device))
+    # --fsdp: a spare's or replacement's first model holds nothing (its state comes when it
+    # joins, and build() is called again then)
+    model = build(torch.device("meta") if joining() else device) if a.fsdp else DDP(  # resilient
+        make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     sampler = None
     if a.loader:

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from resilient import CheckpointManager, Recovery, ResumableSampler, forever
+from resilient import CheckpointManager, Recovery, ResumableSampler, forever, joining
 from resilient.chaos.faults import lose_device
 
 p = argparse.ArgumentParser()
@@ -43,11 +43,12 @@ dist.init_process_group("gloo")
 first_rank = dist.get_rank()
 
 
-def build() -> nn.Module:
+def build(device: str = "cpu") -> nn.Module:
     """The model, sharded over the current default group (called again after a recovery)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 1))
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                              nn.Linear(64, 1))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model[::2]:
         fully_shard(layer, mesh=mesh)
@@ -79,7 +80,13 @@ def state_hash(rec: Recovery, model: nn.Module, opt: torch.optim.Optimizer) -> s
 
 x = torch.randn(1920, 16, generator=torch.Generator().manual_seed(1))
 dataset = TensorDataset(x, x[:, :4].sum(1, keepdim=True), torch.arange(len(x)))
-model = build()
+# A spare or replacement gets its state from the members when it joins: its first model holds
+# nothing (on the meta device), so it never holds the whole model in its one-rank group.
+joins = joining()                                                              # resilient
+model = build("meta" if joins else "cpu")                                      # resilient
+if args.state_log and joins:
+    with open(os.path.join(args.state_log, f"joiner{os.getpid()}.device"), "w") as f:
+        f.write(str(next(model.parameters()).device))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
 sampler = ResumableSampler(DistributedSampler(dataset, seed=0))

@@ -61,6 +61,7 @@ _LAZY = {
     "Recovery": "resilient.recovery",
     "RecoveryConfig": "resilient.recovery",
     "RecoveryStopped": "resilient.recovery",
+    "joining": "resilient.recovery",
     "CheckpointManager": "resilient.checkpoint.manager",
     "FileTier": "resilient.checkpoint.tiers",
     "S3Tier": "resilient.checkpoint.s3",

@@ -128,6 +128,10 @@ def test_a_lost_fsdp2_rank_is_restored_from_peer_memory(tmp_path: Path, spares: 
     for f in timelines:
         restored = [e for e in json.loads(f.read_text()) if e["kind"] == "restored"]
         assert [(e["source"], e["step"]) for e in restored] == [("replica", back_to)], f
+    # the spare's first model was built on the meta device (resilient.joining()): it never held
+    # the whole model in its one-rank group
+    joiners = [f.read_text() for f in (tmp_path / "state").glob("joiner*.device")]
+    assert joiners == ["meta"] * spares, joiners
 
 
 @pytest.mark.timeout(240)
@@ -158,6 +162,8 @@ def test_a_rank_whose_device_is_lost_is_restarted_alone(tmp_path: Path) -> None:
         if any(e["kind"] == "started" and e.get("joined") for e in events):
             joined.append(restored)
     assert len(joined) == 1, joined  # the restarted rank, filled from the members' memory
+    joiners = [f.read_text() for f in (tmp_path / "state").glob("joiner*.device")]
+    assert joiners == ["meta"], joiners  # it never held the whole model
     last = max(json.loads(line)[0] for f in (tmp_path / "samples").glob("pid*.samples")
                for line in f.read_text().splitlines())
     per_rank = Counter(json.loads(line)[0] for f in (tmp_path / "samples").glob("pid*.samples")

@@ -120,6 +120,27 @@ def test_adopt_takes_the_users_group_store_and_ddp_model(default_group: Any,
     assert not any(getattr(h, "__self__", 0) is rec for h in opt._optimizer_step_pre_hooks.values())
 
 
+def test_a_model_on_the_meta_device_is_only_a_sharded_joiners(
+        default_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A joiner's first model may hold nothing (resilient.joining()); anywhere else a meta
+    model would train nothing, and a DDP joiner's state is copied into its own tensors."""
+    import resilient
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.delenv(renv.JOIN_ENV, raising=False)
+    assert not resilient.joining()
+    with pytest.raises(ValueError, match="only a process that joins"):
+        Recovery.adopt(model, opt, detector=FakeDetector(1), build=lambda: model).start()
+    monkeypatch.setenv(renv.JOIN_ENV, "1")
+    assert resilient.joining()
+    with pytest.raises(ValueError, match="needs Recovery\\(build=...\\)"):
+        Recovery.adopt(model, opt, detector=FakeDetector(1)).start()
+    with pytest.raises(ValueError, match="needs Recovery\\(build=...\\)"):
+        Recovery.adopt(model, opt, detector=FakeDetector(1)).start(join=True)
+
+
 def test_adopt_without_a_group_says_what_to_do() -> None:
     assert not dist.is_initialized()
     model = torch.nn.Linear(2, 1)

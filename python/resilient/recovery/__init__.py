@@ -25,6 +25,13 @@ from resilient.recovery.timeline import PHASES, Timeline, phases
 _TORCH_NAMES = {"FAULT_POINTS", "PeerFailure", "Recovery", "RecoveryStopped"}
 
 
+def joining() -> bool:
+    """See resilient.recovery.environment.joining."""
+    from resilient.recovery.environment import joining as _joining
+
+    return _joining()
+
+
 def __getattr__(name: str) -> Any:
     if name in _TORCH_NAMES:
         from resilient.recovery import core
@@ -47,6 +54,7 @@ __all__ = [
     "RecoveryStopped",
     "Timeline",
     "decide",
+    "joining",
     "phases",
     "plan_batch",
     "plan_whole_batches",

@@ -250,7 +250,9 @@ class Recovery(StepLoop):
         module = model.module if isinstance(model, DDP) else model
         if "backend" not in kwargs:
             name = str(dist.get_backend())
-            on_gpu = next(module.parameters()).device.type == "cuda"
+            device = next(module.parameters()).device.type
+            # a joiner's first model may be on the meta device (environment.joining)
+            on_gpu = device == "cuda" or (device == "meta" and torch.cuda.is_available())
             kwargs["backend"] = "nccl" if "nccl" in name and on_gpu else "gloo"
         rec = cls(environment.job_store(store), dist.get_rank(), dist.get_world_size(), module,
                   optimizer, **kwargs)
@@ -281,6 +283,7 @@ class Recovery(StepLoop):
         """
         if self.started:
             raise RuntimeError("this Recovery is already started")
+        self._check_meta_model(joins=join or self._join_on_start)
         self.started = True
         if join or self._join_on_start:
             warn_about_launcher()
@@ -324,6 +327,21 @@ class Recovery(StepLoop):
             sharded.start_replicas(self)
         self.timeline.add("started", world_size=self.world_size)
         return self
+
+    def _check_meta_model(self, joins: bool) -> None:
+        """A model on the meta device holds no state: only a sharded model's joiner may pass one
+        (its model is built again and filled from the members' snapshots when it joins)."""
+        if not any(p.device.type == "meta" for p in self.module.parameters()):
+            return
+        if not joins:
+            raise ValueError("the model's parameters are on the meta device: only a process "
+                             "that joins a running job (a spare or replacement, "
+                             "resilient.joining()) may start with such a model; build it on "
+                             "its device")
+        if self.build is None:
+            raise ValueError("a joiner's model on the meta device needs Recovery(build=...): "
+                             "without build (DDP) the members' state is copied into the "
+                             "model's own tensors")
 
     def close(self) -> None:
         """Stops the detector and waits for checkpoint saves in flight. Failed groups stay

@@ -48,6 +48,20 @@ DEFAULT_SLURM_PORT = 29500
 _warned: set[str] = set()
 
 
+def joining() -> bool:
+    """Whether this process is a spare or a replacement that ``resilient run`` started to join
+    the running job (``RESILIENT_JOIN=1``), and has not joined yet.
+
+    Such a process gets its state from the job's members when it is admitted; the model its
+    script builds first, in a one-rank group, is replaced then. With a sharded model
+    (``Recovery.adopt(..., build=...)``) build that first model on the meta device, so that a
+    spare never holds the whole model::
+
+        model = build("meta" if resilient.joining() else "cuda")
+    """
+    return os.environ.get(JOIN_ENV) == "1"
+
+
 def launcher(environ: Mapping[str, str] | None = None) -> str:
     """``"resilient"`` (``resilient run``), ``"torchrun"`` (torch's elastic agent without our
     marker), ``"slurm"`` (srun, no agent) or ``"env"`` (anything else)."""
@@ -211,7 +225,7 @@ def init_env() -> dict[str, str]:
 
 
 __all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "STORE_ENV",
-           "default_group_store",
+           "default_group_store", "joining",
            "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
            "run_id", "slurm_env", "store_outside_ranks",
            "warn_about_launcher"]
