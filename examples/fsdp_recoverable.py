@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import time
 
 import torch
@@ -36,20 +37,38 @@ p.add_argument("--state-log", default="")
 p.add_argument("--sample-log", default="")
 p.add_argument("--lose-device", default="", metavar="RANK:STEP",
                help="fault injection: that rank's device fails at that step (emulated on CPU)")
+p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+               help="cuda: NCCL, one GPU per rank (LOCAL_RANK %% the GPU count)")
+p.add_argument("--kill", default="", metavar="RANK:STEP",
+               help="fault injection: that rank SIGKILLs itself at that step's start")
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (tests)")
+p.add_argument("--hsdp", action="store_true",
+               help="HSDP (2 replica groups, each sharding the model) while the world is even "
+                    "and >= 4; FSDP2 over every rank otherwise (e.g. 3 after a loss)")
 args = p.parse_args()
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+if args.device == "cuda":
+    DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl", device_id=DEVICE)
+else:
+    DEVICE = torch.device("cpu")
+    dist.init_process_group("gloo")
 first_rank = dist.get_rank()
 
 
-def build(device: str = "cpu") -> nn.Module:
+def build(device: torch.device | str = DEVICE) -> nn.Module:
     """The model, sharded over the current default group (called again after a recovery)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                               nn.Linear(64, 1))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if args.hsdp and world >= 4 and world % 2 == 0:
+        mesh = init_device_mesh(DEVICE.type, (2, world // 2),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(DEVICE.type, (world,))
     for layer in model[::2]:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -65,16 +84,19 @@ def state_hash(rec: Recovery, model: nn.Module, opt: torch.optim.Optimizer) -> s
     tensors += [(f"{k}/{n}", t) for k, st in sorted(osd["state"].items())
                 for n, t in sorted(st.items())]
     for key, t in tensors:
-        if isinstance(t, DTensor):  # FSDP2: rows [rank * c, ...) of the global dim 0
+        if isinstance(t, DTensor) and t.device_mesh.ndim > 1:  # HSDP: DTensor's own gather
+            t = t.full_tensor()  # (not polled: a frozen peer would hold it; a lost one ends it)
+        elif isinstance(t, DTensor):  # FSDP2: rows [rank * c, ...) of the global dim 0
             local, n = t.to_local(), t.shape[0]
             c = -(-n // rec.world_size)
-            padded = torch.zeros((c, *local.shape[1:]), dtype=local.dtype)
+            padded = torch.zeros((c, *local.shape[1:]), dtype=local.dtype, device=DEVICE)
             padded[:local.shape[0]] = local
-            out = torch.empty((c * rec.world_size, *local.shape[1:]), dtype=local.dtype)
+            out = torch.empty((c * rec.world_size, *local.shape[1:]), dtype=local.dtype,
+                              device=DEVICE)
             rec.wait(dist.all_gather_into_tensor(out, padded, async_op=True))
             t = out[:n]
         h.update(key.encode())
-        h.update(t.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -83,7 +105,7 @@ dataset = TensorDataset(x, x[:, :4].sum(1, keepdim=True), torch.arange(len(x)))
 # A spare or replacement gets its state from the members when it joins: its first model holds
 # nothing (on the meta device), so it never holds the whole model in its one-rank group.
 joins = joining()                                                              # resilient
-model = build("meta" if joins else "cpu")                                      # resilient
+model = build("meta" if joins else DEVICE)                                     # resilient
 if args.state_log and joins:
     with open(os.path.join(args.state_log, f"joiner{os.getpid()}.device"), "w") as f:
         f.write(str(next(model.parameters()).device))
@@ -110,8 +132,11 @@ for step in rec.steps(start, args.steps):                                       
             log({"begin": step, "hash": state_hash(rec, rec.model, opt)})
         if args.lose_device == f"{first_rank}:{step}" and not rec.joined:
             lose_device(rec.device)  # the process leaves; resilient run restarts it alone
+        if args.kill == f"{first_rank}:{step}" and not rec.joined:
+            os.kill(os.getpid(), signal.SIGKILL)
         xb, yb, index = next(batches)
         opt.zero_grad()
+        xb, yb = xb.to(DEVICE), yb.to(DEVICE)
         nn.functional.mse_loss(rec.model(xb), yb).backward()                   # resilient
         opt.step()
         sched.step()

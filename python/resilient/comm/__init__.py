@@ -24,9 +24,11 @@ from resilient.comm.native import (
 TORCH_NAMES = frozenset({
     "RebuildResult",
     "RebuildTimings",
+    "abort_groups",
     "abort_process_group",
     "generation_store",
     "join_process_group",
+    "nccl_groups",
     "rebuild_process_group",
     "release_retired_groups",
     "rewrap_ddp",

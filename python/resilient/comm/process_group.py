@@ -136,13 +136,54 @@ def abort_process_group(group: Any | None = None) -> float:
     if not dist.is_initialized():
         return 0.0
     pg = group if group is not None else dist.group.WORLD
-    _RETIRED.append(pg)
-    try:
-        pg.abort()
-    except (RuntimeError, NotImplementedError):
-        pass  # a backend without abort: destroy below still releases it
+    # The default group's destruction shuts every other group down too; the NCCL ones (a
+    # device mesh's dimensions: HSDP, tensor parallel) may have work waiting on the dead rank,
+    # so they are aborted first, not finalized.
+    others = [g for g in nccl_groups() if g is not pg] if group is None else []
+    _RETIRED.extend([pg, *others])
+    abort_groups([pg, *others])
     dist.destroy_process_group(group)
     return time.monotonic() - t0
+
+
+def nccl_groups() -> list[Any]:
+    """Every registered process group whose CUDA backend is NCCL (the default group and the
+    groups made from it: a device mesh's dimensions, new_group's)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized() or not dist.is_nccl_available():
+        return []
+    out = []
+    for pg in list(distributed_c10d._world.pg_names):
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError):
+            continue
+        if isinstance(backend, dist.ProcessGroupNCCL):
+            out.append(pg)
+    return out
+
+
+def abort_groups(groups: Sequence[Any]) -> None:
+    """Aborts `groups`: the first on this thread, the others at the same time on threads of
+    their own (each NCCL abort joins its communicator's proxy thread, which can take 0.5 s).
+    Errors are ignored (a backend without abort: its destruction still releases it)."""
+    import threading
+
+    def abort(pg: Any) -> None:
+        try:
+            pg.abort()
+        except (RuntimeError, NotImplementedError):
+            pass
+
+    threads = [threading.Thread(target=abort, args=(g,), daemon=True,
+                                name="resilient-abort") for g in groups[1:]]
+    for t in threads:
+        t.start()
+    if groups:
+        abort(groups[0])
+    for t in threads:
+        t.join()
 
 
 def release_retired_groups() -> int:

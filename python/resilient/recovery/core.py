@@ -618,8 +618,12 @@ class Recovery(StepLoop):
             return
         self.timeline.add("aborted", generation=self.generation)
         t0 = time.monotonic()
+        # with it every other NCCL group (a device mesh's dimensions: HSDP's replicate and
+        # shard groups, tensor parallel's), where the training thread may be waiting too
+        from resilient.comm.process_group import abort_groups, nccl_groups
+
         try:
-            group.abort()
+            abort_groups([group, *[g for g in nccl_groups() if g is not group]])
         except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
             log.warning("resilient recovery: aborting the NCCL group failed (%s)", exc)
         self.timeline.add("abort_returned", seconds=time.monotonic() - t0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.recovery.decisions import RecoveryStopped
+
+log = logging.getLogger("resilient.recovery")
 
 
 def check(rec: Any) -> None:
@@ -88,6 +91,41 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(gather)
             m.set_custom_reduce_scatter(scatter)
+    _poll_hsdp_all_reduce(rec)
+
+
+class _PolledDist:
+    """torch.distributed as FSDP2's collectives module sees it, except that its one collective
+    without a custom hook, HSDP's gradient all-reduce over the replicate dimension, is issued
+    asynchronously and polled (a rank waiting there for a partner that already went into
+    recovery would otherwise wait for the group timeout, and be taken for hung)."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> Any:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        if async_op:
+            return work
+        self.rec._wait_work(work)
+        return None
+
+
+def _poll_hsdp_all_reduce(rec: Any) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    current = getattr(_fsdp_collectives, "dist", None)
+    if isinstance(current, _PolledDist):
+        current.rec = rec  # the newest Recovery of this process
+    elif current is dist:
+        _fsdp_collectives.dist = _PolledDist(rec)
+    else:  # another torch layout: say so rather than leave HSDP's all-reduce unpolled silently
+        log.warning("resilient recovery: FSDP2's HSDP all-reduce is not polled on this torch "
+                    "version; a survivor may wait in it until the group timeout")
 
 
 def start_replicas(rec: Any, group: Any = None) -> None:
