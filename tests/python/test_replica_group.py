@@ -1,7 +1,7 @@
 """The replicas' gloo group: its creation waits for every rank only as long as a group's
-creation may (a peer lost in that rendezvous fails it instead of blocking for the group's long
-operation timeout), and its operations then wait the long timeout (a receiver waits for the
-next send). Two CPU processes."""
+creation may (a peer lost before it fails it instead of blocking for the group's long operation
+timeout), and its operations, point-to-point ones included, then wait the long timeout (a
+receiver waits for the next send). Two CPU processes."""
 
 from __future__ import annotations
 
@@ -33,12 +33,16 @@ WORKER = textwrap.dedent("""
     except Exception as e:  # noqa: BLE001
         print(f"FAILED after {time.monotonic() - t0:.1f} s: {type(e).__name__}", flush=True)
         sys.exit(3)
-    x = torch.zeros(4)
+    x, y = torch.zeros(4), torch.zeros(2)
     if rank == 1:
-        time.sleep(4)  # longer than the rendezvous bound: the operation must still wait
+        time.sleep(4)  # longer than the rendezvous bound: the operations must still wait
         x += 7
+        y += 5
+        dist.send(y, dst=0, group=group)  # as the replicas' sender and receiver threads do
+    else:
+        dist.recv(y, src=1, group=group)
     dist.broadcast(x, src=1, group=group)
-    print(f"RECEIVED {x.tolist()}", flush=True)
+    print(f"RECEIVED {x.tolist()} {y.tolist()}", flush=True)
 """)
 
 
@@ -80,4 +84,4 @@ def test_its_operations_wait_longer_than_the_rendezvous_bound() -> None:
         _kill(procs)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-        assert "RECEIVED [7.0, 7.0, 7.0, 7.0]" in out, out[-3000:]
+        assert "RECEIVED [7.0, 7.0, 7.0, 7.0] [5.0, 5.0]" in out, out[-3000:]

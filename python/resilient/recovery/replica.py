@@ -592,19 +592,35 @@ def gather_objects(obj: Any, group: Any, wait: Callable[[Any], None] = _wait) ->
 def replica_group(timeout_s: float = 86400.0, rendezvous_s: float | None = None) -> Any:
     """A gloo group over every rank of the default group, for PeerReplicas (collective).
 
-    Creating it connects every rank to every other, which waits for every rank: that wait is
-    bounded by `rendezvous_s` (default ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S``, the bound of the
-    default group's creation), so a peer lost meanwhile fails it (the next recovery follows)
-    instead of blocking for `timeout_s`. Its operations then wait up to `timeout_s` (long: a
-    receiver waits for the next send)."""
+    Its operations wait up to `timeout_s` (long: a receiver waits for the next send; gloo's
+    point-to-point waits keep the timeout the group was created with). Every rank first checks
+    in on the default group's store and waits at most `rendezvous_s` (default
+    ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S``, the bound of the default group's creation) for the
+    others, so a peer lost before the group's creation fails it (the next recovery follows)
+    instead of blocking for `timeout_s`."""
     from torch.distributed import distributed_c10d
 
     rendezvous = float(settings.get("recovery_group_timeout_s") if rendezvous_s is None
                        else rendezvous_s)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(rendezvous, timeout_s)))
-    if timeout_s > rendezvous:
-        distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
-    return group
+    store = distributed_c10d._get_default_store()  # the current group's (generation's) keys
+    world = dist.get_world_size()
+    # every rank of one default group creates its replica groups in the same order
+    if _created[0] is not dist.group.WORLD:
+        _created[:] = [dist.group.WORLD, 0]
+    key = f"resilient-replica-group/{_created[1]}"
+    _created[1] += 1
+    store.add(key, 1)
+    deadline = time.monotonic() + rendezvous
+    while (arrived := int(store.add(key, 0))) < world:
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"the replicas' group: {arrived} of {world} ranks arrived "
+                                      f"within {rendezvous:g} s")
+        time.sleep(0.005)
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+#: the default group and how many replica groups were made over it (the store's key names)
+_created: list[Any] = [None, 0]
 
 
 def memory_needed(nbytes: int, sources: int) -> int:
