@@ -149,3 +149,42 @@ def test_the_agent_restarts_a_rank_whose_device_was_lost_from_max_restarts() -> 
     agent.replacements_left = 1  # --replacements pays first, for any lost rank
     assert agent._restart_budget(-9) == "replacements"
     assert agent._restart_budget(EXIT_DEVICE_LOST) == "replacements"
+
+
+def test_hsdp_all_reduce_is_polled_for_the_newest_recovery_until_it_closes() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
+    from resilient.recovery import sharded
+
+    assert fc.dist is dist
+    first, second = object(), object()
+    try:
+        sharded._poll_hsdp_all_reduce(first)
+        assert fc.dist.rec is first and fc.dist.ReduceOp is dist.ReduceOp  # the rest is torch's
+        sharded._poll_hsdp_all_reduce(second)  # a rebuilt or newer Recovery takes it over
+        assert fc.dist.rec is second
+        sharded.unpoll_hsdp_all_reduce(first)  # an older one closing leaves it alone
+        assert fc.dist.rec is second
+        sharded.unpoll_hsdp_all_reduce(second)
+        assert fc.dist is dist
+    finally:
+        fc.dist = dist
+
+
+def test_abort_groups_aborts_every_group_whatever_one_raises() -> None:
+    from resilient.comm.process_group import abort_groups, nccl_groups
+
+    aborted = []
+
+    class Group:
+        def __init__(self, name: str, error: type[Exception] | None = None) -> None:
+            self.name, self.error = name, error
+
+        def abort(self) -> None:
+            aborted.append(self.name)
+            if self.error:
+                raise self.error("no abort here")
+
+    abort_groups([Group("a"), Group("b", RuntimeError), Group("c", NotImplementedError)])
+    assert sorted(aborted) == ["a", "b", "c"]
+    assert nccl_groups() == []  # no process group here

@@ -122,7 +122,8 @@ _RETIRED: list[Any] = []
 
 
 def abort_process_group(group: Any | None = None) -> float:
-    """Aborts in-flight work on ``group`` (default: the default group) and destroys it.
+    """Aborts in-flight work on ``group`` (default: the default group, and with it every other
+    NCCL group: a device mesh's dimensions) and destroys it.
 
     Never waits for peers: ``ProcessGroup.abort`` tears down communicators without a barrier,
     and the group object is retired (kept referenced) so its destructor cannot block on a

@@ -251,6 +251,10 @@ class Recovery(StepLoop):
         if "backend" not in kwargs:
             name = str(dist.get_backend())
             device = next(module.parameters()).device.type
+            if device == "meta" and "gloo" in name and "nccl" in name:
+                raise ValueError(f"the default group is {name!r} and the model is on the meta "
+                                 "device (a joiner's): pass backend='nccl' or 'gloo' to "
+                                 "Recovery.adopt, as the job's members use")
             # a joiner's first model may be on the meta device (environment.joining)
             on_gpu = device == "cuda" or (device == "meta" and torch.cuda.is_available())
             kwargs["backend"] = "nccl" if "nccl" in name and on_gpu else "gloo"
@@ -288,9 +292,7 @@ class Recovery(StepLoop):
         if join or self._join_on_start:
             warn_about_launcher()
             self.joined = join_as_spare(self, self.config.join_timeout_s)
-            # A member from now on: its CheckpointManager reads storage again when a later
-            # recovery falls back to it (RESILIENT_JOIN only spares the read before admission).
-            os.environ.pop(JOIN_ENV, None)
+            os.environ.pop(JOIN_ENV, None)  # (join_as_spare clears it once admitted)
             self._polled_detector = True
             self.timeline.add("started", world_size=self.world_size, joined=self.joined)
             if not self.joined:
@@ -349,6 +351,8 @@ class Recovery(StepLoop):
         self.started = False
         if self.replicas is not None:
             self.replicas.close()
+        if self.build is not None:
+            sharded.unpoll_hsdp_all_reduce(self)
         if self._gated:  # the optimizers outlive this Recovery
             for handle in self._gate_handles:
                 handle.remove()
@@ -945,7 +949,11 @@ class Recovery(StepLoop):
     def _comm_device(self) -> torch.device:
         if self.backend == "nccl":
             p = next(self.module.parameters())
-            return p.device if p.device.type == "cuda" else torch.device(
+            if p.device.type == "cuda":
+                return p.device
+            bound = getattr(dist.group.WORLD, "bound_device_id", None) \
+                if dist.is_initialized() else None  # init_process_group(device_id=...)
+            return bound if bound is not None else torch.device(
                 "cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from resilient.comm.process_group import abort_process_group, join_process_group
 from resilient.recovery import sharded
+from resilient.recovery.environment import JOIN_ENV
 
 JOIN_BASE = 1 << 20
 
@@ -183,6 +185,11 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
             raise TimeoutError(f"not admitted to the job within {timeout_s}s")
         time.sleep(0.05)
     info = json.loads(bytes(rec.store.get(key)).decode())
+    # Admitted: a member from now on. Its build() makes the real model on the grown group
+    # (resilient.joining() is False), and its CheckpointManager reads storage again when this
+    # restore or a later one falls back to it, as the members' do (RESILIENT_JOIN only spares
+    # the read before admission).
+    os.environ.pop(JOIN_ENV, None)
     rec.generation, rec.join_epoch, rec.admitted = (
         info["generation"], info["join_epoch"], info["admitted"])
     det_generation, live = info["detector"]

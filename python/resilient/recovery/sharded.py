@@ -115,6 +115,16 @@ class _PolledDist:
         return None
 
 
+def unpoll_hsdp_all_reduce(rec: Any) -> None:
+    """At ``rec.close()``: FSDP2's collectives module gets torch.distributed back, unless a
+    newer Recovery polls it now."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    current = getattr(_fsdp_collectives, "dist", None)
+    if isinstance(current, _PolledDist) and current.rec is rec:
+        _fsdp_collectives.dist = dist
+
+
 def _poll_hsdp_all_reduce(rec: Any) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
@@ -199,6 +209,10 @@ def restore(rec: Any, holds_state: bool) -> str:
     names = getattr(rec, "_param_names", None) or {
         id(p): n for n, p in rec.module.named_parameters()}
     module = rec.build()
+    if any(p.device.type == "meta" for p in module.parameters()):
+        raise RecoveryStopped(rec._stop("build() made a model on the meta device: it must "
+                                        "build the real model (a joiner's first model alone "
+                                        "may be on meta: resilient.joining() is False by now)"))
     poll_collectives(rec, module)
     rebind_optimizer(rec.optimizer, names, module)
     rec._param_names = {id(p): n for n, p in module.named_parameters()}
@@ -259,4 +273,4 @@ def _replace_in_manager(rec: Any, old: torch.nn.Module, new: torch.nn.Module) ->
 
 
 __all__ = ["check", "no_sync", "rebind_optimizer", "replicate", "restore", "snapshot_now",
-           "start_replicas"]
+           "start_replicas", "unpoll_hsdp_all_reduce"]
