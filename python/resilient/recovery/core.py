@@ -292,7 +292,7 @@ class Recovery(StepLoop):
         if join or self._join_on_start:
             warn_about_launcher()
             self.joined = join_as_spare(self, self.config.join_timeout_s)
-            os.environ.pop(JOIN_ENV, None)  # (join_as_spare clears it once admitted)
+            os.environ.pop(JOIN_ENV, None)  # (cleared at admission; here also when too late)
             self._polled_detector = True
             self.timeline.add("started", world_size=self.world_size, joined=self.joined)
             if not self.joined:

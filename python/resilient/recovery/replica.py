@@ -609,13 +609,17 @@ def replica_group(timeout_s: float = 86400.0, rendezvous_s: float | None = None)
         _created[:] = [dist.group.WORLD, 0]
     key = f"resilient-replica-group/{_created[1]}"
     _created[1] += 1
-    store.add(key, 1)
-    deadline = time.monotonic() + rendezvous
-    while (arrived := int(store.add(key, 0))) < world:
-        if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"the replicas' group: {arrived} of {world} ranks arrived "
-                                      f"within {rendezvous:g} s")
-        time.sleep(0.005)
+    if int(store.add(key, 1)) == world:  # the last to arrive tells the others (one wait
+        store.set(f"{key}/all", b"1")     # each, not a poll of the store by every rank)
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=rendezvous))
+    except Exception as e:  # noqa: BLE001 -- the store's timeout (or its loss): one message
+        try:
+            arrived: Any = int(store.add(key, 0))
+        except Exception:  # noqa: BLE001 -- the store itself is gone
+            arrived = "not every one"
+        raise dist.DistStoreError(f"the replicas' group: {arrived} of {world} ranks arrived "
+                                  f"within {rendezvous:g} s") from e
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
