@@ -61,6 +61,15 @@ def first_event(events: list[dict], kind: str, after: float) -> float | None:
     return min(times) if times else None
 
 
+def phases(events: list[dict], after: float) -> dict[str, float]:
+    """The first event of each kind at or after ``after``, in seconds after it."""
+    out: dict[str, float] = {}
+    for e in sorted(events, key=lambda e: e["time_mono"]):
+        if e["time_mono"] >= after and e["kind"] not in out:
+            out[e["kind"]] = round(e["time_mono"] - after, 4)
+    return out
+
+
 def measure(scenario: str, out: Path, kill_rank: int) -> dict[str, Any]:
     """Seconds from the kill to training again, from the ranks' reports in ``out``."""
     t_kill = float((out / f"rank{kill_rank}.killed").read_text())
@@ -85,6 +94,9 @@ def measure(scenario: str, out: Path, kill_rank: int) -> dict[str, Any]:
         admitted = [first_event(r["timeline"], "join_admitted", t_kill) for r in members]
         if all(t is not None for t in admitted) and admitted:
             res["admitted_s"] = round(max(admitted) - t_kill, 4)
+    # where the time went: each rank's events after the kill (first of each kind), in seconds
+    res["phases"] = {name.removesuffix(".json"): phases(r["timeline"], t_kill)
+                     for name, r in sorted(reports.items())}
     if not ends or any(t is None for t in ends):
         raise RuntimeError(f"{scenario}: a rank has no collective after the kill")
     res["seconds"] = round(max(ends) - t_kill, 4)  # type: ignore[type-var]

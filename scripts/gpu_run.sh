@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery diag replica. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -237,6 +237,20 @@ PY
         tar czf "$OUT/run-recovery-ranks.tgz" -C /tmp/rrb . 2>/dev/null  # every rank's timeline
         grep -v '^ ' "$OUT/run-recovery.log" | cut -c1-600 | tail -n 30
         python -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$OUT/run_recovery_bench.json" ;;
+    run-recovery-ab) # run-recovery alternating one setting: RR_AB="VAR=a VAR=b" (default: the
+        # NCCL revoke + background abort on and off), RR_ROUNDS rounds of one run each (ABAB).
+        for round in $(seq 1 ${RR_ROUNDS:-2}); do
+          for setting in ${RR_AB:-RESILIENT_RECOVERY_REVOKE_NCCL=1 RESILIENT_RECOVERY_REVOKE_NCCL=0}; do
+            tag="$(echo "$setting" | tr -c 'A-Za-z0-9\n' _)-$round"
+            log "run-recovery $setting (round $round): ${RR_SCENARIOS:-spare} ${RR_ARGS:-}"
+            env "$setting" timeout 300 python benchmarks/run_recovery_bench.py --nproc \
+              "$(python -c "import torch; print(torch.cuda.device_count())")" --device cuda \
+              --repeat 1 --scenarios ${RR_SCENARIOS:-spare} ${RR_ARGS:-} --out /tmp/rrb \
+              >"$OUT/rr-$tag.log" 2>&1; echo "rc=$?"
+            cp /tmp/rrb/run_recovery_bench.json "$OUT/rr-$tag.json" 2>/dev/null
+            python -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: [r.get('seconds') for r in v] for k, v in d['runs'].items()}))" "$OUT/rr-$tag.json"
+          done
+        done ;;
     replica) # Issue 16: FSDP2 peer replicas on GPUs: the restore tests (4 GPUs), then the
              # training step with and without replication (paired blocks).
         log "FSDP2 peer replicas on GPUs"

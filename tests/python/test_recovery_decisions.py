@@ -188,3 +188,84 @@ def test_abort_groups_aborts_every_group_whatever_one_raises() -> None:
     abort_groups([Group("a"), Group("b", RuntimeError), Group("c", NotImplementedError)])
     assert sorted(aborted) == ["a", "b", "c"]
     assert nccl_groups() == []  # no process group here
+
+
+def test_the_default_group_is_replaced_while_its_nccl_abort_still_runs(monkeypatch) -> None:
+    """An NCCL abort can take 0.5 s (its proxy threads' poll): the group leaves torch's registry
+    at once, unshut (a shutdown would wait for the abort's lock), and a new default group forms
+    while the abort finishes on its own thread."""
+    import threading
+
+    from resilient.comm import process_group as pgm
+    from resilient.ports import free_port
+
+    release, started, done = threading.Event(), threading.Event(), []
+
+    class SlowAbort:  # an NCCL group whose abort waits for its proxy thread
+        def abort(self) -> None:
+            started.set()
+            release.wait(10)
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    world, slow = dist.group.WORLD, SlowAbort()
+    monkeypatch.setattr(pgm, "nccl_groups", lambda: [world, slow])
+    try:
+        pgm.abort_process_group(revoke=True)  # gloo: nothing to revoke
+        assert started.wait(5) and not dist.is_initialized()
+        dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=0,
+                                world_size=1)
+        x = torch.ones(1)
+        dist.all_reduce(x)  # the new group works while the old abort still runs
+        assert x.item() == 1.0
+        assert pgm.start_aborts([slow], on_done=done.append) == 0  # already under way: skipped
+        assert not pgm.wait_for_aborts(0.05)  # bounded: still running
+        release.set()
+        assert pgm.wait_for_aborts(5)
+        assert done == []  # the skipped call started no thread of its own
+    finally:
+        release.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        pgm.release_retired_groups()
+
+
+def test_start_aborts_reports_when_the_last_abort_ended() -> None:
+    from resilient.comm.process_group import revoke_groups, start_aborts, wait_for_aborts
+
+    class Group:
+        def __init__(self, error: type[Exception] | None = None) -> None:
+            self.error = error
+
+        def abort(self) -> None:
+            if self.error:
+                raise self.error("no abort here")
+
+    done: list[float] = []
+    assert start_aborts([Group(), Group(RuntimeError)], on_done=done.append) == 0
+    assert wait_for_aborts(5) and len(done) == 1 and done[0] >= 0
+    assert revoke_groups([Group()]) == 0  # no NCCL communicator: nothing revoked, no error
+
+
+def test_revoke_is_used_only_with_the_nccl_torch_itself_uses(monkeypatch, tmp_path) -> None:
+    """A communicator handed to another copy of NCCL would corrupt memory: resilient's library
+    must resolve ncclCommRevoke to the same address as torch's."""
+    import shutil
+    from pathlib import Path
+
+    from resilient.comm import native
+    from resilient.comm import process_group as pgm
+
+    torch_dir = native.torch_nccl_dir()
+    if torch_dir is None or torch.version.cuda is None:
+        pytest.skip("this torch brings no NCCL of its own")
+    lib = pgm._find_torch_nccl()
+    assert lib is not None and lib.supports("revoke")
+    assert tuple(int(x) for x in lib.version_string.split(".")) == torch.cuda.nccl.version()
+    # the same version from another file is another copy of NCCL: refused
+    copy = tmp_path / "libnccl.so.2"
+    shutil.copyfile(Path(torch_dir) / "libnccl.so.2", copy)
+    load = native.load_nccl
+    monkeypatch.setattr(native, "load_nccl", lambda: load(str(copy), search_system=False))
+    other = pgm._find_torch_nccl()
+    assert other is None

@@ -31,10 +31,13 @@ TORCH_NAMES = frozenset({
     "nccl_groups",
     "rebuild_process_group",
     "release_retired_groups",
+    "revoke_groups",
     "rewrap_ddp",
+    "start_aborts",
     "supports_shrink",
     "survivor_rank",
     "verify_group",
+    "wait_for_aborts",
 })
 
 

@@ -20,8 +20,9 @@ helpers only rebuild. Every step is timed for the recovery timeline.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -121,7 +122,8 @@ def supports_shrink(group: Any | None = None) -> bool:
 _RETIRED: list[Any] = []
 
 
-def abort_process_group(group: Any | None = None) -> float:
+def abort_process_group(group: Any | None = None, *, revoke: bool = False,
+                        background: bool = True) -> float:
     """Aborts in-flight work on ``group`` (default: the default group, and with it every other
     NCCL group: a device mesh's dimensions) and destroys it.
 
@@ -130,6 +132,11 @@ def abort_process_group(group: Any | None = None) -> float:
     collective still waiting for the dead rank. Destroying the default group destroys every
     other group too.
 
+    With ``background`` (the default group only), the NCCL groups are aborted on threads of
+    their own (:func:`start_aborts`) and taken out of torch's registry without waiting: an NCCL
+    abort joins its communicator's proxy threads, which poll with a 0.5 s timeout, and a new
+    default group can be created meanwhile. ``revoke`` first revokes their communicators.
+
     Returns:
         seconds spent.
     """
@@ -137,14 +144,144 @@ def abort_process_group(group: Any | None = None) -> float:
     if not dist.is_initialized():
         return 0.0
     pg = group if group is not None else dist.group.WORLD
+    if group is not None:
+        _RETIRED.append(pg)
+        abort_groups([pg])
+        dist.destroy_process_group(group)
+        return time.monotonic() - t0
     # The default group's destruction shuts every other group down too; the NCCL ones (a
     # device mesh's dimensions: HSDP, tensor parallel) may have work waiting on the dead rank,
     # so they are aborted first, not finalized.
-    others = [g for g in nccl_groups() if g is not pg] if group is None else []
-    _RETIRED.extend([pg, *others])
-    abort_groups([pg, *others])
-    dist.destroy_process_group(group)
+    nccl = nccl_groups()
+    groups = [pg, *[g for g in nccl if g is not pg]]
+    _RETIRED.extend(groups)
+    if not background:
+        abort_groups(groups)
+        dist.destroy_process_group()
+        return time.monotonic() - t0
+    start_aborts([g for g in groups if g in nccl], revoke=revoke)
+    abort_groups([g for g in groups if g not in nccl])
+    # torch's destroy_process_group shuts down every registered group, and an NCCL group's
+    # shutdown waits for the abort under way (the backend's lock). Unregistered first, they
+    # are left to their abort threads (and kept referenced in _RETIRED).
+    names = dist.distributed_c10d._world.pg_names
+    for g in groups:
+        if g in nccl:
+            names.pop(g, None)
+    dist.destroy_process_group()
     return time.monotonic() - t0
+
+
+# NCCL groups being aborted on threads of their own, by id (the entry keeps the group alive).
+_ABORTS: dict[int, tuple[Any, threading.Thread]] = {}
+_ABORTS_LOCK = threading.Lock()
+
+
+def start_aborts(groups: Sequence[Any], *, revoke: bool = False,
+                 on_done: Callable[[float], None] | None = None) -> int:
+    """Aborts each of ``groups`` on a thread of its own and returns at once; a group whose
+    abort already started is skipped. ``revoke``: first revoke their NCCL communicators
+    (:func:`revoke_groups`), so that a thread blocked in one of their operations returns within
+    milliseconds instead of when the abort ends. ``on_done(seconds)`` is called on the last
+    thread to finish. :func:`wait_for_aborts` waits for them.
+
+    Returns:
+        how many communicators were revoked.
+    """
+    with _ABORTS_LOCK:
+        todo = [g for g in groups if id(g) not in _ABORTS]
+        revoked = revoke_groups(todo) if revoke else 0
+        t0 = time.monotonic()
+        left = [len(todo)]
+
+        def abort(pg: Any) -> None:
+            try:
+                pg.abort()
+            except (RuntimeError, NotImplementedError):
+                pass
+            with _ABORTS_LOCK:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and on_done is not None:
+                on_done(time.monotonic() - t0)
+
+        for g in todo:
+            t = threading.Thread(target=abort, args=(g,), daemon=True, name="resilient-abort")
+            _ABORTS[id(g)] = (g, t)
+            t.start()
+    return revoked
+
+
+def wait_for_aborts(timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` in all for the aborts :func:`start_aborts` began; the finished
+    ones are forgotten. Returns True when none is left running."""
+    deadline = time.monotonic() + timeout_s
+    with _ABORTS_LOCK:
+        entries = list(_ABORTS.items())
+    for key, (_, t) in entries:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            with _ABORTS_LOCK:
+                _ABORTS.pop(key, None)
+    with _ABORTS_LOCK:
+        return not _ABORTS
+
+
+def revoke_groups(groups: Sequence[Any]) -> int:
+    """``ncclCommRevoke`` on the communicator of each NCCL group in ``groups``: its in-flight
+    operations end at once and later ones fail, where an abort first waits for NCCL's proxy
+    threads (0.5 s). Done only where torch's NCCL has revoke (>= 2.28.7) and is the very library
+    resilient loads (a communicator handed to another copy of NCCL would be memory corruption).
+    Errors are ignored (the abort that follows still ends the group).
+
+    Returns:
+        how many communicators were revoked.
+    """
+    lib = _torch_nccl()
+    if lib is None:
+        return 0
+    n = 0
+    for g in groups:
+        try:
+            ptr = g._get_backend(torch.device("cuda"))._comm_ptr()
+            if ptr:
+                lib.revoke_comm(ptr)
+                n += 1
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return n
+
+
+_TORCH_NCCL: list[Any] = []
+
+
+def _torch_nccl() -> Any | None:
+    """resilient's NcclLibrary when it is the NCCL torch's CUDA library uses and has revoke
+    (checked once: both resolve ``ncclCommRevoke`` to the same address), else None."""
+    if not _TORCH_NCCL:
+        _TORCH_NCCL.append(_find_torch_nccl())
+    return _TORCH_NCCL[0]
+
+
+def _find_torch_nccl() -> Any | None:
+    import ctypes
+    from pathlib import Path
+
+    try:
+        from resilient.comm.native import load_nccl
+
+        lib = load_nccl()
+        if not lib.supports("revoke"):
+            return None
+        rtld_noload = 4  # only libraries already loaded (dlfcn.h)
+        torch_cuda = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"),
+                                 mode=rtld_noload)
+        ours = ctypes.CDLL(lib.origin, mode=rtld_noload)
+        same = (ctypes.cast(torch_cuda.ncclCommRevoke, ctypes.c_void_p).value
+                == ctypes.cast(ours.ncclCommRevoke, ctypes.c_void_p).value)
+    except (ImportError, OSError, AttributeError, RuntimeError):
+        return None
+    return lib if same else None
 
 
 def nccl_groups() -> list[Any]:
@@ -169,8 +306,6 @@ def abort_groups(groups: Sequence[Any]) -> None:
     """Aborts `groups`: the first on this thread, the others at the same time on threads of
     their own (each NCCL abort joins its communicator's proxy thread, which can take 0.5 s).
     Errors are ignored (a backend without abort: its destruction still releases it)."""
-    import threading
-
     def abort(pg: Any) -> None:
         try:
             pg.abort()

@@ -36,6 +36,11 @@ class RecoveryConfig:
     #: forever for a frozen peer's operations; abort + new group never waits on peers and was
     #: as fast on 4 H200s (benchmarks/RESULTS.md, "comm and recovery").
     prefer_shrink: bool = False
+    #: NCCL: on a verdict, revoke the groups' communicators (ncclCommRevoke, NCCL >= 2.28.7),
+    #: so a training thread blocked in one returns at once, and abort them on threads of their
+    #: own while the new group forms. Off: abort and wait (up to 0.5 s: NCCL's proxy threads
+    #: poll with that timeout) before creating the new group.
+    revoke_nccl: bool = True
     #: seconds between polls of an in-flight collective
     poll_interval_s: float = 0.0005
     #: admit waiting spare/restarted ranks every this many steps (0: never)

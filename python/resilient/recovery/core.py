@@ -359,6 +359,10 @@ class Recovery(StepLoop):
             self._gate_handles, self._gated = [], False
         if self.detector is not None:
             self.detector.stop()
+        from resilient.comm.process_group import wait_for_aborts
+
+        if not wait_for_aborts(10.0):  # a process that exits amid an NCCL abort may crash
+            log.warning("resilient recovery: an NCCL abort is still running after 10 s")
         if self.checkpointer is not None:
             with contextlib.suppress(Exception):
                 self.checkpointer.wait(self.config.group_timeout_s)
@@ -624,10 +628,16 @@ class Recovery(StepLoop):
         t0 = time.monotonic()
         # with it every other NCCL group (a device mesh's dimensions: HSDP's replicate and
         # shard groups, tensor parallel's), where the training thread may be waiting too
-        from resilient.comm.process_group import abort_groups, nccl_groups
+        from resilient.comm.process_group import abort_groups, nccl_groups, start_aborts
 
+        groups = [group, *[g for g in nccl_groups() if g is not group]]
         try:
-            abort_groups([group, *[g for g in nccl_groups() if g is not group]])
+            if self.config.revoke_nccl:  # revoked at once; aborted while the group re-forms
+                revoked = start_aborts(groups, revoke=True, on_done=lambda s: self.timeline.add(
+                    "abort_finished", seconds=round(s, 4)))
+                self.timeline.add("revoked", communicators=revoked)
+            else:
+                abort_groups(groups)
         except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
             log.warning("resilient recovery: aborting the NCCL group failed (%s)", exc)
         self.timeline.add("abort_returned", seconds=time.monotonic() - t0)
@@ -764,7 +774,7 @@ class Recovery(StepLoop):
             method = "shrink"
         else:
             if dist.is_initialized():
-                abort_process_group()
+                abort_process_group(background=self.config.revoke_nccl)
             group = join_process_group(
                 self.store, generation=1000 * gen, rank=new_rank, world_size=new_size,
                 backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),

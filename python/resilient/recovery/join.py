@@ -215,7 +215,8 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int], *,
             sharded.snapshot_now(rec)
         rec.replicas.stop()  # before their group ends with the old ones (quietly)
     if dist.is_initialized():
-        abort_process_group()  # healthy, but a joiner forces a fresh group (reinit path)
+        # healthy, but a joiner forces a fresh group (reinit path)
+        abort_process_group(background=rec.config.revoke_nccl)
     group = join_process_group(
         rec.store, generation=group_gen, rank=rank, world_size=len(members),
         backend=rec.backend, timeout=timedelta(seconds=rec.config.group_timeout_s),
