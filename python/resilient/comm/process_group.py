@@ -123,7 +123,8 @@ _RETIRED: list[Any] = []
 
 
 def abort_process_group(group: Any | None = None, *, revoke: bool = False,
-                        background: bool = True) -> float:
+                        background: bool = True,
+                        on_done: Callable[[float], None] | None = None) -> float:
     """Aborts in-flight work on ``group`` (default: the default group, and with it every other
     NCCL group: a device mesh's dimensions) and destroys it.
 
@@ -135,7 +136,8 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     With ``background`` (the default group only), the NCCL groups are aborted on threads of
     their own (:func:`start_aborts`) and taken out of torch's registry without waiting: an NCCL
     abort joins its communicator's proxy threads, which poll with a 0.5 s timeout, and a new
-    default group can be created meanwhile. ``revoke`` first revokes their communicators.
+    default group can be created meanwhile. ``revoke`` first revokes their communicators;
+    ``on_done(seconds)`` is called when the last of these aborts ended.
 
     Returns:
         seconds spent.
@@ -159,7 +161,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
         abort_groups(groups)
         dist.destroy_process_group()
         return time.monotonic() - t0
-    start_aborts([g for g in groups if g in nccl], revoke=revoke)
+    start_aborts([g for g in groups if g in nccl], revoke=revoke, on_done=on_done)
     abort_groups([g for g in groups if g not in nccl])
     # torch's destroy_process_group shuts down every registered group, and an NCCL group's
     # shutdown waits for the abort under way (the backend's lock). Unregistered first, they

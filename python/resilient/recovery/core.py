@@ -628,19 +628,30 @@ class Recovery(StepLoop):
         t0 = time.monotonic()
         # with it every other NCCL group (a device mesh's dimensions: HSDP's replicate and
         # shard groups, tensor parallel's), where the training thread may be waiting too
-        from resilient.comm.process_group import abort_groups, nccl_groups, start_aborts
+        from resilient.comm.process_group import (
+            abort_groups,
+            nccl_groups,
+            revoke_groups,
+            start_aborts,
+        )
 
         groups = [group, *[g for g in nccl_groups() if g is not group]]
         try:
-            if self.config.revoke_nccl:  # revoked at once; aborted while the group re-forms
-                revoked = start_aborts(groups, revoke=True, on_done=lambda s: self.timeline.add(
-                    "abort_finished", seconds=round(s, 4)))
-                self.timeline.add("revoked", communicators=revoked)
-            else:
+            if not self.config.revoke_nccl:
                 abort_groups(groups)
+            elif revoked := revoke_groups(groups):
+                # Their operations fail at once. The abort waits for the rebuild, on the
+                # training thread: begun now, it would hold the backend's lock for up to
+                # 0.5 s, and FSDP2's next collective would wait for that lock first.
+                self.timeline.add("revoked", communicators=revoked)
+            else:  # no revoke in this NCCL: the abort ends them, the rebuild does not wait
+                start_aborts(groups, on_done=self._abort_finished)
         except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
             log.warning("resilient recovery: aborting the NCCL group failed (%s)", exc)
         self.timeline.add("abort_returned", seconds=time.monotonic() - t0)
+
+    def _abort_finished(self, seconds: float) -> None:
+        self.timeline.add("abort_finished", seconds=round(seconds, 4))
 
     def _on_evicted(self, generation: int) -> None:
         self.timeline.add("evicted", generation=generation)
@@ -774,7 +785,8 @@ class Recovery(StepLoop):
             method = "shrink"
         else:
             if dist.is_initialized():
-                abort_process_group(background=self.config.revoke_nccl)
+                abort_process_group(background=self.config.revoke_nccl,
+                                    on_done=self._abort_finished)
             group = join_process_group(
                 self.store, generation=1000 * gen, rank=new_rank, world_size=new_size,
                 backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
