@@ -1,6 +1,6 @@
 """How long ending a stuck NCCL collective takes, by method (2 GPUs; benchmarks/RESULTS.md).
 
-    python scripts/nccl_abort_probe.py --method abort|revoke|revoke_abort
+    python scripts/nccl_abort_probe.py --method abort|revoke|revoke_abort|groups
 
 Rank 1 stops taking part after a warm-up (it sleeps, alive); rank 0's training thread keeps
 issuing all-reduces, as FSDP2's prefetching does, while another thread ends the communicator
@@ -44,6 +44,15 @@ def rank_main(rank: int, method: str, port: int) -> None:
         time.sleep(0.3)
         t0[0] = time.monotonic()
         try:
+            if method == "groups":  # resilient's own path (revoke_groups), reasons logged
+                import logging
+
+                from resilient.comm.process_group import _find_torch_nccl, revoke_groups
+
+                logging.basicConfig(level=logging.INFO)
+                out["torch_nccl"] = repr(_find_torch_nccl())
+                out["revoked"] = revoke_groups([pg])
+                out["revoke_s"] = time.monotonic() - t0[0]
             if method in ("revoke", "revoke_abort"):
                 from resilient.comm import load_nccl
 
@@ -86,7 +95,8 @@ def rank_main(rank: int, method: str, port: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", default="abort", choices=("abort", "revoke", "revoke_abort"))
+    ap.add_argument("--method", default="abort", choices=("abort", "revoke", "revoke_abort",
+                                                           "groups"))
     ap.add_argument("--port", type=int, default=29731)
     ap.add_argument("--rank", type=int, default=-1)
     a = ap.parse_args()

@@ -249,8 +249,10 @@ def revoke_groups(groups: Sequence[Any]) -> int:
             if ptr:
                 lib.revoke_comm(ptr)
                 n += 1
-        except (AttributeError, RuntimeError, ValueError):
-            continue
+        except (AttributeError, RuntimeError, ValueError) as exc:
+            import logging
+
+            logging.getLogger("resilient.comm").info("no revoke of %s: %s", g, exc)
     return n
 
 
@@ -267,6 +269,7 @@ def _torch_nccl() -> Any | None:
 
 def _find_torch_nccl() -> Any | None:
     import ctypes
+    import logging
     from pathlib import Path
 
     try:
@@ -274,16 +277,19 @@ def _find_torch_nccl() -> Any | None:
 
         lib = load_nccl()
         if not lib.supports("revoke"):
-            return None
-        rtld_noload = 4  # only libraries already loaded (dlfcn.h)
+            raise RuntimeError(f"NCCL {lib.version_string} has no ncclCommRevoke")
+        rtld_noload = 4 | 2  # RTLD_NOLOAD | RTLD_NOW: only libraries already loaded
         torch_cuda = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"),
                                  mode=rtld_noload)
         ours = ctypes.CDLL(lib.origin, mode=rtld_noload)
-        same = (ctypes.cast(torch_cuda.ncclCommRevoke, ctypes.c_void_p).value
-                == ctypes.cast(ours.ncclCommRevoke, ctypes.c_void_p).value)
-    except (ImportError, OSError, AttributeError, RuntimeError):
+        if (ctypes.cast(torch_cuda.ncclCommRevoke, ctypes.c_void_p).value
+                != ctypes.cast(ours.ncclCommRevoke, ctypes.c_void_p).value):
+            raise RuntimeError(f"torch's NCCL is not {lib.origin}")
+    except (ImportError, OSError, AttributeError, RuntimeError) as exc:
+        logging.getLogger("resilient.comm").info(
+            "NCCL groups are aborted without a revoke first: %s", exc)
         return None
-    return lib if same else None
+    return lib
 
 
 def nccl_groups() -> list[Any]:
