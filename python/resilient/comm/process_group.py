@@ -229,12 +229,15 @@ def wait_for_aborts(timeout_s: float) -> bool:
         return not _ABORTS
 
 
-def revoke_groups(groups: Sequence[Any]) -> int:
+def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> int:
     """``ncclCommRevoke`` on the communicator of each NCCL group in ``groups``: its in-flight
     operations end at once and later ones fail, where an abort first waits for NCCL's proxy
     threads (0.5 s). Done only where torch's NCCL has revoke (>= 2.28.7) and is the very library
     resilient loads (a communicator handed to another copy of NCCL would be memory corruption).
-    Errors are ignored (the abort that follows still ends the group).
+    ``device``: the groups' CUDA device (default: each group's bound device, else the current
+    one). torch finds a group's communicator by the calling thread's current device, which on
+    a thread other than the training thread is device 0. Errors are logged and otherwise
+    ignored (the abort that follows still ends the group).
 
     Returns:
         how many communicators were revoked.
@@ -245,14 +248,21 @@ def revoke_groups(groups: Sequence[Any]) -> int:
     n = 0
     for g in groups:
         try:
-            ptr = g._get_backend(torch.device("cuda"))._comm_ptr()
+            backend = g._get_backend(torch.device("cuda"))
+        except (AttributeError, RuntimeError, ValueError):
+            continue  # not an NCCL group
+        dev = device if device is not None else getattr(g, "bound_device_id", None)
+        try:
+            with torch.cuda.device(dev if dev is not None else torch.cuda.current_device()):
+                ptr = backend._comm_ptr()
             if ptr:
                 lib.revoke_comm(ptr)
                 n += 1
         except (AttributeError, RuntimeError, ValueError) as exc:
             import logging
 
-            logging.getLogger("resilient.comm").info("no revoke of %s: %s", g, exc)
+            logging.getLogger("resilient.comm").warning(
+                "NCCL group %s is aborted without a revoke first: %s", g, exc)
     return n
 
 

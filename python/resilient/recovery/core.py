@@ -639,7 +639,7 @@ class Recovery(StepLoop):
         try:
             if not self.config.revoke_nccl:
                 abort_groups(groups)
-            elif revoked := revoke_groups(groups):
+            elif revoked := revoke_groups(groups, self._device):
                 # Their operations fail at once. The abort waits for the rebuild, on the
                 # training thread: begun now, it would hold the backend's lock for up to
                 # 0.5 s, and FSDP2's next collective would wait for that lock first.
