@@ -269,3 +269,52 @@ def test_revoke_is_used_only_with_the_nccl_torch_itself_uses(monkeypatch, tmp_pa
     monkeypatch.setattr(native, "load_nccl", lambda: load(str(copy), search_system=False))
     other = pgm._find_torch_nccl()
     assert other is None
+
+
+def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> None:
+    """ncclCommRevoke can return 0.5 s after it freed the training thread, which meanwhile
+    starts the rebuild's abort: that abort (which frees the communicator) must wait for the
+    revoke, on its own thread, not on the training thread; a group whose abort began is never
+    revoked."""
+    import threading
+
+    from resilient.comm import process_group as pgm
+
+    events: list[str] = []
+    revoking, release = threading.Event(), threading.Event()
+
+    class Lib:
+        def revoke_comm(self, ptr: int) -> None:
+            events.append(f"revoke {ptr}")
+            revoking.set()
+            release.wait(10)
+            events.append("revoke returned")
+
+    class Group:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+        def _get_backend(self, _device: object) -> Group:
+            return self
+
+        def _comm_ptr(self) -> int:
+            return self.ptr
+
+        def abort(self) -> None:
+            events.append(f"abort {self.ptr}")
+
+    monkeypatch.setattr(pgm, "_torch_nccl", lambda: Lib())
+    first, second = Group(1), Group(2)
+    # no CUDA here: device -1 leaves the current device alone
+    detector = threading.Thread(target=pgm.revoke_groups, args=([first],), kwargs={"device": -1})
+    detector.start()
+    assert revoking.wait(5)
+    assert pgm.start_aborts([first, second]) == 0  # returns at once
+    assert not pgm.wait_for_aborts(0.2)  # the first group's abort waits for its revoke
+    assert events == ["revoke 1", "abort 2"]  # the other group's abort did not wait
+    assert pgm.revoke_groups([first, second], device=-1) == 0  # revoked, or its abort began
+    release.set()
+    detector.join(5)
+    assert pgm.wait_for_aborts(5)
+    assert events == ["revoke 1", "abort 2", "revoke returned", "abort 1"]
+    pgm.release_retired_groups()

@@ -174,8 +174,10 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     return time.monotonic() - t0
 
 
-# NCCL groups being aborted on threads of their own, by id (the entry keeps the group alive).
+# NCCL groups being aborted on threads of their own, and groups whose communicators were
+# revoked (the event is set once the revoke returned), by id; the entries keep the groups alive.
 _ABORTS: dict[int, tuple[Any, threading.Thread]] = {}
+_REVOKES: dict[int, tuple[Any, threading.Event]] = {}
 _ABORTS_LOCK = threading.Lock()
 
 
@@ -184,19 +186,23 @@ def start_aborts(groups: Sequence[Any], *, revoke: bool = False,
     """Aborts each of ``groups`` on a thread of its own and returns at once; a group whose
     abort already started is skipped. ``revoke``: first revoke their NCCL communicators
     (:func:`revoke_groups`), so that a thread blocked in one of their operations returns within
-    milliseconds instead of when the abort ends. ``on_done(seconds)`` is called on the last
-    thread to finish. :func:`wait_for_aborts` waits for them.
+    milliseconds instead of when the abort ends. A group revoked on another thread is aborted
+    once that revoke returned (an abort frees the communicator the revoke is still using).
+    ``on_done(seconds)`` is called on the last thread to finish. :func:`wait_for_aborts` waits
+    for them.
 
     Returns:
         how many communicators were revoked.
     """
+    revoked = revoke_groups(groups) if revoke else 0
+    t0 = time.monotonic()
     with _ABORTS_LOCK:
-        todo = [g for g in groups if id(g) not in _ABORTS]
-        revoked = revoke_groups(todo) if revoke else 0
-        t0 = time.monotonic()
+        todo = [(g, _REVOKES.get(id(g), (None, None))[1]) for g in groups if id(g) not in _ABORTS]
         left = [len(todo)]
 
-        def abort(pg: Any) -> None:
+        def abort(pg: Any, revoking: threading.Event | None) -> None:
+            if revoking is not None:
+                revoking.wait(30.0)
             try:
                 pg.abort()
             except (RuntimeError, NotImplementedError):
@@ -207,33 +213,32 @@ def start_aborts(groups: Sequence[Any], *, revoke: bool = False,
             if last and on_done is not None:
                 on_done(time.monotonic() - t0)
 
-        for g in todo:
-            t = threading.Thread(target=abort, args=(g,), daemon=True, name="resilient-abort")
+        for g, revoking in todo:
+            t = threading.Thread(target=abort, args=(g, revoking), daemon=True,
+                                 name="resilient-abort")
             _ABORTS[id(g)] = (g, t)
             t.start()
     return revoked
 
 
 def wait_for_aborts(timeout_s: float) -> bool:
-    """Waits up to ``timeout_s`` in all for the aborts :func:`start_aborts` began; the finished
-    ones are forgotten. Returns True when none is left running."""
+    """Waits up to ``timeout_s`` in all for the aborts :func:`start_aborts` began. Returns True
+    when none is left running."""
     deadline = time.monotonic() + timeout_s
     with _ABORTS_LOCK:
-        entries = list(_ABORTS.items())
-    for key, (_, t) in entries:
+        threads = [t for _, t in _ABORTS.values()]
+    for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-        if not t.is_alive():
-            with _ABORTS_LOCK:
-                _ABORTS.pop(key, None)
-    with _ABORTS_LOCK:
-        return not _ABORTS
+    return not any(t.is_alive() for t in threads)
 
 
 def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> int:
     """``ncclCommRevoke`` on the communicator of each NCCL group in ``groups``: its in-flight
-    operations end at once and later ones fail, where an abort first waits for NCCL's proxy
-    threads (0.5 s). Done only where torch's NCCL has revoke (>= 2.28.7) and is the very library
-    resilient loads (a communicator handed to another copy of NCCL would be memory corruption).
+    operations end at once and later ones fail (the call itself may return later). Done only
+    where torch's NCCL has revoke (>= 2.28.7) and is the very library resilient loads (a
+    communicator handed to another copy of NCCL would be memory corruption), and never on a
+    group already revoked or whose abort began (:func:`start_aborts`).
+
     ``device``: the groups' CUDA device (default: each group's bound device, else the current
     one). torch finds a group's communicator by the calling thread's current device, which on
     a thread other than the training thread is device 0. Errors are logged and otherwise
@@ -245,25 +250,38 @@ def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> 
     lib = _torch_nccl()
     if lib is None:
         return 0
+    with _ABORTS_LOCK:  # registered first, so an abort started meanwhile waits for the revoke
+        mine = [(g, threading.Event()) for g in groups
+                if id(g) not in _ABORTS and id(g) not in _REVOKES]
+        for g, done in mine:
+            _REVOKES[id(g)] = (g, done)
     n = 0
-    for g in groups:
+    for g, done in mine:
         try:
-            backend = g._get_backend(torch.device("cuda"))
-        except (AttributeError, RuntimeError, ValueError):
-            continue  # not an NCCL group
-        dev = device if device is not None else getattr(g, "bound_device_id", None)
-        try:
-            with torch.cuda.device(dev if dev is not None else torch.cuda.current_device()):
-                ptr = backend._comm_ptr()
-            if ptr:
-                lib.revoke_comm(ptr)
-                n += 1
-        except (AttributeError, RuntimeError, ValueError) as exc:
-            import logging
-
-            logging.getLogger("resilient.comm").warning(
-                "NCCL group %s is aborted without a revoke first: %s", g, exc)
+            n += _revoke(lib, g, device)
+        finally:
+            done.set()
     return n
+
+
+def _revoke(lib: Any, g: Any, device: torch.device | None) -> int:
+    try:
+        backend = g._get_backend(torch.device("cuda"))
+    except (AttributeError, RuntimeError, ValueError):
+        return 0  # not an NCCL group
+    dev = device if device is not None else getattr(g, "bound_device_id", None)
+    try:
+        with torch.cuda.device(dev if dev is not None else torch.cuda.current_device()):
+            ptr = backend._comm_ptr()
+        if ptr:
+            lib.revoke_comm(ptr)
+            return 1
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        import logging
+
+        logging.getLogger("resilient.comm").warning(
+            "NCCL group %s is aborted without a revoke first: %s", g, exc)
+    return 0
 
 
 _TORCH_NCCL: list[Any] = []
@@ -345,6 +363,13 @@ def release_retired_groups() -> int:
     stuck collectives have timed out, e.g. at the next checkpoint). Returns how many."""
     n = len(_RETIRED)
     _RETIRED.clear()
+    with _ABORTS_LOCK:  # finished aborts and revokes (a group is never revoked after either)
+        for key, (_, t) in list(_ABORTS.items()):
+            if not t.is_alive():
+                del _ABORTS[key]
+        for key, (_, done) in list(_REVOKES.items()):
+            if done.is_set():
+                del _REVOKES[key]
     return n
 
 
