@@ -185,8 +185,19 @@ def test_abort_groups_aborts_every_group_whatever_one_raises() -> None:
             if self.error:
                 raise self.error("no abort here")
 
-    abort_groups([Group("a"), Group("b", RuntimeError), Group("c", NotImplementedError)])
+    assert abort_groups([Group("a"), Group("b", RuntimeError), Group("c", NotImplementedError)])
     assert sorted(aborted) == ["a", "b", "c"]
+
+    import threading
+
+    release = threading.Event()
+
+    class Stuck:
+        def abort(self) -> None:
+            release.wait(10)
+
+    assert not abort_groups([Group("d"), Stuck()], timeout_s=0.1)  # bounded: not waited for
+    release.set()
     assert nccl_groups() == []  # no process group here
 
 
@@ -318,3 +329,24 @@ def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> 
     assert pgm.wait_for_aborts(5)
     assert events == ["revoke 1", "abort 2", "revoke returned", "abort 1"]
     pgm.release_retired_groups()
+
+
+def test_a_backend_is_found_inside_the_detail_debug_wrapper() -> None:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each backend in a checking wrapper; the NCCL
+    groups (aborted and revoked after a lost rank) must still be found as NCCL groups."""
+    from resilient.comm.process_group import backend_of
+    from resilient.ports import free_port
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        raw = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert isinstance(raw, dist.distributed_c10d._ProcessGroupWrapper)
+        assert isinstance(backend_of(dist.group.WORLD, torch.device("cpu")), dist.ProcessGroupGloo)
+        assert backend_of(object(), torch.device("cpu")) is None
+    finally:
+        dist.set_debug_level(level)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -26,6 +26,7 @@ TORCH_NAMES = frozenset({
     "RebuildTimings",
     "abort_groups",
     "abort_process_group",
+    "backend_of",
     "generation_store",
     "join_process_group",
     "nccl_groups",
@@ -38,6 +39,7 @@ TORCH_NAMES = frozenset({
     "survivor_rank",
     "verify_group",
     "wait_for_aborts",
+    "with_nccl_groups",
 })
 
 

@@ -91,15 +91,15 @@ def generation_store(store: Any, generation: int) -> Any:
     return dist.PrefixStore(f"gen{generation}", store)
 
 
-def _backend_of(group: Any) -> Any | None:
+def _any_backend(group: Any) -> Any | None:
+    """The backend of ``group``'s bound device, else its CUDA one, else its CPU one."""
     device = getattr(group, "bound_device_id", None)
     candidates = [device] if device is not None else []
     candidates += [torch.device("cuda"), torch.device("cpu")]
     for dev in candidates:
-        try:
-            return group._get_backend(dev)
-        except (RuntimeError, ValueError):
-            continue
+        backend = backend_of(group, dev)
+        if backend is not None:
+            return backend
     return None
 
 
@@ -108,7 +108,7 @@ def supports_shrink(group: Any | None = None) -> bool:
     if not hasattr(dist, "shrink_group"):
         return False
     group = group if group is not None else dist.group.WORLD
-    backend = _backend_of(group)
+    backend = _any_backend(group)
     try:
         return bool(backend is not None and backend.supports_shrinking)
     except (AttributeError, RuntimeError):
@@ -155,7 +155,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     # device mesh's dimensions: HSDP, tensor parallel) may have work waiting on the dead rank,
     # so they are aborted first, not finalized.
     nccl = nccl_groups()
-    groups = [pg, *[g for g in nccl if g is not pg]]
+    groups = with_nccl_groups(pg)
     _RETIRED.extend(groups)
     if not background:
         abort_groups(groups)
@@ -265,9 +265,8 @@ def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> 
 
 
 def _revoke(lib: Any, g: Any, device: torch.device | None) -> int:
-    try:
-        backend = g._get_backend(torch.device("cuda"))
-    except (AttributeError, RuntimeError, ValueError):
+    backend = backend_of(g, torch.device("cuda"))
+    if backend is None:
         return 0  # not an NCCL group
     dev = device if device is not None else getattr(g, "bound_device_id", None)
     try:
@@ -327,21 +326,37 @@ def nccl_groups() -> list[Any]:
 
     if not dist.is_initialized() or not dist.is_nccl_available():
         return []
-    out = []
-    for pg in list(distributed_c10d._world.pg_names):
-        try:
-            backend = pg._get_backend(torch.device("cuda"))
-        except (RuntimeError, ValueError):
-            continue
-        if isinstance(backend, dist.ProcessGroupNCCL):
-            out.append(pg)
-    return out
+    return [pg for pg in list(distributed_c10d._world.pg_names)
+            if isinstance(backend_of(pg, torch.device("cuda")), dist.ProcessGroupNCCL)]
 
 
-def abort_groups(groups: Sequence[Any]) -> None:
+def with_nccl_groups(group: Any) -> list[Any]:
+    """``group`` first, then every other NCCL group (what an abort after a lost rank ends)."""
+    return [group, *[g for g in nccl_groups() if g is not group]]
+
+
+def backend_of(pg: Any, device: torch.device) -> Any | None:
+    """``pg``'s backend for ``device`` (None if it has none), unwrapped from the checking
+    wrapper that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts around it."""
+    try:
+        backend = pg._get_backend(device)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+    if wrapper is not None and isinstance(backend, wrapper):
+        backend = backend.wrapped_pg
+    return backend
+
+
+def abort_groups(groups: Sequence[Any], timeout_s: float = 30.0) -> bool:
     """Aborts `groups`: the first on this thread, the others at the same time on threads of
-    their own (each NCCL abort joins its communicator's proxy thread, which can take 0.5 s).
-    Errors are ignored (a backend without abort: its destruction still releases it)."""
+    their own (each NCCL abort joins its communicator's proxy thread, which can take 0.5 s),
+    waited for up to ``timeout_s`` after the first returned. Errors are ignored (a backend
+    without abort: its destruction still releases it).
+
+    Returns:
+        False when an abort was still running at the timeout (it goes on, on its thread).
+    """
     def abort(pg: Any) -> None:
         try:
             pg.abort()
@@ -354,8 +369,16 @@ def abort_groups(groups: Sequence[Any]) -> None:
         t.start()
     if groups:
         abort(groups[0])
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        import logging
+
+        logging.getLogger("resilient.comm").warning(
+            "an NCCL abort is still running after %.0f s; going on without it", timeout_s)
+        return False
+    return True
 
 
 def release_retired_groups() -> int:

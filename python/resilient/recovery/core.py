@@ -630,12 +630,12 @@ class Recovery(StepLoop):
         # shard groups, tensor parallel's), where the training thread may be waiting too
         from resilient.comm.process_group import (
             abort_groups,
-            nccl_groups,
             revoke_groups,
             start_aborts,
+            with_nccl_groups,
         )
 
-        groups = [group, *[g for g in nccl_groups() if g is not group]]
+        groups = with_nccl_groups(group)
         try:
             if not self.config.revoke_nccl:
                 abort_groups(groups)
