@@ -146,11 +146,14 @@ def test_timeline_forwards_to_the_job_event_log() -> None:
             tl.add(k)
         tl.add("first_collective", step=5, generation=1, world_size=3)
         tl.add("stopped", reason="too few")
+        tl.add("device_lost", step=7, error="CUDA error: an illegal memory access")
     finally:
         job_events.remove_listener(seen.append)
     kinds = [e["kind"] for e in seen]
     assert kinds == ["detected", "recovery_begin", "recovery_phase", "recovery_phase",
-                     "recovery_phase", "recovery_phase", "recovery_end", "fatal"]
+                     "recovery_phase", "recovery_phase", "recovery_end", "fatal", "fatal"]
+    assert "step 7" in seen[-1]["message"] and "illegal memory access" in seen[-1]["message"]
+    seen.pop()
     assert [e["phase"] for e in seen if e["kind"] == "recovery_phase"] == [
         "agreement", "rebuild", "restore", "first_collective"]
     end = seen[6]

@@ -8,7 +8,8 @@ processes of one host, so a launcher can subtract the time it injected a fault) 
 removed, members), ``rebuilt`` (method, rank, world_size), ``restored`` (source: memory | peer |
 storage, step), ``policy`` (message, accum_steps, lr_factor), ``first_collective`` (the first
 gradient all-reduce that completed on the new group), and ``stopped`` / ``evicted`` when the
-rank gives up. ``fault`` marks an injected fault (the chaos runner and the example write it).
+rank gives up, ``device_lost`` (step, error) when its device is unusable and the process
+leaves. ``fault`` marks an injected fault (the chaos runner and the example write it).
 
 Each event is also forwarded to ``resilient.telemetry.events`` (the chaos runner's JSON-lines
 log, a no-op unless ``RESILIENT_EVENTS_DIR`` is set or a listener is registered) in that
@@ -98,6 +99,9 @@ def _forward(ev: dict[str, Any], prev: dict[str, Any] | None,
                             seconds=ev["time_mono"] - begin["time_mono"])
     elif kind == "stopped":
         job_events.emit("fatal", message=ev.get("reason"))
+    elif kind == "device_lost":  # the process ends at once: this line is what stays of it
+        job_events.emit("fatal", message=f"device lost at step {ev.get('step')}: "
+                                         f"{ev.get('error')}; the process leaves the job")
 
 
 def phases(events: list[dict[str, Any]], t_fault: float | None = None) -> dict[str, Any]:
