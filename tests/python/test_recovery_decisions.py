@@ -212,18 +212,25 @@ def test_the_default_group_is_replaced_while_its_nccl_abort_still_runs(monkeypat
 
     release, started, done = threading.Event(), threading.Event(), []
 
+    shut: list[str] = []
+
     class SlowAbort:  # an NCCL group whose abort waits for its proxy thread
         def abort(self) -> None:
             started.set()
             release.wait(10)
 
+        def shutdown(self) -> None:  # torch's shutdown would wait for the abort's lock
+            shut.append("slow")
+
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     world, slow = dist.group.WORLD, SlowAbort()
+    dist.distributed_c10d._world.pg_names[slow] = "slow"  # registered as a mesh's group is
     monkeypatch.setattr(pgm, "nccl_groups", lambda: [world, slow])
     try:
-        pgm.abort_process_group(revoke=True)  # gloo: nothing to revoke
+        pgm.abort_process_group(revoke=True, background=True)  # gloo: nothing to revoke
         assert started.wait(5) and not dist.is_initialized()
+        assert shut == [] and slow not in dist.distributed_c10d._world.pg_names
         dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=0,
                                 world_size=1)
         x = torch.ones(1)
@@ -315,15 +322,15 @@ def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> 
             events.append(f"abort {self.ptr}")
 
     monkeypatch.setattr(pgm, "_torch_nccl", lambda: Lib())
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Group)  # revoke_groups revokes NCCL groups
     first, second = Group(1), Group(2)
-    # no CUDA here: device -1 leaves the current device alone
-    detector = threading.Thread(target=pgm.revoke_groups, args=([first],), kwargs={"device": -1})
+    detector = threading.Thread(target=pgm.revoke_groups, args=([first],))
     detector.start()
     assert revoking.wait(5)
     assert pgm.start_aborts([first, second]) == 0  # returns at once
     assert not pgm.wait_for_aborts(0.2)  # the first group's abort waits for its revoke
     assert events == ["revoke 1", "abort 2"]  # the other group's abort did not wait
-    assert pgm.revoke_groups([first, second], device=-1) == 0  # revoked, or its abort began
+    assert pgm.revoke_groups([first, second]) == 0  # revoked, or its abort began
     release.set()
     detector.join(5)
     assert pgm.wait_for_aborts(5)
@@ -350,3 +357,57 @@ def test_a_backend_is_found_inside_the_detail_debug_wrapper() -> None:
         dist.set_debug_level(level)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["revoke", "no_revoke_in_nccl", "setting_off"])
+def test_a_verdict_during_an_nccl_step_revokes_or_aborts(monkeypatch, mode: str) -> None:
+    """The detector's thread on a verdict: revoke (the abort follows in the background, at the
+    rebuild or shortly after), abort in the background where NCCL cannot revoke, or abort and
+    wait with RESILIENT_RECOVERY_REVOKE_NCCL=0."""
+    import threading
+    import time
+
+    from resilient.comm import process_group as pgm
+    from resilient.recovery import Recovery, RecoveryConfig, core
+    from resilient.recovery.timeline import Timeline
+
+    calls: list[str] = []
+    aborted = threading.Event()
+
+    class Lib:
+        def revoke_comm(self, ptr: int) -> None:
+            calls.append(f"revoke {ptr}")
+
+    class Group:
+        def _get_backend(self, _device: object) -> Group:
+            return self
+
+        def _comm_ptr(self) -> int:
+            return 7
+
+        def abort(self) -> None:
+            calls.append("abort")
+            aborted.set()
+
+    group = Group()
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Group)
+    monkeypatch.setattr(pgm, "with_nccl_groups", lambda g: [g])
+    monkeypatch.setattr(pgm, "_torch_nccl", lambda: None if mode == "no_revoke_in_nccl" else Lib())
+    monkeypatch.setattr(core, "_ABORT_AFTER_REVOKE_S", 0.2)
+    rec = Recovery.__new__(Recovery)
+    rec._group, rec.generation, rec.timeline = group, 1, Timeline(0)
+    rec._device = torch.device("cpu")
+    rec.config = RecoveryConfig(revoke_nccl=mode != "setting_off")
+    rec._abort_in_flight()
+    kinds = [e["kind"] for e in rec.timeline.events]
+    if mode == "revoke":
+        assert calls == ["revoke 7"] and "revoked" in kinds  # no abort yet: it would hold
+        time.sleep(0.05)                                      # the lock FSDP2's next
+        assert calls == ["revoke 7"]                          # collective waits for
+        assert aborted.wait(5)  # the fallback: nobody else began it
+    elif mode == "no_revoke_in_nccl":
+        assert aborted.wait(5) and calls == ["abort"]
+    else:
+        assert calls == ["abort"]  # waited for
+    assert pgm.wait_for_aborts(5)
+    pgm.release_retired_groups()

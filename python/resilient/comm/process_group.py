@@ -20,6 +20,7 @@ helpers only rebuild. Every step is timed for the recovery timeline.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -123,7 +124,7 @@ _RETIRED: list[Any] = []
 
 
 def abort_process_group(group: Any | None = None, *, revoke: bool = False,
-                        background: bool = True,
+                        background: bool = False,
                         on_done: Callable[[float], None] | None = None) -> float:
     """Aborts in-flight work on ``group`` (default: the default group, and with it every other
     NCCL group: a device mesh's dimensions) and destroys it.
@@ -134,7 +135,8 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     other group too.
 
     With ``background`` (the default group only), the NCCL groups are aborted on threads of
-    their own (:func:`start_aborts`) and taken out of torch's registry without waiting: an NCCL
+    their own (:func:`start_aborts`; call :func:`wait_for_aborts` before the process exits, which
+    may crash amid an NCCL abort) and taken out of torch's registry without waiting: an NCCL
     abort joins its communicator's proxy threads, which poll with a 0.5 s timeout, and a new
     default group can be created meanwhile. ``revoke`` first revokes their communicators;
     ``on_done(seconds)`` is called when the last of these aborts ended.
@@ -201,12 +203,13 @@ def start_aborts(groups: Sequence[Any], *, revoke: bool = False,
         left = [len(todo)]
 
         def abort(pg: Any, revoking: threading.Event | None) -> None:
-            if revoking is not None:
-                revoking.wait(30.0)
-            try:
-                pg.abort()
-            except (RuntimeError, NotImplementedError):
-                pass
+            if revoking is not None and not revoking.wait(30.0):
+                import logging  # an abort would free the communicator the revoke still uses
+
+                logging.getLogger("resilient.comm").warning(
+                    "an NCCL revoke has not returned after 30 s; its group is left unaborted")
+            else:
+                _abort_one(pg)
             with _ABORTS_LOCK:
                 left[0] -= 1
                 last = left[0] == 0
@@ -266,11 +269,13 @@ def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> 
 
 def _revoke(lib: Any, g: Any, device: torch.device | None) -> int:
     backend = backend_of(g, torch.device("cuda"))
-    if backend is None:
-        return 0  # not an NCCL group
+    if not (dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)):
+        return 0
     dev = device if device is not None else getattr(g, "bound_device_id", None)
+    index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else None
+    switch = torch.cuda.device(index) if index is not None else contextlib.nullcontext()
     try:
-        with torch.cuda.device(dev if dev is not None else torch.cuda.current_device()):
+        with switch:
             ptr = backend._comm_ptr()
         if ptr:
             lib.revoke_comm(ptr)
@@ -357,18 +362,12 @@ def abort_groups(groups: Sequence[Any], timeout_s: float = 30.0) -> bool:
     Returns:
         False when an abort was still running at the timeout (it goes on, on its thread).
     """
-    def abort(pg: Any) -> None:
-        try:
-            pg.abort()
-        except (RuntimeError, NotImplementedError):
-            pass
-
-    threads = [threading.Thread(target=abort, args=(g,), daemon=True,
+    threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True,
                                 name="resilient-abort") for g in groups[1:]]
     for t in threads:
         t.start()
     if groups:
-        abort(groups[0])
+        _abort_one(groups[0])
     deadline = time.monotonic() + timeout_s
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -379,6 +378,41 @@ def abort_groups(groups: Sequence[Any], timeout_s: float = 30.0) -> bool:
             "an NCCL abort is still running after %.0f s; going on without it", timeout_s)
         return False
     return True
+
+
+def _abort_one(pg: Any) -> None:
+    """``pg.abort()``, and its NCCL backend's when a TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper (whose
+    own abort does nothing) stands between. Errors are ignored."""
+    try:
+        pg.abort()
+    except (RuntimeError, NotImplementedError):
+        pass
+    wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+    try:
+        raw = pg._get_backend(torch.device("cuda"))
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    if wrapper is not None and isinstance(raw, wrapper):
+        try:
+            raw.wrapped_pg.abort()
+        except (RuntimeError, NotImplementedError):
+            pass
+
+
+def abort_revoked() -> None:
+    """Starts the abort of every group revoked but not yet aborted (a recovery that stopped
+    before its rebuild): a revoked communicator must be aborted, never finalized."""
+    with _ABORTS_LOCK:
+        left = [g for key, (g, _) in _REVOKES.items() if key not in _ABORTS]
+    start_aborts(left)
+
+
+def wait_for_revoke(group: Any, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for a revoke of ``group`` on another thread to return (True
+    when none is running); before a shrink, which frees what the revoke still uses."""
+    with _ABORTS_LOCK:
+        entry = _REVOKES.get(id(group))
+    return entry is None or entry[1].wait(timeout_s)
 
 
 def release_retired_groups() -> int:

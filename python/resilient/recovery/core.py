@@ -17,8 +17,9 @@ On a failure (a collective error, the detector's verdict, or a collective past i
 
 1. **abort**: the gradient all-reduce is polled, never waited on (gloo: a DDP comm hook; NCCL:
    a step pre-hook on the optimizers that polls a CUDA event), so the training thread stops
-   using the failed group at once. gloo's abort cannot unblock a collective; an NCCL group is
-   aborted from the detector's thread when the verdict comes during a step, and by the rebuild;
+   using the failed group at once. gloo's abort cannot unblock a collective; NCCL groups are
+   revoked from the detector's thread when the verdict comes during a step (aborted where NCCL
+   cannot revoke), and aborted in the background by the rebuild;
 2. **agree**: wait for the detector's decided generation that removes a member; every survivor
    acts on the same record (compare-and-set on the store), so they agree on the membership;
 3. **policy**: fewer than ``min_world`` survivors -> :class:`RecoveryStopped`; otherwise the new
@@ -58,6 +59,7 @@ from resilient.comm.process_group import (
     join_process_group,
     shrink_abort_flag,
     supports_shrink,
+    wait_for_revoke,
 )
 from resilient.errors import CollectiveError
 from resilient.recovery import device as device_state
@@ -91,6 +93,8 @@ from resilient.recovery.samplers import Samplers
 from resilient.recovery.timeline import Timeline
 
 log = logging.getLogger("resilient.recovery")
+# After a revoke, the NCCL groups are aborted this much later unless the rebuild began it.
+_ABORT_AFTER_REVOKE_S = 0.25
 _follow_store_setting()  # RESILIENT_STORE=etcd:// (torch is imported now)
 
 LossFn = Callable[[int, MicroBatch], torch.Tensor]
@@ -359,8 +363,9 @@ class Recovery(StepLoop):
             self._gate_handles, self._gated = [], False
         if self.detector is not None:
             self.detector.stop()
-        from resilient.comm.process_group import wait_for_aborts
+        from resilient.comm.process_group import abort_revoked, wait_for_aborts
 
+        abort_revoked()  # a revoked communicator is aborted, never finalized
         if not wait_for_aborts(10.0):  # a process that exits amid an NCCL abort may crash
             log.warning("resilient recovery: an NCCL abort is still running after 10 s")
         if self.checkpointer is not None:
@@ -617,10 +622,11 @@ class Recovery(StepLoop):
             self._abort_in_flight()
 
     def _abort_in_flight(self) -> None:
-        """Aborts the current NCCL group from the detector's thread: kernels waiting for the
-        dead peer end, so a training thread blocked in a CUDA sync of the step (``loss.item()``
-        after backward, GradScaler's inf check) returns; the step is then failed by the
-        optimizer gate or by its next collective, and the rebuild replaces the group."""
+        """Revokes the current NCCL groups from the detector's thread (aborts them where NCCL
+        cannot revoke): kernels waiting for the dead peer end, so a training thread blocked in
+        a CUDA sync of the step (``loss.item()`` after backward, GradScaler's inf check)
+        returns; the step is then failed by the optimizer gate or by its next collective, and
+        the rebuild aborts and replaces the groups."""
         group = self._group
         if group is None:
             return
@@ -644,6 +650,13 @@ class Recovery(StepLoop):
                 # training thread: begun now, it would hold the backend's lock for up to
                 # 0.5 s, and FSDP2's next collective would wait for that lock first.
                 self.timeline.add("revoked", communicators=revoked)
+                # A thread blocked where no revoke reaches (a communicator other than the
+                # group's collective one, a group whose revoke failed) reaches no rebuild:
+                # abort them all a little later, unless the rebuild already began it.
+                timer = threading.Timer(_ABORT_AFTER_REVOKE_S, start_aborts, args=(groups,),
+                                        kwargs={"on_done": self._abort_finished})
+                timer.daemon = True
+                timer.start()
             else:  # no revoke in this NCCL: the abort ends them, the rebuild does not wait
                 start_aborts(groups, on_done=self._abort_finished)
         except Exception as exc:  # noqa: BLE001 -- the rebuild aborts and destroys it again
@@ -780,6 +793,7 @@ class Recovery(StepLoop):
                 and self.manager is None and survivors == members
                 and supports_shrink(self._group)):
             self._retired.append(self._group)
+            wait_for_revoke(self._group, 30.0)  # a shrink frees what the revoke still uses
             group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
             forget_device_meshes()
             method = "shrink"
@@ -943,6 +957,9 @@ class Recovery(StepLoop):
                       micro_batch=self.micro_batch, whole_batches=bool(self.samplers.items))
 
     def _stop(self, message: str) -> str:
+        from resilient.comm.process_group import abort_revoked
+
+        abort_revoked()  # never rebuilt: a revoked communicator must still be aborted
         self.timeline.add("stopped", reason=message, step=self.step)
         log.error("resilient recovery: %s", message)
         return message

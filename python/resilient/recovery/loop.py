@@ -21,13 +21,13 @@ group) and ``rec.rank``/``rec.world_size`` or ``rec.micro_batches()`` for its sh
 On GPU (NCCL) the all-reduce is asynchronous on NCCL's stream, so ``backward`` returns before
 it completed; Recovery gates ``optimizer.step()`` with a step pre-hook that polls a CUDA event
 while watching the detector's verdict: a failed step leaves before the update is queued. When the
-verdict arrives while a step runs, the detector's thread aborts the NCCL group, so a CUDA sync in
-the step (``loss.item()`` after ``backward``, GradScaler's inf check) returns instead of hanging;
-the gate then fails the step. A failure after ``optimizer.step()`` (a collective of the user's
-own, for logging) keeps the applied step: it is not redone. A DataLoader over a
-``ResumableSampler(DistributedSampler(...))`` passed as ``Recovery(samplers=[...])`` is rewound to
-the failed step's start and re-split over the new group (docs/recovery.md, "The user's
-DataLoader").
+verdict arrives while a step runs, the detector's thread revokes the NCCL groups (or aborts
+them), so a CUDA sync in the step (``loss.item()`` after ``backward``, GradScaler's inf check)
+returns instead of hanging; the gate then fails the step. A failure after ``optimizer.step()``
+(a collective of the user's own, for logging) keeps the applied step: it is not redone. A
+DataLoader over a ``ResumableSampler(DistributedSampler(...))`` passed as
+``Recovery(samplers=[...])`` is rewound to the failed step's start and re-split over the new
+group (docs/recovery.md, "The user's DataLoader").
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def poll_collectives(rec: Any, module: torch.nn.Module) -> None:
     comm hook does (a reduce-scatter as an all-reduce: gloo's cannot be polled). gloo cannot
     abort a collective that waits on a healthy peer which left it (docs/comm.md), so without
     this a survivor could wait for the group timeout. NCCL needs
-    none: the detector's thread aborts the communicator."""
+    none: the detector's thread revokes (or aborts) the communicator."""
     if rec.backend != "gloo":
         return
     from torch.distributed.fsdp import FSDPModule

@@ -44,7 +44,9 @@ class Timeline:
         ev = {"kind": kind, "rank": self.rank, "time_mono": time.monotonic(),
               "time_wall": time.time(), **fields}
         with self._lock:
-            prev = self._events[-1] if self._events else None
+            # the previous event of the training thread's sequence (not a background abort's)
+            prev = next((e for e in reversed(self._events) if e["kind"] not in _BACKGROUND),
+                        None)
             begin = next((e for e in reversed(self._events)
                           if e["kind"] == "failure_observed"), None)
             self._events.append(ev)
@@ -75,6 +77,8 @@ class Timeline:
         return [r for r in out if r]
 
 
+# Events that other threads add at any moment of a recovery (the old group's revoke and abort).
+_BACKGROUND = frozenset({"revoked", "abort_finished"})
 _PHASE_OF = {"agreed": "agreement", "rebuilt": "rebuild", "restored": "restore",
              "first_collective": "first_collective"}
 
