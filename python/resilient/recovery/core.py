@@ -37,6 +37,7 @@ On a failure (a collective error, the detector's verdict, or a collective past i
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -293,6 +294,9 @@ class Recovery(StepLoop):
             raise RuntimeError("this Recovery is already started")
         self._check_meta_model(joins=join or self._join_on_start)
         self.started = True
+        # A script need not close it: at exit, the replication threads must end before the
+        # interpreter finalizes (one returning from gloo then aborts the process).
+        atexit.register(self._close_at_exit)
         if join or self._join_on_start:
             warn_about_launcher()
             self.joined = join_as_spare(self, self.config.join_timeout_s)
@@ -349,12 +353,15 @@ class Recovery(StepLoop):
                              "without build (DDP) the members' state is copied into the "
                              "model's own tensors")
 
-    def close(self) -> None:
-        """Stops the detector and waits for checkpoint saves in flight. Failed groups stay
-        referenced: their destructors could block until the group timeout (see comm docs)."""
+    def close(self, *, replica_timeout_s: float = 30.0) -> None:
+        """Stops the detector and the peer replication (bounded by ``replica_timeout_s``) and
+        waits for checkpoint saves in flight. Failed groups stay referenced: their destructors
+        could block until the group timeout (see comm docs). Called at exit if the script did
+        not."""
+        atexit.unregister(self._close_at_exit)
         self.started = False
         if self.replicas is not None:
-            self.replicas.close()
+            self.replicas.close(replica_timeout_s)
         if self.build is not None:
             sharded.unpoll_hsdp_all_reduce(self)
         if self._gated:  # the optimizers outlive this Recovery
@@ -371,6 +378,13 @@ class Recovery(StepLoop):
         if self.checkpointer is not None:
             with contextlib.suppress(Exception):
                 self.checkpointer.wait(self.config.group_timeout_s)
+
+    def _close_at_exit(self) -> None:
+        if self.started:
+            try:
+                self.close(replica_timeout_s=5.0)
+            except Exception as exc:  # noqa: BLE001 -- the process is exiting anyway
+                log.warning("resilient recovery: closing at exit failed (%s)", exc)
 
     def __enter__(self) -> Recovery:
         return self.start()

@@ -281,6 +281,7 @@ class PeerReplicas:
         self._group = group if group is not None else replica_group(timeout_s)
         # `wait`: how the gather's collectives are waited for (Recovery polls them: the group's
         # timeout is long)
+        self._backend = self._group._get_backend(torch.device("cpu"))
         hosts = gather_objects(host or host_id(), self._group, wait or _wait)
         plan = buddies([str(h) for h in hosts], factor)
         self.to = plan[self.rank]
@@ -357,6 +358,16 @@ class PeerReplicas:
         if snap.ready is not None:  # the restore frees the old state right after
             snap.ready.synchronize()
 
+    # Point-to-point on the group's backend itself, not through torch.distributed's registry: a
+    # script's destroy_process_group() unregisters the group before Recovery closes at exit,
+    # and close() must still tell the buddies to stop (their receivers end instead of blocking
+    # while the interpreter exits, which aborts it).
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        self._backend.send([t], dst, 0).wait()
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        self._backend.recv([t], src, 0).wait()
+
     def _break(self, why: str) -> None:
         """Replication stops (called with the lock held or not): logged once; a restore then
         finds no newer step here and falls back to storage."""
@@ -432,9 +443,9 @@ class PeerReplicas:
                 header = torch.tensor([_MAGIC, snap.step, snap.nbytes, _signed(snap.digest),
                                        meta.numel(), self.rank, self.world], dtype=torch.int64)
                 for b in self.to:
-                    dist.send(header, group_dst=b, group=self._group)
-                    dist.send(meta, group_dst=b, group=self._group)
-                    dist.send(snap.buf[:snap.nbytes], group_dst=b, group=self._group)
+                    self._send(header, b)
+                    self._send(meta, b)
+                    self._send(snap.buf[:snap.nbytes], b)
                 self.stats.sent += 1
             except Exception as e:  # a peer that died: recovery rebuilds the ring
                 self._break(f"send: {e}")
@@ -448,7 +459,7 @@ class PeerReplicas:
         header = torch.tensor([_MAGIC, -1, 0, 0, 0, self.rank, self.world], dtype=torch.int64)
         for b in self.to:
             try:
-                dist.send(header, group_dst=b, group=self._group)
+                self._send(header, b)
             except Exception:
                 pass
 
@@ -456,14 +467,14 @@ class PeerReplicas:
         while True:
             try:
                 header = torch.empty(_HEADER, dtype=torch.int64)
-                dist.recv(header, group_src=src, group=self._group)
+                self._recv(header, src)
                 magic, step, nbytes, digest, meta_len, rank, _world = header.tolist()
                 if magic != _MAGIC or rank != src:
                     raise RuntimeError(f"a stray message from rank {src}: header {header.tolist()}")
                 if step < 0:  # the sender stopped
                     return
                 meta_t = torch.empty(meta_len, dtype=torch.uint8)
-                dist.recv(meta_t, group_src=src, group=self._group)
+                self._recv(meta_t, src)
                 meta = json.loads(bytes(meta_t.numpy()))
                 with self._lock:
                     stopped = self._stopped
@@ -472,12 +483,11 @@ class PeerReplicas:
                     if not stopped:
                         buf, self._spare[src] = self._spare[src], None
                 if stopped:  # drained until the sender's stop, which close() awaits
-                    dist.recv(torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes],
-                              group_src=src, group=self._group)
+                    self._recv(torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes], src)
                     continue
                 if buf is None or buf.numel() < nbytes:  # a third buffer: the two verified
                     buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)  # replicas stay
-                dist.recv(buf[:nbytes], group_src=src, group=self._group)
+                self._recv(buf[:nbytes], src)
                 snap = snapshot_from_meta(meta, buf, nbytes, digest % (1 << 64))
                 ok = step == meta["step"] and _digest(buf, nbytes) == snap.digest
                 snap.state = "ok" if ok else "bad"
