@@ -411,3 +411,43 @@ def test_a_verdict_during_an_nccl_step_revokes_or_aborts(monkeypatch, mode: str)
         assert calls == ["abort"]  # waited for
     assert pgm.wait_for_aborts(5)
     pgm.release_retired_groups()
+
+
+@pytest.mark.parametrize(("sending", "failed", "expected"),
+                         [(False, False, 5.0), (True, False, 30.0), (True, True, 0.0)])
+def test_a_recovery_the_script_did_not_close_is_closed_at_exit(monkeypatch, sending: bool,
+                                                              failed: bool,
+                                                              expected: float) -> None:
+    """The replication threads must end before the interpreter finalizes: briefly for the
+    buddies' stop messages, longer while a snapshot is sent, not at all after an uncaught
+    exception; the checkpointer's own exit handler waits for its saves."""
+    import sys
+
+    from resilient.recovery import Recovery, RecoveryConfig
+    from resilient.recovery.timeline import Timeline
+
+    waited: list[float] = []
+
+    class Replicas:
+        def __init__(self) -> None:
+            self.sending = sending
+
+        def close(self, timeout_s: float) -> None:
+            waited.append(timeout_s)
+
+    class Checkpointer:
+        def wait(self, _timeout: float) -> None:
+            waited.append(-1.0)
+
+    if failed:
+        monkeypatch.setattr(sys, "last_value", RuntimeError("the script failed"), raising=False)
+    else:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+    rec = Recovery.__new__(Recovery)
+    rec.started, rec.replicas, rec.build, rec._gated, rec.detector = True, Replicas(), None, \
+        False, None
+    rec.checkpointer, rec.config, rec.timeline = Checkpointer(), RecoveryConfig(), Timeline(0)
+    rec._close_at_exit()
+    assert waited == [expected] and not rec.started
+    rec._close_at_exit()  # once only
+    assert waited == [expected]

@@ -42,6 +42,7 @@ import collections
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -359,6 +360,23 @@ class Recovery(StepLoop):
         could block until the group timeout (see comm docs). Called at exit if the script did
         not."""
         atexit.unregister(self._close_at_exit)
+        self._close(replica_timeout_s, at_exit=False)
+
+    def _close_at_exit(self) -> None:
+        """close() for a script that did not call it. The replication threads get 5 s for their
+        buddies' stop messages (30 s while a snapshot is still being sent), none when the
+        script ends on an uncaught exception (its sources still train: their peers should see
+        this rank leave now). The checkpointer's own exit handler waits for its saves."""
+        if not self.started:
+            return
+        failed = getattr(sys, "last_value", None) is not None
+        sending = self.replicas is not None and self.replicas.sending
+        try:
+            self._close(0.0 if failed else 30.0 if sending else 5.0, at_exit=True)
+        except BaseException as exc:  # noqa: BLE001 -- the process is exiting anyway
+            log.warning("resilient recovery: closing at exit failed (%s)", exc)
+
+    def _close(self, replica_timeout_s: float, at_exit: bool) -> None:
         self.started = False
         if self.replicas is not None:
             self.replicas.close(replica_timeout_s)
@@ -375,16 +393,9 @@ class Recovery(StepLoop):
         abort_revoked()  # a revoked communicator is aborted, never finalized
         if not wait_for_aborts(10.0):  # a process that exits amid an NCCL abort may crash
             log.warning("resilient recovery: an NCCL abort is still running after 10 s")
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and not at_exit:
             with contextlib.suppress(Exception):
                 self.checkpointer.wait(self.config.group_timeout_s)
-
-    def _close_at_exit(self) -> None:
-        if self.started:
-            try:
-                self.close(replica_timeout_s=5.0)
-            except Exception as exc:  # noqa: BLE001 -- the process is exiting anyway
-                log.warning("resilient recovery: closing at exit failed (%s)", exc)
 
     def __enter__(self) -> Recovery:
         return self.start()

@@ -541,6 +541,12 @@ class PeerReplicas:
         self._hook.remove()
         self._queue.put(None)
 
+    @property
+    def sending(self) -> bool:
+        """Whether a snapshot is being sent to the buddies now."""
+        with self._lock:
+            return self._sending
+
     def drain(self, step: int, timeout_s: float = 60.0) -> None:
         """Waits until this rank's snapshot of `step` (or a later one) was sent and a replica of
         `step` or later from every peer it backs up arrived; TimeoutError otherwise."""
