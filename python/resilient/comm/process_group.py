@@ -21,6 +21,7 @@ helpers only rebuild. Every step is timed for the recovery timeline.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ from resilient.comm import TORCH_NAMES
 from resilient.comm.nccl_env import prepare_nccl_env
 
 __all__ = sorted(TORCH_NAMES)  # resilient.comm names them without importing torch
+
+log = logging.getLogger("resilient.comm")
 
 
 def shrink_abort_flag() -> int:
@@ -157,7 +160,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     # device mesh's dimensions: HSDP, tensor parallel) may have work waiting on the dead rank,
     # so they are aborted first, not finalized.
     nccl = nccl_groups()
-    groups = with_nccl_groups(pg)
+    groups = with_nccl_groups(pg, nccl)
     _RETIRED.extend(groups)
     if not background:
         abort_groups(groups)
@@ -204,10 +207,9 @@ def start_aborts(groups: Sequence[Any], *, revoke: bool = False,
 
         def abort(pg: Any, revoking: threading.Event | None) -> None:
             if revoking is not None and not revoking.wait(30.0):
-                import logging  # an abort would free the communicator the revoke still uses
-
-                logging.getLogger("resilient.comm").warning(
-                    "an NCCL revoke has not returned after 30 s; its group is left unaborted")
+                # an abort would free the communicator the revoke still uses
+                log.warning("an NCCL revoke has not returned after 30 s; its group is left "
+                            "unaborted")
             else:
                 _abort_one(pg)
             with _ABORTS_LOCK:
@@ -281,10 +283,7 @@ def _revoke(lib: Any, g: Any, device: torch.device | None) -> int:
             lib.revoke_comm(ptr)
             return 1
     except (AttributeError, RuntimeError, ValueError) as exc:
-        import logging
-
-        logging.getLogger("resilient.comm").warning(
-            "NCCL group %s is aborted without a revoke first: %s", g, exc)
+        log.warning("NCCL group %s is aborted without a revoke first: %s", g, exc)
     return 0
 
 
@@ -301,7 +300,6 @@ def _torch_nccl() -> Any | None:
 
 def _find_torch_nccl() -> Any | None:
     import ctypes
-    import logging
     from pathlib import Path
 
     try:
@@ -318,8 +316,7 @@ def _find_torch_nccl() -> Any | None:
                 != ctypes.cast(ours.ncclCommRevoke, ctypes.c_void_p).value):
             raise RuntimeError(f"torch's NCCL is not {lib.origin}")
     except (ImportError, OSError, AttributeError, RuntimeError) as exc:
-        logging.getLogger("resilient.comm").info(
-            "NCCL groups are aborted without a revoke first: %s", exc)
+        log.info("NCCL groups are aborted without a revoke first: %s", exc)
         return None
     return lib
 
@@ -335,22 +332,24 @@ def nccl_groups() -> list[Any]:
             if isinstance(backend_of(pg, torch.device("cuda")), dist.ProcessGroupNCCL)]
 
 
-def with_nccl_groups(group: Any) -> list[Any]:
-    """``group`` first, then every other NCCL group (what an abort after a lost rank ends)."""
-    return [group, *[g for g in nccl_groups() if g is not group]]
+def with_nccl_groups(group: Any, nccl: Sequence[Any] | None = None) -> list[Any]:
+    """``group`` first, then every other NCCL group (what an abort after a lost rank ends);
+    ``nccl``: :func:`nccl_groups`'s list, if the caller has it."""
+    return [group, *[g for g in (nccl_groups() if nccl is None else nccl) if g is not group]]
 
 
 def backend_of(pg: Any, device: torch.device) -> Any | None:
     """``pg``'s backend for ``device`` (None if it has none), unwrapped from the checking
     wrapper that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts around it."""
     try:
-        backend = pg._get_backend(device)
+        return _unwrapped(pg._get_backend(device))
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def _unwrapped(backend: Any) -> Any:
     wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
-    if wrapper is not None and isinstance(backend, wrapper):
-        backend = backend.wrapped_pg
-    return backend
+    return backend.wrapped_pg if wrapper is not None and isinstance(backend, wrapper) else backend
 
 
 def abort_groups(groups: Sequence[Any], timeout_s: float = 30.0) -> bool:
@@ -372,10 +371,8 @@ def abort_groups(groups: Sequence[Any], timeout_s: float = 30.0) -> bool:
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
-        import logging
-
-        logging.getLogger("resilient.comm").warning(
-            "an NCCL abort is still running after %.0f s; going on without it", timeout_s)
+        log.warning("an NCCL abort is still running after %.0f s; going on without it",
+                    timeout_s)
         return False
     return True
 
@@ -387,14 +384,14 @@ def _abort_one(pg: Any) -> None:
         pg.abort()
     except (RuntimeError, NotImplementedError):
         pass
-    wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
     try:
         raw = pg._get_backend(torch.device("cuda"))
     except (AttributeError, RuntimeError, ValueError):
         return
-    if wrapper is not None and isinstance(raw, wrapper):
+    inner = _unwrapped(raw)
+    if inner is not raw:
         try:
-            raw.wrapped_pg.abort()
+            inner.abort()
         except (RuntimeError, NotImplementedError):
             pass
 
