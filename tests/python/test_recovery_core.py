@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from resilient.comm.process_group import wait_for_aborts  # noqa: E402
 from resilient.recovery import PeerFailure, Recovery, RecoveryConfig, RecoveryStopped  # noqa: E402
 
 
@@ -215,11 +216,16 @@ def test_a_verdict_while_the_gate_waits_fails_the_step_before_the_update() -> No
         rec.detector.gen = (1, [0, 2, 3])
         rec._on_failure([1], 1)
 
-    threading.Thread(target=verdict).start()
+    detector = threading.Thread(target=verdict)
+    detector.start()
     with pytest.raises(PeerFailure, match="verdict"):
         rec.optimizer.step()
     assert torch.equal(rec.module.weight, before) and not rec._applied
-    assert group.aborted == 1  # from the detector's thread: a CUDA sync in the step returns
+    # from the detector's thread, on a thread of its own (no revoke for this fake group): a
+    # CUDA sync in the step returns
+    detector.join(30)
+    assert wait_for_aborts(5)
+    assert group.aborted == 1
     assert rec._failure_cause(RuntimeError("x")) == "verdict"
 
 
@@ -243,6 +249,7 @@ def test_no_abort_outside_a_step_or_for_a_verdict_about_others() -> None:
     rec._on_failure([1], 1)
     rec._in_step = True
     rec._on_failure([7], 1)  # not a member (a joiner the detector does not watch)
+    assert wait_for_aborts(5)
     assert group.aborted == 0
 
 
