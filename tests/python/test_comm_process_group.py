@@ -139,3 +139,21 @@ def test_a_failed_rendezvous_does_not_rename_the_next_generation(tmp_path: Path)
     assert "generation 1 failed" in outs[0], outs[0]
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "generation 2 ok 0" in out, out[-2000:]
+
+
+def test_a_later_default_nccl_group_gets_its_global_ranks(monkeypatch) -> None:
+    """torch 2.11 splits a default NCCL group other than the process's first one by reading
+    its empty global-rank list (SIGSEGV, HSDP rebuilt on 4 H200s): join_process_group fills
+    it in; a list torch filled in is left alone."""
+    from resilient.comm import process_group as pgm
+
+    options = dist.ProcessGroupNCCL.Options()  # torch's own type: the attribute is real
+    backend = type("Backend", (), {"options": options})()
+    monkeypatch.setattr(pgm, "backend_of", lambda group, device: backend)
+    pgm.name_default_group_ranks(object(), 3)
+    assert list(options.global_ranks_in_group) == [0, 1, 2]
+    options.global_ranks_in_group = [4, 5]
+    pgm.name_default_group_ranks(object(), 2)
+    assert list(options.global_ranks_in_group) == [4, 5]
+    monkeypatch.setattr(pgm, "backend_of", lambda group, device: None)  # gloo: nothing to do
+    pgm.name_default_group_ranks(object(), 2)

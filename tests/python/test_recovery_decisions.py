@@ -338,6 +338,48 @@ def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> 
     pgm.release_retired_groups()
 
 
+def test_each_group_is_revoked_on_a_thread_of_its_own(monkeypatch) -> None:
+    """HSDP on 4 H200s: a revoke waited for the device while the next group's kernel, stuck on
+    the dead peer, ran on; revoked one after the other, the second never was. Here the first
+    revoke returns only once the second was issued."""
+    import threading
+
+    from resilient.comm import process_group as pgm
+
+    second_issued = threading.Event()
+    returned: list[int] = []
+
+    class Lib:
+        def revoke_comm(self, ptr: int) -> None:
+            if ptr == 1:
+                assert second_issued.wait(10), "the second group was not revoked meanwhile"
+            else:
+                second_issued.set()
+            returned.append(ptr)
+
+    class Group:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+        def _get_backend(self, _device: object) -> Group:
+            return self
+
+        def _comm_ptr(self) -> int:
+            return self.ptr
+
+    class Gloo:  # not NCCL: nothing to revoke
+        def _get_backend(self, _device: object) -> Gloo:
+            return self
+
+    monkeypatch.setattr(pgm, "_torch_nccl", lambda: Lib())
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Group)
+    groups = [Group(1), Group(2), Group(0), Gloo()]  # 0: no communicator (never used)
+    assert pgm.revoke_groups(groups) == 2
+    assert pgm.wait_for_revoke(groups[0], 5) and pgm.wait_for_revoke(groups[1], 5)
+    assert sorted(returned) == [1, 2]
+    pgm.release_retired_groups()
+
+
 def test_a_backend_is_found_inside_the_detail_debug_wrapper() -> None:
     """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each backend in a checking wrapper; the NCCL
     groups (aborted and revoked after a lost rank) must still be found as NCCL groups."""

@@ -29,6 +29,7 @@ TORCH_NAMES = frozenset({
     "backend_of",
     "generation_store",
     "join_process_group",
+    "name_default_group_ranks",
     "nccl_groups",
     "rebuild_process_group",
     "release_retired_groups",

@@ -237,9 +237,12 @@ def wait_for_aborts(timeout_s: float) -> bool:
     return not any(t.is_alive() for t in threads)
 
 
-def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> int:
-    """``ncclCommRevoke`` on the communicator of each NCCL group in ``groups``: its in-flight
-    operations end at once and later ones fail (the call itself may return later). Done only
+def revoke_groups(groups: Sequence[Any], device: torch.device | None = None, *,
+                  wait_s: float = 2.0) -> int:
+    """``ncclCommRevoke`` on the communicator of each NCCL group in ``groups``, each on a
+    thread of its own: its in-flight operations end at once and later ones fail (the call
+    itself may return later, and may wait for the device while another group's kernel is still
+    stuck on a dead peer: revoked one after the other, HSDP's groups never all were). Done only
     where torch's NCCL has revoke (>= 2.28.7) and is the very library resilient loads (a
     communicator handed to another copy of NCCL would be memory corruption), and never on a
     group already revoked or whose abort began (:func:`start_aborts`).
@@ -247,10 +250,11 @@ def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> 
     ``device``: the groups' CUDA device (default: each group's bound device, else the current
     one). torch finds a group's communicator by the calling thread's current device, which on
     a thread other than the training thread is device 0. Errors are logged and otherwise
-    ignored (the abort that follows still ends the group).
+    ignored (the abort that follows still ends the group). Waits up to ``wait_s`` for every
+    revoke to be issued, not for it to return.
 
     Returns:
-        how many communicators were revoked.
+        how many revokes were issued.
     """
     lib = _torch_nccl()
     if lib is None:
@@ -260,31 +264,54 @@ def revoke_groups(groups: Sequence[Any], device: torch.device | None = None) -> 
                 if id(g) not in _ABORTS and id(g) not in _REVOKES]
         for g, done in mine:
             _REVOKES[id(g)] = (g, done)
-    n = 0
-    for g, done in mine:
+    current = (torch.device("cuda", torch.cuda.current_device())  # the caller's, not the
+               if device is None and torch.cuda.is_available() else None)  # new threads'
+    issues = [_Issue() for _ in mine]
+
+    def revoke(g: Any, done: threading.Event, issue: _Issue) -> None:
         try:
-            n += _revoke(lib, g, device)
+            _revoke(lib, g, device, issue, current)
         finally:
+            issue.decided.set()
             done.set()
-    return n
+
+    for (g, done), issue in zip(mine, issues):
+        threading.Thread(target=revoke, args=(g, done, issue), daemon=True,
+                         name="resilient-revoke").start()
+    deadline = time.monotonic() + wait_s
+    for issue in issues:
+        issue.decided.wait(max(0.0, deadline - time.monotonic()))
+    return sum(issue.issued for issue in issues)
 
 
-def _revoke(lib: Any, g: Any, device: torch.device | None) -> int:
+@dataclass
+class _Issue:
+    """One revoke thread's progress: ``decided`` once it issued the revoke (``issued``) or
+    found nothing to revoke."""
+
+    decided: threading.Event = field(default_factory=threading.Event)
+    issued: bool = False
+
+
+def _revoke(lib: Any, g: Any, device: torch.device | None, issue: _Issue,
+            current: torch.device | None) -> None:
+    """Revokes ``g``'s communicator (``issue`` marked just before the call) on ``device``, else
+    its bound device, else ``current``."""
     backend = backend_of(g, torch.device("cuda"))
     if not (dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)):
-        return 0
-    dev = device if device is not None else getattr(g, "bound_device_id", None)
+        return
+    dev = device or getattr(g, "bound_device_id", None) or current
     index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else None
     switch = torch.cuda.device(index) if index is not None else contextlib.nullcontext()
     try:
         with switch:
             ptr = backend._comm_ptr()
         if ptr:
+            issue.issued = True
+            issue.decided.set()
             lib.revoke_comm(ptr)
-            return 1
     except (AttributeError, RuntimeError, ValueError) as exc:
         log.warning("NCCL group %s is aborted without a revoke first: %s", g, exc)
-    return 0
 
 
 _TORCH_NCCL: list[Any] = []
@@ -458,7 +485,23 @@ def join_process_group(
         timeout=timeout,
         **kwargs,
     )
+    if "nccl" in backend:
+        name_default_group_ranks(dist.group.WORLD, world_size)
     return dist.group.WORLD
+
+
+def name_default_group_ranks(group: Any, world_size: int) -> None:
+    """Gives a default NCCL group made after the process's first group its global ranks.
+
+    torch 2.11 leaves a default group's ``global_ranks_in_group`` empty and fills it in
+    (``groupRanks()``) only for the process's first group. Splitting any later default group
+    (``new_group``, ``init_device_mesh`` with two dimensions: HSDP after a rebuild) then reads
+    past that empty list: SIGSEGV in ``ProcessGroupNCCL::split`` (4 H200s, benchmarks/RESULTS.md).
+    """
+    backend = backend_of(group, torch.device("cuda"))
+    options = getattr(backend, "options", None)
+    if options is not None and not list(options.global_ranks_in_group):
+        options.global_ranks_in_group = list(range(world_size))
 
 
 def forget_device_meshes() -> None:

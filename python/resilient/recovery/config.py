@@ -41,6 +41,9 @@ class RecoveryConfig:
     #: own while the new group forms. Off: abort and wait (up to 0.5 s: NCCL's proxy threads
     #: poll with that timeout) before creating the new group.
     revoke_nccl: bool = True
+    #: NCCL, sharded models: make the rebuilt groups' connections (FSDP2's collectives at its
+    #: sizes) on a thread while the state is restored, not in the first step (warmup.py)
+    warm_nccl: bool = True
     #: seconds between polls of an in-flight collective
     poll_interval_s: float = 0.0005
     #: admit waiting spare/restarted ranks every this many steps (0: never)

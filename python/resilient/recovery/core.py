@@ -295,6 +295,7 @@ class Recovery(StepLoop):
             raise RuntimeError("this Recovery is already started")
         self._check_meta_model(joins=join or self._join_on_start)
         self.started = True
+        device_state.load_probe(self._device)  # before any kernel can be stuck on a peer
         # A script need not close it: at exit, the replication threads must end before the
         # interpreter finalizes (one returning from gloo then aborts the process).
         atexit.register(self._close_at_exit)

@@ -202,6 +202,7 @@ def restore(rec: Any, holds_state: bool) -> str:
     source. Collective over the new group."""
     from resilient.recovery.replica import replica_group
     from resilient.recovery.reshard import ReplicaUnavailable, restore_sharded
+    from resilient.recovery.warmup import Warmup
 
     old_replicas = rec.replicas if holds_state else None
     if old_replicas is not None:
@@ -224,11 +225,17 @@ def restore(rec: Any, holds_state: bool) -> str:
     rec.module = rec.model = module
     # One gloo group for the restore's exchange and then the new replicas (a group costs a
     # rendezvous of every rank; on NCCL jobs the gather of hosts also stays off the GPU).
-    group = replica_group(rendezvous_s=rec.config.group_timeout_s)
+    # NCCL connects the new groups on a thread of its own meanwhile (warmup.py)
+    warmup = Warmup.for_model(module, rec.device) if (
+        rec.config.warm_nccl and _init_optimizer_state(rec.optimizer)) else Warmup(
+        [], [], rec.device)
+    warmup.start()
     try:
+        group = replica_group(rendezvous_s=rec.config.group_timeout_s)
         restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,
                                    wait=rec._wait_work)  # polled: a peer lost meanwhile
     except ReplicaUnavailable as e:
+        warmup.finish(rec._poll)  # the storage path's collectives come after it
         if rec.manager is None:
             raise RecoveryStopped(rec._stop(f"the lost shard is not in memory ({e}) and there "
                                             "is no CheckpointManager to load from")) from e
@@ -238,18 +245,36 @@ def restore(rec: Any, holds_state: bool) -> str:
                                             "checkpoint is committed")) from e
         rec.step = step
         source = "storage"
+    except BaseException:
+        warmup.abandon()  # the next rebuild aborts these groups: not while it issues on them
+        raise
     else:
-        rec.step = restored.step
-        _apply_extra(rec, restored.extra)
-        source = "replica"
         rec.timeline.add("replica_restored", step=restored.step,
                          bytes_received=restored.bytes_received,
                          bytes_local=restored.bytes_local, seconds=restored.seconds)
+        if warmup.finish(rec._poll):  # before the user's objects load (their own collectives)
+            rec.timeline.add("nccl_warmed", groups=len(warmup.groups), sizes=len(warmup.sizes))
+        rec.step = restored.step
+        _apply_extra(rec, restored.extra)
+        source = "replica"
     rec.optimizer.zero_grad(set_to_none=True)
     if old_replicas is not None:
         old_replicas.release()
     start_replicas(rec, group)
     return source
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Creates the optimizer's state now, as the restore's ``get_state_dict`` would (a step
+    with zero gradients and rates): an optimizer that communicates in its step (norms over
+    DTensors: LAMB, Muon, Shampoo) must do so before the warm-up's thread issues on the same
+    groups, not during it. False (no warm-up) where torch has no such helper."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+    except ImportError:
+        return False
+    _init_optim_state(optimizer)
+    return True
 
 
 def _apply_extra(rec: Any, extra: dict) -> None:

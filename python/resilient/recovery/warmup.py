@@ -1,0 +1,159 @@
+"""NCCL connections of a rebuilt sharded model made while its state is restored.
+
+NCCL connects a communicator's peers at the first collective that needs them (per algorithm:
+ring, tree, NVLS), not at its creation. After a rebuild that first collective was FSDP2's first
+all-gather, so the connections sat between the restore and the first step (about 0.2-0.5 s on
+2 H200s, benchmarks/RESULTS.md). :func:`start` issues the collectives FSDP2 and HSDP will issue,
+at the sizes they will use, on a thread of their own over every NCCL group of the model's
+meshes, while the training thread restores the state over gloo; :func:`finish` waits for them.
+Every member runs the same warm-up, in the same order, so the groups' sequence numbers stay in
+step; nothing else uses these groups until :func:`finish` returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("resilient.recovery")
+
+#: the largest buffer a warm-up collective gathers into (algorithms do not change above it)
+MAX_BYTES = 256 << 20
+#: a small collective's elements (the small-message algorithms and protocols)
+SMALL = 1024
+
+
+def mesh_groups(module: torch.nn.Module) -> list:
+    """The distinct NCCL process groups of the module's DTensor parameters' device meshes."""
+    groups: dict[int, Any] = {}
+    for p in module.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        for g in mesh.get_all_groups():
+            groups.setdefault(id(g), g)
+    return [g for g in groups.values() if _is_nccl(g)]
+
+
+def _is_nccl(group: Any) -> bool:
+    from resilient.comm.process_group import backend_of
+
+    return dist.is_nccl_available() and isinstance(
+        backend_of(group, torch.device("cuda")), dist.ProcessGroupNCCL)
+
+
+def unit_sizes(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
+    """(elements, dtype) of each FSDP2 unit's own parameters (those not under a nested unit),
+    unsharded: the same on every rank, whatever its shard of an uneven split holds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    sizes = []
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in reversed(units):  # nested units first: their parameters are theirs
+        numel, dtype = 0, None
+        for p in unit.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            numel += p.numel()  # a DTensor's global size
+            dtype = dtype or p.dtype
+        if numel:
+            sizes.append((numel, dtype))
+    return sizes
+
+
+def plan(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
+    """The sizes to warm (unsharded elements, dtype): a small collective and the largest
+    unit, per dtype."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for numel, dtype in unit_sizes(module):
+        by_dtype[dtype] = max(by_dtype.get(dtype, 0), numel)
+    return [(n, dtype) for dtype, largest in by_dtype.items()
+            for n in sorted({min(SMALL, largest), largest})]
+
+
+def warm(groups: list, sizes: list[tuple[int, torch.dtype]], device: torch.device) -> list:
+    """Issues an all-gather, a reduce-scatter and an all-reduce of each size (unsharded
+    elements: each rank sends its even share) on each group, asynchronously; returns their
+    works. Every buffer is allocated before the first collective is issued: a rank that fails
+    to allocate issues none. Every rank of a group must pass the same sizes."""
+    buffers = []
+    for group in groups:
+        world = dist.get_world_size(group)
+        for numel, dtype in sizes:
+            elem = torch.empty((), dtype=dtype).element_size()
+            n = max(1, min(-(-numel // world), MAX_BYTES // (elem * world)))
+            buffers.append((group, torch.zeros(n, dtype=dtype, device=device),
+                            torch.zeros(n * world, dtype=dtype, device=device)))
+    works = []
+    for group, shard, full in buffers:
+        works.append(dist.all_gather_into_tensor(full, shard, group=group, async_op=True))
+        works.append(dist.reduce_scatter_tensor(shard, full, group=group, async_op=True))
+        works.append(dist.all_reduce(shard, group=group, async_op=True))
+    return works
+
+
+class Warmup:
+    """The warm-up thread of one restore (see the module docstring): ``sizes`` (elements,
+    dtype) warmed on each of ``groups`` on ``device``."""
+
+    def __init__(self, groups: list, sizes: list[tuple[int, torch.dtype]],
+                 device: torch.device) -> None:
+        self.groups, self.sizes, self.device = groups, sizes, device
+        self.works: list = []
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def for_model(cls, module: torch.nn.Module, device: torch.device) -> Warmup:
+        """The warm-up of a model sharded on ``device``: none unless it is a GPU."""
+        groups = mesh_groups(module) if device.type == "cuda" else []
+        return cls(groups, plan(module) if groups else [], device)
+
+    def start(self) -> Warmup:
+        if self.groups and self.sizes:
+            self.thread = threading.Thread(target=self._run, name="resilient-nccl-warmup",
+                                           daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            if self.device.type == "cuda":  # the current device is the thread's own
+                torch.cuda.set_device(self.device)
+            self.works = warm(self.groups, self.sizes, self.device)
+        except BaseException as exc:  # noqa: BLE001 -- reported by finish()
+            self.error = exc
+
+    def finish(self, poll: Any) -> bool:
+        """Waits for the thread and its collectives with ``poll(done, finish)`` (the training
+        thread's, which raises PeerFailure on a verdict); returns whether anything was warmed.
+
+        Raises:
+            RuntimeError: the warm-up failed on this rank. Its peers may have issued
+                collectives that this rank did not, so the groups cannot be trusted: the
+                restore fails (resilient.recovery.core turns it into a failed recovery).
+        """
+        if self.thread is None:
+            return False
+        poll(lambda: not self.thread.is_alive(), lambda: None)
+        if self.error is not None:
+            raise RuntimeError(f"warming the new NCCL groups failed: {self.error}") from (
+                self.error)
+        for work in self.works:
+            poll(work.is_completed, work.wait)
+        return True
+
+    def abandon(self, timeout_s: float = 5.0) -> None:
+        """The restore failed: waits (bounded) until the thread issued what it will issue, so
+        the next rebuild does not abort a communicator this thread is still calling."""
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+__all__ = ["Warmup", "mesh_groups", "plan", "unit_sizes", "warm"]
