@@ -65,9 +65,9 @@ def test_only_nccl_groups_of_a_gpu_model_are_warmed(world1, monkeypatch):
 
 def test_a_failed_warm_up_fails_the_restore(world1, monkeypatch):
     def fails(*_a):
-        raise torch.OutOfMemoryError("no memory for the buffers")
+        raise RuntimeError("no memory for the buffers")
 
-    monkeypatch.setattr(warmup, "warm", fails)
+    monkeypatch.setattr(warmup, "issue", fails)
     w = warmup.Warmup([dist.group.WORLD], [(8, torch.float32)], torch.device("cpu")).start()
     with pytest.raises(RuntimeError, match="warming the new NCCL groups failed: no memory"):
         w.finish(_poll)
@@ -85,6 +85,40 @@ def test_the_finish_polls_the_thread_and_every_work(world1):
     assert w.finish(poll) is True
     assert not w.thread.is_alive()
     assert len(calls) == 1 + 3 * 2  # the thread, then three collectives per size
+
+
+def _short_worker(rank: int, port: int, out: dict) -> None:
+    """Rank 1 cannot allocate its buffers: neither rank issues anything but the vote."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            def no_memory(*_a):
+                raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+
+            warmup.allocate = no_memory
+        w = warmup.Warmup([dist.group.WORLD], [(64, torch.float32)], torch.device("cpu"))
+        warmed = w.start().finish(_poll)
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)  # the next collective pairs with the peer's next one
+        out[rank] = (warmed, w.works, t.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(fn, args=(port, out), nprocs=2, start_method="spawn",
+                           join=True)
+        return dict(out)
+
+
+def test_a_rank_without_memory_for_the_buffers_makes_every_rank_skip():
+    assert _spawn(_short_worker) == {0: (False, [], 3.0), 1: (False, [], 3.0)}
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -108,11 +142,4 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 
 def test_two_ranks_warm_the_same_collectives_and_go_on_in_step():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="spawn",
-                           join=True)
-        assert dict(out) == {0: (3.0, 0.0, 70_000.0), 1: (3.0, 0.0, 70_000.0)}
+    assert _spawn(_worker) == {0: (3.0, 0.0, 70_000.0), 1: (3.0, 0.0, 70_000.0)}

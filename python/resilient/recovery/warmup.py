@@ -3,11 +3,14 @@
 NCCL connects a communicator's peers at the first collective that needs them (per algorithm:
 ring, tree, NVLS), not at its creation. After a rebuild that first collective was FSDP2's first
 all-gather, so the connections sat between the restore and the first step (about 0.2-0.5 s on
-2 H200s, benchmarks/RESULTS.md). :func:`start` issues the collectives FSDP2 and HSDP will issue,
+2 H200s, benchmarks/RESULTS.md). :class:`Warmup` issues the collectives FSDP2 and HSDP will issue,
 at the sizes they will use, on a thread of their own over every NCCL group of the model's
 meshes, while the training thread restores the state over gloo; :func:`finish` waits for them.
 Every member runs the same warm-up, in the same order, so the groups' sequence numbers stay in
-step; nothing else uses these groups until :func:`finish` returned.
+step: its sizes come from the unsharded model, and a rank that cannot allocate its buffers
+makes every rank skip the rest (:func:`vote`). The optimizer's state is created before the
+thread starts (its step may communicate), and nothing else uses these groups until
+:meth:`Warmup.finish` returned. ``RESILIENT_RECOVERY_WARM_NCCL`` must be the same on every rank.
 """
 
 from __future__ import annotations
@@ -77,11 +80,10 @@ def plan(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
             for n in sorted({min(SMALL, largest), largest})]
 
 
-def warm(groups: list, sizes: list[tuple[int, torch.dtype]], device: torch.device) -> list:
-    """Issues an all-gather, a reduce-scatter and an all-reduce of each size (unsharded
-    elements: each rank sends its even share) on each group, asynchronously; returns their
-    works. Every buffer is allocated before the first collective is issued: a rank that fails
-    to allocate issues none. Every rank of a group must pass the same sizes."""
+def allocate(groups: list, sizes: list[tuple[int, torch.dtype]], device: torch.device) -> list:
+    """The buffers of :func:`issue`: (group, shard, full) per group and size (unsharded
+    elements: each rank sends its even share, up to :data:`MAX_BYTES` gathered). Every rank of
+    a group must pass the same sizes."""
     buffers = []
     for group in groups:
         world = dist.get_world_size(group)
@@ -90,6 +92,22 @@ def warm(groups: list, sizes: list[tuple[int, torch.dtype]], device: torch.devic
             n = max(1, min(-(-numel // world), MAX_BYTES // (elem * world)))
             buffers.append((group, torch.zeros(n, dtype=dtype, device=device),
                             torch.zeros(n * world, dtype=dtype, device=device)))
+    return buffers
+
+
+def vote(groups: list, ready: bool, device: torch.device) -> bool:
+    """Whether every rank of every group is ready (an all-reduce of one flag per group): a
+    rank that could not allocate its buffers makes every rank skip the warm-up, rather than
+    leave collectives its peers issued unmatched."""
+    flag = torch.tensor([int(ready)], dtype=torch.int32, device=device)
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def issue(buffers: list) -> list:
+    """An all-gather, a reduce-scatter and an all-reduce of each buffer on its group,
+    asynchronously; returns their works."""
     works = []
     for group, shard, full in buffers:
         works.append(dist.all_gather_into_tensor(full, shard, group=group, async_op=True))
@@ -105,6 +123,7 @@ class Warmup:
     def __init__(self, groups: list, sizes: list[tuple[int, torch.dtype]],
                  device: torch.device) -> None:
         self.groups, self.sizes, self.device = groups, sizes, device
+        self.buffers: list = []
         self.works: list = []
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -126,7 +145,13 @@ class Warmup:
         try:
             if self.device.type == "cuda":  # the current device is the thread's own
                 torch.cuda.set_device(self.device)
-            self.works = warm(self.groups, self.sizes, self.device)
+            try:
+                self.buffers = allocate(self.groups, self.sizes, self.device)
+            except torch.OutOfMemoryError as exc:
+                log.warning("resilient recovery: no NCCL warm-up (%s)",
+                            str(exc).splitlines()[0])
+            if vote(self.groups, bool(self.buffers), self.device):
+                self.works = issue(self.buffers)
         except BaseException as exc:  # noqa: BLE001 -- reported by finish()
             self.error = exc
 
@@ -135,9 +160,8 @@ class Warmup:
         thread's, which raises PeerFailure on a verdict); returns whether anything was warmed.
 
         Raises:
-            RuntimeError: the warm-up failed on this rank. Its peers may have issued
-                collectives that this rank did not, so the groups cannot be trusted: the
-                restore fails (resilient.recovery.core turns it into a failed recovery).
+            RuntimeError: issuing failed on this rank (an NCCL error: its peers may have
+                issued collectives that this rank did not, so the groups cannot be trusted).
         """
         if self.thread is None:
             return False
@@ -147,7 +171,8 @@ class Warmup:
                 self.error)
         for work in self.works:
             poll(work.is_completed, work.wait)
-        return True
+        self.buffers = []
+        return bool(self.works)
 
     def abandon(self, timeout_s: float = 5.0) -> None:
         """The restore failed: waits (bounded) until the thread issued what it will issue, so
@@ -156,4 +181,4 @@ class Warmup:
             self.thread.join(timeout_s)
 
 
-__all__ = ["Warmup", "mesh_groups", "plan", "unit_sizes", "warm"]
+__all__ = ["Warmup", "allocate", "issue", "mesh_groups", "plan", "unit_sizes", "vote"]
