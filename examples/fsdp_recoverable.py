@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from resilient import CheckpointManager, Recovery, ResumableSampler, forever, joining
@@ -45,7 +46,16 @@ p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step 
 p.add_argument("--hsdp", action="store_true",
                help="HSDP (2 replica groups, each sharding the model) while the world is even "
                     "and >= 4; FSDP2 over every rank otherwise (e.g. 3 after a loss)")
+p.add_argument("--tp", action="store_true",
+               help="tensor parallel over pairs of ranks (the pair reads the same batches), "
+                    "FSDP2 across the pairs, while the world is 4; FSDP2 over every rank "
+                    "otherwise (e.g. 3 after a loss). NCCL only")
 args = p.parse_args()
+if args.tp and args.device == "cpu":
+    # gloo cannot abort a collective, and DTensor's tensor-parallel collectives are not
+    # polled: a rank waiting in one for a peer that went into recovery would wait until the
+    # detector removed it as hung (docs/recovery.md). On NCCL the revoke ends them.
+    p.error("--tp needs --device cuda (tensor-parallel collectives on gloo are not recovered)")
 torch.set_num_threads(1)
 if args.device == "cuda":
     DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -64,7 +74,11 @@ def build(device: torch.device | str = DEVICE) -> nn.Module:
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                               nn.Linear(64, 1))
     world = dist.get_world_size()
-    if args.hsdp and world >= 4 and world % 2 == 0:
+    if args.tp and world == 4:  # layer 0 column-, layer 2 row-parallel within each pair
+        mesh2 = init_device_mesh(DEVICE.type, (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = mesh2["dp"]
+    elif args.hsdp and world >= 4 and world % 2 == 0:
         mesh = init_device_mesh(DEVICE.type, (2, world // 2),
                                 mesh_dim_names=("replicate", "shard"))
     else:
@@ -72,6 +86,11 @@ def build(device: torch.device | str = DEVICE) -> nn.Module:
     for layer in model[::2]:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def data_parallel(world: int, rank: int) -> tuple[int, int]:
+    """The samplers' split: a tensor-parallel pair reads the same batches."""
+    return (world // 2, rank // 2) if args.tp and world == 4 else (world, rank)
 
 
 def state_hash(rec: Recovery, model: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -111,12 +130,15 @@ if args.state_log and joins:
         f.write(str(next(model.parameters()).device))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-sampler = ResumableSampler(DistributedSampler(dataset, seed=0))
+data_world, data_rank = data_parallel(dist.get_world_size(), dist.get_rank())
+sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=data_world, rank=data_rank,
+                                              seed=0))
 loader = DataLoader(dataset, batch_size=8, sampler=sampler, generator=torch.Generator())
 ckpt = CheckpointManager(args.ckpt, {"model": model, "optim": opt, "sched": sched},
                          rank_state={"sampler": sampler}, every=10, create=True)
 start = ckpt.restore()
-rec = Recovery.adopt(model, opt, checkpointer=ckpt, samplers=[sampler], build=build)  # resilient
+rec = Recovery.adopt(model, opt, checkpointer=ckpt, samplers=[sampler],             # resilient
+                     data_parallel=data_parallel, build=build)                 # resilient
 
 
 def log(what: dict) -> None:
@@ -141,7 +163,8 @@ for step in rec.steps(start, args.steps):                                       
         opt.step()
         sched.step()
         time.sleep(args.step_sleep)
-        if args.sample_log:
+        # one line per data-parallel rank: a tensor-parallel pair logs its batch once
+        if args.sample_log and not (args.tp and rec.world_size == 4 and rec.rank % 2):
             with open(os.path.join(args.sample_log, f"pid{os.getpid()}.samples"), "a") as f:
                 f.write(json.dumps([step, os.getpid(), index.tolist()]) + "\n")
         if args.state_log:

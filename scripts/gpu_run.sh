@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -251,6 +251,12 @@ PY
             python -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: [r.get('seconds') for r in v] for k, v in d['runs'].items()}))" "$OUT/rr-$tag.json"
           done
         done ;;
+    sharded-run) # Issue 16: HSDP and TP x FSDP2 under `resilient run` on NCCL (4 GPUs), a rank
+                 # SIGKILLed, with and without a spare (tests/python/test_fsdp_recovery.py).
+        log "HSDP and TP under resilient run on NCCL"
+        RESILIENT_TEST_DEVICE=cuda timeout 500 python -m pytest -q -p no:cacheprovider -rs \
+          tests/python/test_fsdp_recovery.py -k "hsdp or tp_" >"$OUT/sharded-run.log" 2>&1
+        echo "rc=$?"; tail -n 15 "$OUT/sharded-run.log" ;;
     replica) # Issue 16: FSDP2 peer replicas on GPUs: the restore tests (4 GPUs), then the
              # training step with and without replication (paired blocks).
         log "FSDP2 peer replicas on GPUs"

@@ -164,6 +164,38 @@ def test_hsdp_a_lost_rank_is_restored_from_peer_memory(tmp_path: Path, spares: i
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(os.environ.get("RESILIENT_TEST_DEVICE", "cpu") != "cuda",
+                    reason="4 GPUs (RESILIENT_TEST_DEVICE=cuda): on gloo, DTensor's "
+                           "tensor-parallel collectives cannot be aborted or polled")
+@pytest.mark.parametrize("spares,per_step", [(0, 24), (1, 16)], ids=["to-fsdp-over-3", "spare"])
+def test_tp_a_lost_rank_is_restored_from_peer_memory(tmp_path: Path, spares: int,
+                                                     per_step: int) -> None:
+    """Tensor parallel over pairs of ranks with FSDP2 across the pairs (`--tp`, a 2x2 mesh),
+    a rank SIGKILLed: the survivors go on as FSDP2 over 3, or with a spare as TP x FSDP2 again,
+    from memory. A pair reads the same batches (``Recovery(data_parallel=...)``: 2
+    data-parallel ranks of 8 samples while the pairs last, 3 over 3 ranks), and no sample of
+    the epoch is trained on twice."""
+    steps = 30
+    p = _start(tmp_path, steps, ["--spares", str(spares)],
+               ["--tp", "--kill", "0:8", "--device", "cuda"])
+    code = wait_or_kill(p, 150)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == 0, out[-6000:]
+    victim = re.search(r"rank 0 \(pid (\d+)\) exited with -9", out)
+    assert victim, out[-6000:]
+    back_to = _check_states(_states(tmp_path), steps)
+    assert back_to == 8, back_to
+    _check_samples(tmp_path, victim.group(1), back_to, per_step)
+    before = {json.loads(line)[0]: len(json.loads(line)[2])
+              for f in (tmp_path / "samples").glob("pid*.samples")
+              for line in f.read_text().splitlines()}
+    assert before[0] == 8  # each data-parallel rank's batch; the pair logs it once
+    for f in sorted((tmp_path / "state").glob("timeline*.json")):
+        restored = [e for e in json.loads(f.read_text()) if e["kind"] == "restored"]
+        assert [(e["source"], e["step"]) for e in restored] == [("replica", back_to)], f
+
+
+@pytest.mark.timeout(240)
 def test_a_rank_whose_device_is_lost_is_restarted_alone(tmp_path: Path) -> None:
     """A rank's device fails at step 3 (a device-side assert, emulated on CPU): that process
     exits with 75 instead of joining the recovery (its CUDA context would be poisoned), the

@@ -350,3 +350,29 @@ def test_the_gate_holds_every_step_not_only_the_first() -> None:
     with pytest.raises(PeerFailure, match="verdict"):
         rec.optimizer.step()
     assert torch.equal(rec.module.weight, before)
+
+
+def test_samplers_are_split_over_the_data_parallel_ranks_the_job_names() -> None:
+    """Tensor parallelism: a pair of ranks reads the same batches, so the samplers are split
+    over ``data_parallel(world, rank)``, not over the group (4 ranks in pairs: 2 readers;
+    FSDP2 over the 3 left: 3)."""
+    from torch.utils.data import DistributedSampler
+
+    from resilient import ResumableSampler
+
+    pairs = lambda world, rank: (world // 2, rank // 2) if world == 4 else (world, rank)  # noqa: E731
+    sampler = ResumableSampler(DistributedSampler(list(range(48)), num_replicas=2, rank=1,
+                                                  shuffle=False))
+    model = torch.nn.Linear(2, 1)
+    rec = Recovery(None, 3, 4, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   samplers=[sampler], data_parallel=pairs, detector=FakeDetector(4))
+    it = iter(sampler)
+    assert [next(it) for _ in range(4)] == [1, 3, 5, 7]  # 8 of the epoch consumed in all
+    rec.samplers.begin(rec.step)
+    rec.apply_world(4)  # the same pairs: this rank is reader 1 of 2 again
+    assert (sampler.distributed.num_replicas, sampler.distributed.rank) == (2, 1)
+    assert list(sampler)[:3] == [9, 11, 13]
+    rec.world_size, rec.rank = 3, 2  # FSDP2 over the 3 left: every rank reads
+    rec.apply_world(3)
+    assert (sampler.distributed.num_replicas, sampler.distributed.rank) == (3, 2)
+    assert list(sampler)[:3] == [10, 13, 16]

@@ -134,6 +134,11 @@ class Recovery(StepLoop):
         samplers: the ResumableSampler(DistributedSampler(...)) objects of the user's
             DataLoaders: a failed step rewinds them to where it began and a world change
             re-splits the rest of the epoch over the new group (resilient.recovery.samplers).
+        data_parallel: ``(world, rank) -> (data-parallel ranks, this rank's data-parallel
+            rank)`` of the current group, for the samplers' split (default: every rank reads
+            its own data). With tensor parallelism, the ranks of a tensor-parallel group read
+            the same batches: e.g. ``(world // tp, rank // tp)`` while the mesh has a ``tp``
+            dimension (called after every world change, when ``build()`` made the new one).
         build: for a sharded model (FSDP2 ``fully_shard``): a function that creates the model
             and shards it over the current default group, as the script did at start. Its
             shards are then replicated to peers' host memory after every step, and after a
@@ -149,6 +154,7 @@ class Recovery(StepLoop):
                  extra_state: dict | None = None, detector: Any = None,
                  detector_options: dict | None = None, job: str | None = None,
                  ddp_kwargs: dict | None = None, samplers: list | None = None,
+                 data_parallel: Callable[[int, int], tuple[int, int]] | None = None,
                  build: Callable[[], torch.nn.Module] | None = None) -> None:
         self.config = config or RecoveryConfig.from_env()
         self.config.validate()
@@ -189,6 +195,7 @@ class Recovery(StepLoop):
             self._share_manager_state(model, optimizer)
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.samplers = Samplers(samplers)
+        self.data_parallel = data_parallel or (lambda world, rank: (world, rank))
         self.build = build  #: the sharded model's factory (None: DDP)
         self.replicas: Any = None  #: the sharded model's PeerReplicas
         if build is not None:
@@ -959,7 +966,9 @@ class Recovery(StepLoop):
         return self._device
 
     def _apply(self, decision: Decision) -> None:
-        self.samplers.reshard(self.world_size, self.rank, self.step)
+        if self.samplers.items:
+            world, rank = self.data_parallel(self.world_size, self.rank)
+            self.samplers.reshard(world, rank, self.step)
         self.plan = decision.plan  # type: ignore[assignment]
         self._scale_lr(decision.lr_factor / self.lr_factor)
         self.lr_factor = decision.lr_factor
