@@ -289,6 +289,20 @@ def test_revoke_is_used_only_with_the_nccl_torch_itself_uses(monkeypatch, tmp_pa
     assert other is None
 
 
+class _FakeNcclGroup:
+    """A group whose backend is itself, with communicator ``ptr`` (tests replace
+    ``dist.ProcessGroupNCCL`` with it, so revoke_groups takes it for an NCCL group)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def _get_backend(self, _device: object) -> _FakeNcclGroup:
+        return self
+
+    def _comm_ptr(self) -> int:
+        return self.ptr
+
+
 def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> None:
     """ncclCommRevoke can return 0.5 s after it freed the training thread, which meanwhile
     starts the rebuild's abort: that abort (which frees the communicator) must wait for the
@@ -308,16 +322,7 @@ def test_an_abort_waits_for_a_revoke_of_its_group_still_running(monkeypatch) -> 
             release.wait(10)
             events.append("revoke returned")
 
-    class Group:
-        def __init__(self, ptr: int) -> None:
-            self.ptr = ptr
-
-        def _get_backend(self, _device: object) -> Group:
-            return self
-
-        def _comm_ptr(self) -> int:
-            return self.ptr
-
+    class Group(_FakeNcclGroup):
         def abort(self) -> None:
             events.append(f"abort {self.ptr}")
 
@@ -357,15 +362,7 @@ def test_each_group_is_revoked_on_a_thread_of_its_own(monkeypatch) -> None:
                 second_issued.set()
             returned.append(ptr)
 
-    class Group:
-        def __init__(self, ptr: int) -> None:
-            self.ptr = ptr
-
-        def _get_backend(self, _device: object) -> Group:
-            return self
-
-        def _comm_ptr(self) -> int:
-            return self.ptr
+    Group = _FakeNcclGroup
 
     class Gloo:  # not NCCL: nothing to revoke
         def _get_backend(self, _device: object) -> Gloo:
