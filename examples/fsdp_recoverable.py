@@ -103,7 +103,8 @@ def state_hash(rec: Recovery, model: nn.Module, opt: torch.optim.Optimizer) -> s
     tensors += [(f"{k}/{n}", t) for k, st in sorted(osd["state"].items())
                 for n, t in sorted(st.items())]
     for key, t in tensors:
-        if isinstance(t, DTensor) and t.device_mesh.ndim > 1:  # HSDP: DTensor's own gather
+        if isinstance(t, DTensor) and (t.device_mesh.ndim > 1  # HSDP, TP: DTensor's gather
+                                       or t.device_mesh.size() != rec.world_size):
             t = t.full_tensor()  # (not polled: a frozen peer would hold it; a lost one ends it)
         elif isinstance(t, DTensor):  # FSDP2: rows [rank * c, ...) of the global dim 0
             local, n = t.to_local(), t.shape[0]
