@@ -376,3 +376,18 @@ def test_samplers_are_split_over_the_data_parallel_ranks_the_job_names() -> None
     rec.apply_world(3)
     assert (sampler.distributed.num_replicas, sampler.distributed.rank) == (3, 2)
     assert list(sampler)[:3] == [10, 13, 16]
+
+
+def test_a_sampler_split_otherwise_than_data_parallel_says_is_refused() -> None:
+    """Without ``data_parallel``, a sampler split over tensor-parallel pairs would be re-split
+    over every rank at the first world change: refused at construction, with what to pass."""
+    from torch.utils.data import DistributedSampler
+
+    from resilient import ResumableSampler
+
+    sampler = ResumableSampler(DistributedSampler(list(range(48)), num_replicas=2, rank=1))
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"split over 2 ranks .*data_parallel\(4, 3\) gives "
+                                         r"\(4, 3\): pass Recovery\(data_parallel="):
+        Recovery(None, 3, 4, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                 samplers=[sampler], detector=FakeDetector(4))

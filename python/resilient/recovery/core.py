@@ -196,6 +196,7 @@ class Recovery(StepLoop):
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.samplers = Samplers(samplers)
         self.data_parallel = data_parallel or (lambda world, rank: (world, rank))
+        self._check_sampler_split()
         self.build = build  #: the sharded model's factory (None: DDP)
         self.replicas: Any = None  #: the sharded model's PeerReplicas
         if build is not None:
@@ -346,6 +347,21 @@ class Recovery(StepLoop):
             sharded.start_replicas(self)
         self.timeline.add("started", world_size=self.world_size)
         return self
+
+    def _check_sampler_split(self) -> None:
+        """A sampler split otherwise than ``data_parallel`` says would be re-split the other
+        way at the first world change: tensor-parallel peers would silently read different
+        batches from then on."""
+        want = tuple(self.data_parallel(self.world_size, self.rank))
+        for s in self.samplers.items:
+            d = s.distributed
+            if (d.num_replicas, d.rank) != want:
+                raise ValueError(
+                    f"a sampler is split over {d.num_replicas} ranks (this one reads as rank "
+                    f"{d.rank}), but data_parallel({self.world_size}, {self.rank}) gives "
+                    f"{want}: pass Recovery(data_parallel=...) returning the sampler's split "
+                    "(with tensor parallelism, the ranks that read the same batches), or split "
+                    "the DistributedSampler over every rank")
 
     def _check_meta_model(self, joins: bool) -> None:
         """A model on the meta device holds no state: only a sharded model's joiner may pass one
