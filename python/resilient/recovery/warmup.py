@@ -5,7 +5,8 @@ ring, tree, NVLS), not at its creation. After a rebuild that first collective wa
 all-gather, so the connections sat between the restore and the first step (about 0.2-0.5 s on
 2 H200s, benchmarks/RESULTS.md). :class:`Warmup` issues the collectives FSDP2 and HSDP will issue,
 at the sizes they will use, on a thread of their own over every NCCL group of the model's
-meshes, while the training thread restores the state over gloo; :func:`finish` waits for them.
+meshes, while the training thread restores the state over gloo; :meth:`Warmup.finish` waits for
+them.
 Every member runs the same warm-up, in the same order, so the groups' sequence numbers stay in
 step: its sizes come from the unsharded model, and a rank that cannot allocate its buffers
 makes every rank skip the rest (:func:`vote`). The optimizer's state is created before the
