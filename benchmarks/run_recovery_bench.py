@@ -26,7 +26,8 @@ DDP model adopted by Recovery) with ``python -m resilient.run --standalone``; ra
   bound of the restart-from-storage path.
 
 ``--fsdp``: the example's model is sharded with FSDP2; the survivors and the spare restore the
-shards from peers' host memory (docs/recovery.md).
+shards from peers' host memory (docs/recovery.md). ``--hsdp``: the same as HSDP over 2 replica
+groups (a world of 3 after the loss shards over all 3; a spare makes it HSDP again).
 
 Every run is bounded by ``--timeout``; a run that fails is reported with its output's tail.
 Prints one JSON object and writes it to DIR/run_recovery_bench.json.
@@ -110,7 +111,8 @@ def run_one(scenario: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
            str(a.nproc), "--finish-grace-s", "10", *SCENARIOS[scenario], str(EXAMPLE),
            "--device", a.device, "--user-loop", "--steps", str(a.steps), "--kill-rank",
            str(a.kill_rank), "--kill-step", str(a.kill_step), "--out", str(out),
-           "--step-sleep", str(a.step_sleep)] + (["--fsdp"] if a.fsdp else [])
+           "--step-sleep", str(a.step_sleep)] + (["--fsdp"] if a.fsdp or a.hsdp else []) + (
+               ["--hsdp"] if a.hsdp else [])
     if scenario in ("replacement", "device"):  # the members wait for its ticket, so it joins
         cmd += ["--wait-for-joiner", str(a.kill_step + 1)]  # before the end
     if scenario == "device":
@@ -139,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
     ap.add_argument("--fsdp", action="store_true",
                     help="the example's FSDP2 model (shards restored from peers' memory)")
+    ap.add_argument("--hsdp", action="store_true",
+                    help="--fsdp as HSDP over 2 replica groups (--nproc 4 or more, even)")
     ap.add_argument("--out", default="build/run-recovery-bench")
     a = ap.parse_args(argv)
     out = Path(a.out)
-    result: dict[str, Any] = {"nproc": a.nproc, "device": a.device, "fsdp": a.fsdp,
-                              "kill_rank": a.kill_rank,
+    result: dict[str, Any] = {"nproc": a.nproc, "device": a.device, "fsdp": a.fsdp or a.hsdp,
+                              "hsdp": a.hsdp, "kill_rank": a.kill_rank,
                               "kill_step": a.kill_step, "runs": {}, "summary": {}}
     if a.device == "cuda":
         import torch

@@ -92,6 +92,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "hosts it; RANK and WORLD_SIZE from the environment)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 (fully_shard over the default group) instead of DDP")
+    p.add_argument("--hsdp", action="store_true",
+                   help="with --fsdp: HSDP over 2 replica groups while the world is even and "
+                        ">= 4 (a world of 3 after a loss shards over all 3)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="etcd:// only: seconds; bounds the group's collectives and every store "
                         "call (a rank cut off from the store's quorum stops after about twice "
@@ -157,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
 
         with on:
             m = make_model()
-        return fully_shard(m, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+        world = dist.get_world_size()
+        if a.hsdp and world >= 4 and world % 2 == 0:
+            mesh = init_device_mesh(device.type, (2, world // 2),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
+        return fully_shard(m, mesh=mesh)
 
     # --fsdp: a spare's or replacement's first model holds nothing (its state comes when it
     # joins, and build() is called again then)

@@ -490,3 +490,44 @@ def test_a_recovery_the_script_did_not_close_is_closed_at_exit(monkeypatch, send
     assert waited == [expected] and not rec.started
     rec._close_at_exit()  # once only
     assert waited == [expected]
+
+
+def test_retired_groups_are_released_once_their_own_timeout_passed() -> None:
+    """Recovery releases, at every step boundary, the groups retired by past recoveries whose
+    collective timeout has passed (their stuck collectives returned), so nothing grows by one
+    group per recovery; a group still within its timeout stays referenced (its destructor
+    would wait for the stuck collective)."""
+    import datetime
+    import gc
+    import time
+    import types
+    import weakref
+
+    from resilient.comm import process_group as pgm
+
+    class Backend:
+        def __init__(self, seconds: float) -> None:
+            self.options = types.SimpleNamespace(_timeout=datetime.timedelta(seconds=seconds))
+
+    class Group:
+        def __init__(self, seconds: float) -> None:
+            self.backend = Backend(seconds)
+
+        def _get_backend(self, device: torch.device) -> Backend:
+            if device.type != "cpu":
+                raise RuntimeError("no backend for cuda")
+            return self.backend
+
+    pgm.release_retired_groups()
+    expired, waiting = Group(0.0), Group(3600.0)
+    gone, kept = weakref.ref(expired), weakref.ref(waiting)
+    pgm._retire([expired, waiting])
+    del expired, waiting
+    assert pgm.release_retired_groups(expired_only=True) == 1
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:  # dropped on a thread of its own
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None and kept() is not None
+    assert pgm.release_retired_groups(expired_only=True) == 0
+    assert pgm.release_retired_groups() == 1

@@ -55,11 +55,23 @@ def test_each_unit_counts_its_own_parameters_and_the_plan_takes_small_and_larges
     assert warmup.plan(tiny) == [(4 * 3 + 3, torch.float32)]  # smaller than SMALL: one size
 
 
+def test_a_unit_with_a_mixed_precision_policy_is_warmed_in_its_gather_dtype(world1):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 2))
+    fully_shard(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model)
+    assert sorted(warmup.unit_sizes(model), key=lambda s: s[0]) == [
+        (30 * 2 + 2, torch.float32), (40 * 30 + 30, torch.bfloat16)]
+
+
 def test_only_nccl_groups_of_a_gpu_model_are_warmed(world1, monkeypatch):
     model = _nested([(8, 4), (4, 2)])
     assert warmup.mesh_groups(model) == []  # gloo's connections are made at its creation
     assert warmup.Warmup.for_model(model, torch.device("cpu")).start().finish(_poll) is False
-    monkeypatch.setattr(warmup, "_is_nccl", lambda g: True)
+    from resilient.comm import process_group as pgm
+
+    monkeypatch.setattr(pgm, "nccl_backend", lambda g: object())
     assert warmup.mesh_groups(model) == [dist.group.WORLD]  # one group, however many params
 
 

@@ -283,6 +283,10 @@ def test_members_admit_joiners_only_up_to_max_world(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(join, "_regroup", lambda r, gen, rank, members: grown.append(members))
     assert join.maybe_admit(rec) is admits
     assert grown == ([list(range(world)) + [join.JOIN_BASE]] if admits else [])
+    # A job that is whole under its cap asks the store nothing at its step boundaries (one
+    # add and one compare_set per rank and step, at thousands of ranks, otherwise).
+    asked = rec.store.check([join._key(rec, f"admit/{rec.step}")])
+    assert asked is not (max_world == -1 and world == 4)
 
 
 @pytest.mark.timeout(150)

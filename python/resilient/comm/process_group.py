@@ -119,11 +119,31 @@ def supports_shrink(group: Any | None = None) -> bool:
         return False
 
 
-# Groups torn down after a failure. Their C++ destructors join backend threads, and a gloo thread
-# stuck in a collective with the dead rank only returns at the group's timeout: dropping the last
-# reference would block the survivor for that long (measured: 20 s with a 20 s timeout). They are
-# kept here until release_retired_groups().
-_RETIRED: list[Any] = []
+# Groups torn down after a failure, each with the monotonic time its own timeout has passed by.
+# Their C++ destructors join backend threads, and a gloo thread stuck in a collective with the
+# dead rank only returns at the group's timeout: dropping the last reference would block the
+# survivor for that long (measured: 20 s with a 20 s timeout). They are kept here until
+# release_retired_groups().
+_RETIRED: list[tuple[float, Any]] = []
+_RETIRED_LOCK = threading.Lock()
+_DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo; a group whose own cannot be read
+
+
+def _group_timeout_s(pg: Any) -> float:
+    """The longest collective timeout of ``pg``'s backends (torch's default when unreadable)."""
+    found = []
+    for kind in ("cpu", "cuda"):
+        try:
+            found.append(pg._get_backend(torch.device(kind)).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return max(found) if found else _DEFAULT_TIMEOUT_S
+
+
+def _retire(groups: Sequence[Any]) -> None:
+    now = time.monotonic()
+    with _RETIRED_LOCK:
+        _RETIRED.extend((now + _group_timeout_s(g), g) for g in groups)
 
 
 def abort_process_group(group: Any | None = None, *, revoke: bool = False,
@@ -152,7 +172,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
         return 0.0
     pg = group if group is not None else dist.group.WORLD
     if group is not None:
-        _RETIRED.append(pg)
+        _retire([pg])
         abort_groups([pg])
         dist.destroy_process_group(group)
         return time.monotonic() - t0
@@ -161,7 +181,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     # so they are aborted first, not finalized.
     nccl = nccl_groups()
     groups = with_nccl_groups(pg, nccl)
-    _RETIRED.extend(groups)
+    _retire(groups)
     if not background:
         abort_groups(groups)
         dist.destroy_process_group()
@@ -297,8 +317,8 @@ def _revoke(lib: Any, g: Any, device: torch.device | None, issue: _Issue,
             current: torch.device | None) -> None:
     """Revokes ``g``'s communicator (``issue`` marked just before the call) on ``device``, else
     its bound device, else ``current``."""
-    backend = backend_of(g, torch.device("cuda"))
-    if not (dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)):
+    backend = nccl_backend(g)
+    if backend is None:
         return
     dev = device or getattr(g, "bound_device_id", None) or current
     index = dev.index if isinstance(dev, torch.device) and dev.type == "cuda" else None
@@ -348,6 +368,15 @@ def _find_torch_nccl() -> Any | None:
     return lib
 
 
+def nccl_backend(group: Any) -> Any | None:
+    """``group``'s NCCL backend (``ProcessGroupNCCL``), or None when its CUDA backend is not
+    NCCL."""
+    backend = backend_of(group, torch.device("cuda"))
+    if dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL):
+        return backend
+    return None
+
+
 def nccl_groups() -> list[Any]:
     """Every registered process group whose CUDA backend is NCCL (the default group and the
     groups made from it: a device mesh's dimensions, new_group's)."""
@@ -355,8 +384,7 @@ def nccl_groups() -> list[Any]:
 
     if not dist.is_initialized() or not dist.is_nccl_available():
         return []
-    return [pg for pg in list(distributed_c10d._world.pg_names)
-            if isinstance(backend_of(pg, torch.device("cuda")), dist.ProcessGroupNCCL)]
+    return [pg for pg in list(distributed_c10d._world.pg_names) if nccl_backend(pg) is not None]
 
 
 def with_nccl_groups(group: Any, nccl: Sequence[Any] | None = None) -> list[Any]:
@@ -439,19 +467,40 @@ def wait_for_revoke(group: Any, timeout_s: float) -> bool:
     return entry is None or entry[1].wait(timeout_s)
 
 
-def release_retired_groups() -> int:
-    """Drops the references to groups retired by :func:`abort_process_group` (call once their
-    stuck collectives have timed out, e.g. at the next checkpoint). Returns how many."""
-    n = len(_RETIRED)
-    _RETIRED.clear()
-    with _ABORTS_LOCK:  # finished aborts and revokes (a group is never revoked after either)
-        for key, (_, t) in list(_ABORTS.items()):
-            if not t.is_alive():
-                del _ABORTS[key]
+def release_retired_groups(*, expired_only: bool = False) -> int:
+    """Drops the references to groups retired by :func:`abort_process_group` and
+    :func:`rebuild_process_group`, and forgets finished aborts and revokes. ``expired_only``:
+    only the groups whose own collective timeout has passed since they were retired (their
+    stuck collectives have returned); Recovery calls this at every step boundary, so the
+    registries do not grow with each recovery. The last references are dropped on a thread of
+    their own: a backend's destructor that still waits never stalls the caller.
+
+    Returns:
+        how many groups were released.
+    """
+    now = time.monotonic()
+    with _RETIRED_LOCK:
+        drop = [g for t, g in _RETIRED if not expired_only or t <= now]
+        _RETIRED[:] = [(t, g) for t, g in _RETIRED if expired_only and t > now]
+    released = len(drop)
+    with _ABORTS_LOCK:  # finished aborts, and finished revokes (with expired_only, only those
+        # of groups whose abort finished: a revoked group not yet aborted stays, for
+        # abort_revoked)
+        finished = [key for key, (_, t) in _ABORTS.items() if not t.is_alive()]
+        for key in finished:
+            drop.append(_ABORTS.pop(key)[0])
         for key, (_, done) in list(_REVOKES.items()):
-            if done.is_set():
-                del _REVOKES[key]
-    return n
+            if done.is_set() and (not expired_only or key in finished):
+                drop.append(_REVOKES.pop(key)[0])
+    if drop:
+        threading.Thread(target=_drop, args=(drop,), daemon=True,
+                         name="resilient-release").start()
+        del drop
+    return released
+
+
+def _drop(groups: list[Any]) -> None:
+    groups.clear()  # the last references: any destructor runs on this thread
 
 
 def join_process_group(
@@ -624,7 +673,7 @@ def rebuild_process_group(
         device = torch.device("cuda", torch.cuda.current_device())
 
     if prefer_shrink and size == survivors and supports_shrink(old):
-        _RETIRED.append(old)
+        _retire([old])
         timings.method = "shrink"
         t0 = time.monotonic()
         group = dist.shrink_group(sorted(excluded), old, shrink_flags=shrink_abort_flag())

@@ -59,6 +59,7 @@ from resilient.comm.process_group import (
     abort_process_group,
     forget_device_meshes,
     join_process_group,
+    release_retired_groups,
     shrink_abort_flag,
     supports_shrink,
     wait_for_revoke,
@@ -476,6 +477,7 @@ class Recovery(StepLoop):
     def _end_step(self) -> None:
         self.step += 1
         self.detector.step(self.step)
+        release_retired_groups(expired_only=True)  # those of past recoveries, once timed out
         sharded.replicate(self)
         try:  # collectives of their own (the manager's save, an admission): a peer may die
             self._maybe_checkpoint()

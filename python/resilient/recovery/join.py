@@ -142,10 +142,12 @@ def admit_in_recovery(rec: Any, generation: int, survivors: list[int]) -> list[i
 def _decide_admission(rec: Any, key: str, world: int) -> list[int]:
     """The tickets admitted now into a group of ``world`` members (the first member to reach
     ``key`` decides for all; at most up to ``max_world``); advances ``rec.admitted``."""
-    pending = int(rec.store.add(_key(rec, "tickets"), 0))
     cap = rec.initial_world if rec.config.max_world == -1 else rec.config.max_world
-    if cap > 0:  # hot spares wait until a rank is lost (every member computes the same room)
-        pending = min(pending, rec.admitted + max(0, cap - world))
+    if cap > 0 and world >= cap:  # hot spares wait until a rank is lost; every member
+        return []  # computes the same room, so none asks the store while the job is whole
+    pending = int(rec.store.add(_key(rec, "tickets"), 0))
+    if cap > 0:
+        pending = min(pending, rec.admitted + cap - world)
     upto = int(bytes(rec.store.compare_set(_key(rec, key), "", str(pending))).decode())
     if upto <= rec.admitted:
         return []

@@ -226,10 +226,8 @@ def restore(rec: Any, holds_state: bool) -> str:
     # One gloo group for the restore's exchange and then the new replicas (a group costs a
     # rendezvous of every rank; on NCCL jobs the gather of hosts also stays off the GPU).
     # NCCL connects the new groups on a thread of its own meanwhile (warmup.py)
-    warmup = Warmup.for_model(module, rec.device) if (
-        rec.config.warm_nccl and _init_optimizer_state(rec.optimizer)) else Warmup(
-        [], [], rec.device)
-    warmup.start()
+    warmup = Warmup.for_model(module, rec.device, enabled=rec.config.warm_nccl
+                              and _init_optimizer_state(rec.optimizer)).start()
     try:
         group = replica_group(rendezvous_s=rec.config.group_timeout_s)
         restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,

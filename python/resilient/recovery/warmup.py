@@ -40,26 +40,23 @@ def mesh_groups(module: torch.nn.Module) -> list:
             continue
         for g in mesh.get_all_groups():
             groups.setdefault(id(g), g)
-    return [g for g in groups.values() if _is_nccl(g)]
+    from resilient.comm.process_group import nccl_backend
 
-
-def _is_nccl(group: Any) -> bool:
-    from resilient.comm.process_group import backend_of
-
-    return dist.is_nccl_available() and isinstance(
-        backend_of(group, torch.device("cuda")), dist.ProcessGroupNCCL)
+    return [g for g in groups.values() if nccl_backend(g) is not None]
 
 
 def unit_sizes(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
     """(elements, dtype) of each FSDP2 unit's own parameters (those not under a nested unit),
-    unsharded: the same on every rank, whatever its shard of an uneven split holds."""
+    unsharded: the same on every rank, whatever its shard of an uneven split holds. The dtype
+    is the one FSDP2 gathers in: the unit's mixed-precision ``param_dtype``, else the
+    parameters'."""
     from torch.distributed.fsdp import FSDPModule
 
     seen: set[int] = set()
     sizes = []
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     for unit in reversed(units):  # nested units first: their parameters are theirs
-        numel, dtype = 0, None
+        numel, dtype = 0, _gather_dtype(unit)
         for p in unit.parameters():
             if id(p) in seen:
                 continue
@@ -69,6 +66,13 @@ def unit_sizes(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
         if numel:
             sizes.append((numel, dtype))
     return sizes
+
+
+def _gather_dtype(unit: Any) -> torch.dtype | None:
+    try:
+        return unit._get_fsdp_state()._mp_policy.param_dtype  # private: torch 2.6-2.11
+    except AttributeError:
+        return None
 
 
 def plan(module: torch.nn.Module) -> list[tuple[int, torch.dtype]]:
@@ -130,9 +134,11 @@ class Warmup:
         self.thread: threading.Thread | None = None
 
     @classmethod
-    def for_model(cls, module: torch.nn.Module, device: torch.device) -> Warmup:
-        """The warm-up of a model sharded on ``device``: none unless it is a GPU."""
-        groups = mesh_groups(module) if device.type == "cuda" else []
+    def for_model(cls, module: torch.nn.Module, device: torch.device, *,
+                  enabled: bool = True) -> Warmup:
+        """The warm-up of a model sharded on ``device``: none unless it is a GPU and
+        ``enabled``."""
+        groups = mesh_groups(module) if enabled and device.type == "cuda" else []
         return cls(groups, plan(module) if groups else [], device)
 
     def start(self) -> Warmup:
