@@ -57,6 +57,9 @@ SCENARIOS = {
 }
 
 
+WARMUP_PHASES = ("allocated", "voted", "issued", "completed")
+
+
 def first_event(events: list[dict], kind: str, after: float) -> float | None:
     times = [e["time_mono"] for e in events if e["kind"] == kind and e["time_mono"] >= after]
     return min(times) if times else None
@@ -98,6 +101,12 @@ def measure(scenario: str, out: Path, kill_rank: int) -> dict[str, Any]:
     # where the time went: each rank's events after the kill (first of each kind), in seconds
     res["phases"] = {name.removesuffix(".json"): phases(r["timeline"], t_kill)
                      for name, r in sorted(reports.items())}
+    # the NCCL warm-up's own phases (seconds from its start), where one ran
+    warm = {name.removesuffix(".json"): {k: v for k, v in e.items() if k in WARMUP_PHASES}
+            for name, r in sorted(reports.items()) for e in r["timeline"]
+            if e["kind"] == "nccl_warmed" and e["time_mono"] >= t_kill}
+    if warm:
+        res["warmup"] = warm
     if not ends or any(t is None for t in ends):
         raise RuntimeError(f"{scenario}: a rank has no collective after the kill")
     res["seconds"] = round(max(ends) - t_kill, 4)  # type: ignore[type-var]

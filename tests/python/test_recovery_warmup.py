@@ -97,6 +97,9 @@ def test_the_finish_polls_the_thread_and_every_work(world1):
     assert w.finish(poll) is True
     assert not w.thread.is_alive()
     assert len(calls) == 1 + 3 * 2  # the thread, then three collectives per size
+    # the timeline's nccl_warmed event says where the warm-up's time went, in order
+    assert list(w.phases) == ["allocated", "voted", "issued", "completed"]
+    assert sorted(w.phases.values()) == list(w.phases.values())
 
 
 def _short_worker(rank: int, port: int, out: dict) -> None:

@@ -466,6 +466,8 @@ class Recovery(StepLoop):
         self._applied = False  # this step's update has not run yet (the optimizer gate)
         self.samplers.begin(self.step)
         self._run_hooks("step_start")
+        if self._awaiting_first:  # the timeline: from here to first_collective is the step's
+            self.timeline.add("first_step_began", step=self.step)  # forward and backward
         if self._evicted.is_set():
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
         if self._verdict.is_set() and self._members_failed():

@@ -251,7 +251,8 @@ def restore(rec: Any, holds_state: bool) -> str:
                          bytes_received=restored.bytes_received,
                          bytes_local=restored.bytes_local, seconds=restored.seconds)
         if warmup.finish(rec._poll):  # before the user's objects load (their own collectives)
-            rec.timeline.add("nccl_warmed", groups=len(warmup.groups), sizes=len(warmup.sizes))
+            rec.timeline.add("nccl_warmed", groups=len(warmup.groups), sizes=len(warmup.sizes),
+                             **warmup.phases)
         rec.step = restored.step
         _apply_extra(rec, restored.extra)
         source = "replica"

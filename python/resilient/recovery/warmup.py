@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -132,6 +133,9 @@ class Warmup:
         self.works: list = []
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        #: seconds from start() to each phase's end (allocated, voted, issued, completed)
+        self.phases: dict[str, float] = {}
+        self._t0 = 0.0
 
     @classmethod
     def for_model(cls, module: torch.nn.Module, device: torch.device, *,
@@ -141,7 +145,11 @@ class Warmup:
         groups = mesh_groups(module) if enabled and device.type == "cuda" else []
         return cls(groups, plan(module) if groups else [], device)
 
+    def _mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.monotonic() - self._t0, 4)
+
     def start(self) -> Warmup:
+        self._t0 = time.monotonic()
         if self.groups and self.sizes:
             self.thread = threading.Thread(target=self._run, name="resilient-nccl-warmup",
                                            daemon=True)
@@ -157,8 +165,11 @@ class Warmup:
             except torch.OutOfMemoryError as exc:
                 log.warning("resilient recovery: no NCCL warm-up (%s)",
                             str(exc).splitlines()[0])
+            self._mark("allocated")
             if vote(self.groups, bool(self.buffers), self.device):
+                self._mark("voted")
                 self.works = issue(self.buffers)
+                self._mark("issued")
         except BaseException as exc:  # noqa: BLE001 -- reported by finish()
             self.error = exc
 
@@ -178,6 +189,7 @@ class Warmup:
                 self.error)
         for work in self.works:
             poll(work.is_completed, work.wait)
+        self._mark("completed")
         self.buffers = []
         return bool(self.works)
 
