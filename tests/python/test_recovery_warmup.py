@@ -158,3 +158,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 def test_two_ranks_warm_the_same_collectives_and_go_on_in_step():
     assert _spawn(_worker) == {0: (3.0, 0.0, 70_000.0), 1: (3.0, 0.0, 70_000.0)}
+
+
+def test_a_cpu_spare_warms_nothing():
+    assert warmup.warm_compute(torch.device("cpu"), {torch.bfloat16}) == 0.0

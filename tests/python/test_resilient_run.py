@@ -314,24 +314,39 @@ def test_spares_are_refused_without_in_process_recovery() -> None:
         run(["--standalone", "--spares", "1", "--store", "etcd://127.0.0.1:2379", "x.py"])
 
 
-def test_a_joiner_that_comes_too_late_stops_waiting() -> None:
+@pytest.mark.parametrize("device,warm,warmed", [("cpu", True, False), ("cuda", True, True),
+                                                 ("cuda", False, False)])
+def test_a_joiner_that_comes_too_late_stops_waiting(monkeypatch: pytest.MonkeyPatch,
+                                                    device: str, warm: bool,
+                                                    warmed: bool) -> None:
+    """... and a GPU joiner warms its compute (in the model's dtypes) before its ticket."""
+    import torch
     import torch.distributed as dist
 
+    from resilient.recovery import RecoveryConfig, join
     from resilient.recovery.join import join_as_spare, mark_finished
     from resilient.recovery.timeline import Timeline
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(join, "warm_compute", lambda dev, dtypes: calls.append(
+        (dev.type, dtypes)) or 0.25)
 
     class Rec:
         job, rank, step = "late", 0, 12
         timeline = Timeline(0)
         store = dist.HashStore()
+        config = RecoveryConfig.from_env(warm_spare=warm)
+        module = torch.nn.Linear(2, 2, device="meta", dtype=torch.bfloat16)
 
     member, joiner = Rec(), Rec()
-    joiner.step = 0
+    joiner.step, joiner.device = 0, torch.device(device)
     mark_finished(member)
     t0 = time.monotonic()
     assert join_as_spare(joiner, timeout_s=30) is False
     assert joiner.step == 12 and time.monotonic() - t0 < 5
-    assert joiner.timeline.events[-1]["kind"] == "join_too_late"
+    kinds = [e["kind"] for e in joiner.timeline.events]
+    assert kinds == (["compute_warmed"] if warmed else []) + ["join_requested", "join_too_late"]
+    assert calls == ([("cuda", {torch.bfloat16})] if warmed else [])
 
 
 @pytest.mark.timeout(120)

@@ -44,6 +44,9 @@ class RecoveryConfig:
     #: NCCL, sharded models: make the rebuilt groups' connections (FSDP2's collectives at its
     #: sizes) on a thread while the state is restored, not in the first step (warmup.py)
     warm_nccl: bool = True
+    #: GPU: a spare or restarted rank runs a small forward, backward and optimizer update on its
+    #: device before it waits to be admitted, not in its first step after joining (warmup.py)
+    warm_spare: bool = True
     #: seconds between polls of an in-flight collective
     poll_interval_s: float = 0.0005
     #: admit waiting spare/restarted ranks every this many steps (0: never)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from resilient.comm.process_group import abort_process_group, join_process_group
 from resilient.recovery import sharded
 from resilient.recovery.environment import JOIN_ENV
+from resilient.recovery.warmup import warm_compute
 
 JOIN_BASE = 1 << 20
 
@@ -173,6 +174,9 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     """Joiner side: takes a ticket, waits to be admitted, joins and receives the state.
     Returns False, with ``rec.step`` the members' last step, when they finished first (see
     :func:`mark_finished`)."""
+    if rec.config.warm_spare and rec.device.type == "cuda":  # before the ticket: members do
+        dtypes = {p.dtype for p in rec.module.parameters() if p.is_floating_point()}  # not wait
+        rec.timeline.add("compute_warmed", seconds=round(warm_compute(rec.device, dtypes), 4))
     ticket = int(rec.store.add(_key(rec, "tickets"), 1)) - 1
     rec.initial_rank = JOIN_BASE + ticket
     rec.timeline.add("join_requested", ticket=ticket)
@@ -185,7 +189,7 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
             return False
         if time.monotonic() > deadline:
             raise TimeoutError(f"not admitted to the job within {timeout_s}s")
-        time.sleep(0.05)
+        time.sleep(0.01)  # a hot spare's admission waits for this poll
     info = json.loads(bytes(rec.store.get(key)).decode())
     # Admitted: a member from now on. Its build() makes the real model on the grown group
     # (resilient.joining() is False), and its CheckpointManager reads storage again when this

@@ -1,4 +1,5 @@
-"""NCCL connections of a rebuilt sharded model made while its state is restored.
+"""NCCL connections of a rebuilt sharded model made while its state is restored, and a waiting
+spare's compute warmed before it is needed.
 
 NCCL connects a communicator's peers at the first collective that needs them (per algorithm:
 ring, tree, NVLS), not at its creation. After a rebuild that first collective was FSDP2's first
@@ -12,6 +13,10 @@ step: its sizes come from the unsharded model, and a rank that cannot allocate i
 makes every rank skip the rest (:func:`vote`). The optimizer's state is created before the
 thread starts (its step may communicate), and nothing else uses these groups until
 :meth:`Warmup.finish` returned. ``RESILIENT_RECOVERY_WARM_NCCL`` must be the same on every rank.
+
+A spare or restarted rank runs its process's first forward, backward and optimizer step on
+its device in the first step after it joined; :func:`warm_compute` runs small ones while it
+waits (``RESILIENT_RECOVERY_WARM_SPARE``).
 """
 
 from __future__ import annotations
@@ -200,4 +205,27 @@ class Warmup:
             self.thread.join(timeout_s)
 
 
-__all__ = ["Warmup", "allocate", "issue", "mesh_groups", "plan", "unit_sizes", "vote"]
+def warm_compute(device: torch.device, dtypes: set[torch.dtype]) -> float:
+    """Runs a small forward, backward and foreach update in each of ``dtypes`` (the model's)
+    on ``device``, on the calling thread (the training thread: cuBLAS handles are per thread):
+    the process's first GEMM creates its cuBLAS handle and workspace, its first backward
+    starts the autograd engine's device thread, and CUDA loads each kernel at its first
+    launch. Nothing on CPU. Returns seconds spent."""
+    t0 = time.monotonic()
+    if device.type != "cuda":
+        return 0.0
+    from torch.nn import functional
+
+    for dtype in sorted(dtypes | {torch.float32}, key=str):
+        w = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(64, 256, device=device, dtype=dtype)
+        functional.linear(torch.tanh(functional.linear(x, w)), w).float().square().mean(
+            ).backward()
+        assert w.grad is not None
+        torch._foreach_add_([w.detach()], [w.grad], alpha=-1e-3)
+    torch.cuda.synchronize(device)
+    return time.monotonic() - t0
+
+
+__all__ = ["Warmup", "allocate", "issue", "mesh_groups", "plan", "unit_sizes", "vote",
+           "warm_compute"]
