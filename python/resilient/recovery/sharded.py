@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -209,7 +210,9 @@ def restore(rec: Any, holds_state: bool) -> str:
         old_replicas.stop()  # kept on rec until a restore succeeded (a second failure retries)
     names = getattr(rec, "_param_names", None) or {
         id(p): n for n, p in rec.module.named_parameters()}
+    t_build = time.monotonic()
     module = rec.build()
+    rec.timeline.add("model_built", seconds=round(time.monotonic() - t_build, 4))
     if any(p.device.type == "meta" for p in module.parameters()):
         raise RecoveryStopped(rec._stop("build() made a model on the meta device: it must "
                                         "build the real model (a joiner's first model alone "
@@ -228,6 +231,7 @@ def restore(rec: Any, holds_state: bool) -> str:
     # NCCL connects the new groups on a thread of its own meanwhile (warmup.py)
     warmup = Warmup.for_model(module, rec.device, enabled=rec.config.warm_nccl
                               and _init_optimizer_state(rec.optimizer)).start()
+    rec.timeline.add("optimizer_ready")  # and the warm-up started
     try:
         group = replica_group(rendezvous_s=rec.config.group_timeout_s)
         restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,
