@@ -143,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--scenarios", default="survivors,spare,replacement,restart")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-rank", type=int, default=0)
-    ap.add_argument("--kill-step", type=int, default=10)
+    ap.add_argument("--kill-step", type=int, default=20,
+                    help="late enough that a spare started with the job is waiting (it "
+                         "warms its compute first)")
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
     ap.add_argument("--fsdp", action="store_true",

@@ -162,3 +162,18 @@ def test_two_ranks_warm_the_same_collectives_and_go_on_in_step():
 
 def test_a_cpu_spare_warms_nothing():
     assert warmup.warm_compute(torch.device("cpu"), {torch.bfloat16}) == 0.0
+
+
+def test_only_torch_optims_own_optimizers_are_initialized_during_the_warm_up():
+    """Their steps are elementwise on DTensors; any other optimizer's state is created before
+    the warm-up's thread issues on the groups its step may also use."""
+    from resilient.recovery.sharded import _step_is_local
+
+    params = [nn.Parameter(torch.zeros(2))]
+
+    class Lamb(torch.optim.SGD):  # a subclass outside torch.optim: its step may communicate
+        pass
+
+    assert _step_is_local(torch.optim.SGD(params, lr=0.1))
+    assert _step_is_local(torch.optim.AdamW(params))
+    assert not _step_is_local(Lamb(params, lr=0.1))

@@ -141,6 +141,7 @@ class Warmup:
         #: seconds from start() to each phase's end (allocated, voted, issued, completed)
         self.phases: dict[str, float] = {}
         self._t0 = 0.0
+        self._lock = threading.Lock()
 
     @classmethod
     def for_model(cls, module: torch.nn.Module, device: torch.device, *,
@@ -171,12 +172,37 @@ class Warmup:
                 log.warning("resilient recovery: no NCCL warm-up (%s)",
                             str(exc).splitlines()[0])
             self._mark("allocated")
-            if vote(self.groups, bool(self.buffers), self.device):
-                self._mark("voted")
-                self.works = issue(self.buffers)
+            # Each group on a thread of its own: NCCL connects a communicator's peers on the
+            # thread that issues its first collective, so HSDP's three groups, connected one
+            # after the other, took 0.6 s on 4 H200s.
+            voted: list[float] = []
+            threads = [threading.Thread(target=self._connect, args=(g, voted), daemon=True,
+                                        name="resilient-nccl-warmup-group")
+                       for g in self.groups]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if voted:
+                self.phases["voted"] = max(voted)
                 self._mark("issued")
         except BaseException as exc:  # noqa: BLE001 -- reported by finish()
             self.error = exc
+
+    def _connect(self, group: Any, voted: list[float]) -> None:
+        """One group's vote, then its collectives (appended to ``works``)."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if vote([group], bool(self.buffers), self.device):
+                with self._lock:
+                    voted.append(round(time.monotonic() - self._t0, 4))
+                works = issue([b for b in self.buffers if b[0] is group])
+                with self._lock:
+                    self.works += works
+        except BaseException as exc:  # noqa: BLE001 -- reported by finish()
+            with self._lock:
+                self.error = self.error or exc
 
     def finish(self, poll: Any) -> bool:
         """Waits for the thread and its collectives with ``poll(done, finish)`` (the training
