@@ -140,7 +140,7 @@ def main() -> None:
         # two emulated hosts: ranks 0, 1 and 2, 3; rank 3's buddy is rank 1, 1's is 3
         # hsdp: no peer copies at all (factor 0): rank 3's shard is rank 1's, its twin in
         # the other replica group
-        replicas = PeerReplicas(model, opt, host=f"host{rank // 2}",
+        replicas = PeerReplicas(model, opt, host=f"host{rank // 2}", every=1,
                                 factor=0 if HSDP else None)
         result["buddies"] = replicas.to
         hashes = {}

@@ -33,7 +33,10 @@ def _start(tmp: Path, steps: int, launcher: list[str], example: list[str]) -> su
          "--finish-grace-s", "5", *launcher, str(EXAMPLE),
          "--ckpt", str(tmp / "ckpt"), "--steps", str(steps), "--state-log", str(tmp / "state"),
          "--sample-log", str(tmp / "samples"), *example],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # a replica every step, as the checks of the step restored assume (the chosen
+        # interval, RESILIENT_REPLICA_EVERY=0, has tests of its own: test_replica_interval.py)
+        env={**os.environ, "RESILIENT_REPLICA_EVERY": "1"})
     log.close()
     return p
 

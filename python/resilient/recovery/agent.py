@@ -25,7 +25,9 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   the script's own ``init_process_group`` does not wait for the job's old group); its
   ``Recovery.adopt`` then takes a ticket and is admitted by the running members at a step boundary
   (resilient.recovery.join: the members check every ``RESILIENT_RECOVERY_JOIN_CHECK_EVERY`` steps,
-  which the agent sets to 1 when replacements are on), receiving the state from a live peer.
+  which the agent sets to 1 when replacements, spares or restarts are on, along with
+  ``RESILIENT_RECOVERY_MAX_WORLD=-1``: joiners only fill lost ranks' places, and a whole job
+  asks the store nothing per step), receiving the state from a live peer.
 * With ``--spares N`` the agent starts N more workers at launch, on the join path like a
   replacement (``LOCAL_RANK`` ``nproc_per_node + i``), that wait, already initialized, until a
   rank is lost: the members admit joiners only up to the job's initial world size
@@ -356,8 +358,9 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
     os.environ[LAUNCHER_ENV] = "resilient run"
     os.environ[IN_PROCESS_ENV] = "1" if in_process else "0"
     if in_process and (replacements or spares or config.max_restarts):
+        # joiners take a lost rank's place, never grow the job past its launch size (a mesh's
+        # shape is the script's); a whole job asks the store nothing at its step boundaries
         os.environ.setdefault("RESILIENT_RECOVERY_JOIN_CHECK_EVERY", "1")
-    if in_process and spares:
         os.environ.setdefault("RESILIENT_RECOVERY_MAX_WORLD", "-1")
     if not in_process:
         # torchrun's restart path: the workers' default group rendezvouses on the agent's store,

@@ -480,8 +480,9 @@ class Recovery(StepLoop):
         self.step += 1
         self.detector.step(self.step)
         release_retired_groups(expired_only=True)  # those of past recoveries, once timed out
-        sharded.replicate(self)
-        try:  # collectives of their own (the manager's save, an admission): a peer may die
+        try:  # collectives of their own (the replicas' interval, the manager's save, an
+            # admission): a peer may die
+            sharded.replicate(self)
             self._maybe_checkpoint()
             maybe_admit(self)
         except RecoveryStopped:

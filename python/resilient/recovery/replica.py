@@ -9,12 +9,15 @@ asynchronous device-to-host copy on a side stream, which the next ``optimizer.st
 (a step pre-hook), so training does not wait for it. A sender thread then checksums the buffer
 (XXH3) and sends it over a gloo group of its own to the rank's buddies. Receiver threads keep the
 two newest verified replicas of each peer they back up (a replica arrives in a third buffer and
-replaces the older one only once it verified). Every rank snapshots the same steps, every
-``RESILIENT_REPLICA_EVERY``-th, so that a step held for every rank always exists: if the previous
-snapshot is still being sent when the next is due, ``replicate`` waits for it (``stats.waited_s``;
-choose ``every`` so that a snapshot's send fits in that many steps). A send that does not finish
-within ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S`` stops the replication (logged; a restore then
-falls back to storage) rather than stall training.
+replaces the older one only once it verified). Every rank snapshots the same steps, so that a
+step held for every rank always exists: if the previous snapshot is still being sent when the
+next is due, ``replicate`` waits for it (``stats.waited_s``). ``RESILIENT_REPLICA_EVERY=N``
+snapshots every N-th step; the default (0) chooses the interval so that a send fits: at the
+second snapshot, and every :data:`RECALIBRATE` snapshots after, the training thread waits for the
+previous send and the ranks agree (an all-reduce of the slowest send and step times on the
+replicas' group) on ``ceil(MARGIN * send / step)`` steps, the same on every rank. A send that
+does not finish within ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S`` stops the replication (logged; a
+restore then falls back to storage) rather than stall training.
 
 Buddies (:func:`buddies`): ranks are listed host by host (RESILIENT_HOST_ID, else the hostname)
 and each rank backs up the rank ``m``, ``2m``, ... places further in that list, ``m`` being the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
 import queue
 import threading
@@ -46,6 +50,13 @@ log = logging.getLogger("resilient.recovery")
 _ALIGN = 64
 _MAGIC = 0x5245504C  # "REPL"
 _HEADER = 7  # magic, step, nbytes, digest, meta bytes, sender rank, world
+#: RESILIENT_REPLICA_EVERY=0: the interval is agreed again every this many snapshots
+RECALIBRATE = 32
+#: ... to this many times the slowest send over the slowest step (sends compete with training
+#: for host memory bandwidth and CPU; a send that fits only just would still delay steps)
+MARGIN = 1.5
+#: the longest interval chosen (a replica at most this many steps old)
+MAX_EVERY = 1000
 
 
 def buddies(hosts: list[str], factor: int = 1) -> list[list[int]]:
@@ -188,6 +199,7 @@ class Snapshot:
     buf: torch.Tensor
     nbytes: int
     digest: int = 0
+    digest_s: float = 0.0  # seconds the sender took to checksum it
     ready: Any = None  # a CUDA event while the device-to-host copy may be running
     state: str = "writing"  # writing -> ok | bad
     extra: dict = field(default_factory=dict)  # the caller's JSON-able state (replicate)
@@ -243,6 +255,8 @@ class ReplicaStats:
     copy_s: float = 0.0
     waited_s: float = 0.0  # the training thread waiting for the previous snapshot's send
     bytes: int = 0
+    every: int = 1  # the interval in steps (chosen, with RESILIENT_REPLICA_EVERY=0)
+    send_s: float = 0.0  # the last send's seconds (checksum and every buddy)
     errors: list[str] = field(default_factory=list)
 
 
@@ -262,13 +276,22 @@ class PeerReplicas:
                  group: Any = None, wait: Callable[[Any], None] | None = None) -> None:
         from resilient.checkpoint.exchange import host_id
 
+        every = int(settings.get("replica_every") if every is None else every)
+        if every < 0:
+            raise ValueError(f"replica every must be >= 0 (0: chosen), not {every}")
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         factor = settings.get("replica_factor") if factor is None else factor
         self.factor = int(factor)
         self.memory_bytes = (settings.get("replica_memory") if memory_bytes is None
                              else memory_bytes)
-        self.every = max(1, int(settings.get("replica_every") if every is None else every))
+        self.auto = every == 0
+        self.every = max(1, every)
+        self._wait_fn = wait or _wait
+        self._snapshots = 0  # taken by replicate() on this ring (the same count on every rank)
+        self._next: int | None = None  # auto: the step the next snapshot is due at
+        self._last: tuple[int, float] | None = None  # auto: the last snapshot's step, and when
+        # replicate() returned (the training time since is the steps' own)
         self.send_timeout_s = float(settings.get("recovery_group_timeout_s")
                                     if send_timeout_s is None else send_timeout_s)
         self.broken: str | None = None  #: why replication stopped (None while it runs)
@@ -312,7 +335,7 @@ class PeerReplicas:
         scheduler's state_dict, data positions) and hands it to the sender, when `step` is a
         multiple of ``every``; waits first for the previous snapshot's send. False when no
         snapshot was taken (not a scheduled step, or replication stopped: ``broken``)."""
-        if self._stopped or self.broken or step % self.every:
+        if self._stopped or self.broken or not self._due(step):
             return False
         if not self.to:
             if self.factor > 0:  # a group of one: nothing to restore for
@@ -322,6 +345,7 @@ class PeerReplicas:
             self._take(step).extra = dict(extra or {})
             return True
         t0 = time.monotonic()
+        calibrate = self.auto and self._snapshots % RECALIBRATE == 1
         with self._lock:
             if self._sending:
                 self.stats.waits += 1  # counted: how often the send was the bottleneck
@@ -335,6 +359,14 @@ class PeerReplicas:
                 return False
             self._sending = True
         self.stats.waited_s += time.monotonic() - t0
+        if calibrate:  # the previous send is done on every rank: agree on the interval
+            try:
+                self._agree_interval(step, t0)
+            except BaseException:
+                with self._lock:
+                    self._sending = False
+                    self._sent.notify_all()
+                raise
         t0 = time.monotonic()
         try:
             snap = self._take(step)
@@ -347,7 +379,30 @@ class PeerReplicas:
             raise
         self.stats.copy_s += time.monotonic() - t0
         self._queue.put(snap)
+        self._snapshots += 1
+        if self.auto:
+            self._next = step + self.every
+            self._last = (step, time.monotonic())
         return True
+
+    def _due(self, step: int) -> bool:
+        if not self.auto:
+            return step % self.every == 0
+        return self._next is None or step >= self._next
+
+    def _agree_interval(self, step: int, arrived: float) -> None:
+        """RESILIENT_REPLICA_EVERY=0: the interval from the slowest rank's last send and
+        training time per step since the last snapshot (collective over the replicas' group;
+        every rank calls it at the same snapshot)."""
+        assert self._last is not None
+        last_step, left = self._last
+        step_s = max(arrived - left, 0.0) / max(step - last_step, 1)
+        t = torch.tensor([self.stats.send_s, step_s], dtype=torch.float64)
+        self._wait_fn(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group,
+                                      async_op=True))
+        send_s, step_s = t.tolist()
+        self.every = choose_every(send_s, step_s)
+        self.stats.every = self.every
 
     def snapshot_now(self, step: int, extra: dict | None = None) -> None:
         """Takes a snapshot of the current state (`step`) for a restore that follows at once,
@@ -437,15 +492,19 @@ class PeerReplicas:
             try:
                 if snap.ready is not None:
                     snap.ready.synchronize()
+                t_digest = time.monotonic()
                 snap.digest = _digest(snap.buf, snap.nbytes)
+                snap.digest_s = time.monotonic() - t_digest
                 snap.state = "ok"
                 meta = torch.frombuffer(bytearray(snap.meta()), dtype=torch.uint8)
                 header = torch.tensor([_MAGIC, snap.step, snap.nbytes, _signed(snap.digest),
                                        meta.numel(), self.rank, self.world], dtype=torch.int64)
+                t0 = time.monotonic()  # with the checksum: the send's time is the sender's
                 for b in self.to:
                     self._send(header, b)
                     self._send(meta, b)
                     self._send(snap.buf[:snap.nbytes], b)
+                self.stats.send_s = time.monotonic() - t0 + snap.digest_s
                 self.stats.sent += 1
             except Exception as e:  # a peer that died: recovery rebuilds the ring
                 self._break(f"send: {e}")
@@ -583,6 +642,14 @@ class PeerReplicas:
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def choose_every(send_s: float, step_s: float) -> int:
+    """Steps between snapshots so that a send of ``send_s`` seconds fits, with :data:`MARGIN`,
+    in that many steps of ``step_s`` (1 .. :data:`MAX_EVERY`)."""
+    if step_s <= 0.0:
+        return MAX_EVERY if send_s > 0.0 else 1
+    return max(1, min(MAX_EVERY, math.ceil(MARGIN * send_s / step_s - 1e-9)))
 
 
 def _wait(work: Any) -> None:

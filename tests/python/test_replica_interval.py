@@ -1,0 +1,101 @@
+"""RESILIENT_REPLICA_EVERY=0: the replicas' interval chosen so that a send fits, the same on
+every rank (resilient.recovery.replica.choose_every, PeerReplicas._agree_interval)."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from resilient.recovery import replica
+from resilient.recovery.replica import MARGIN, MAX_EVERY, choose_every
+
+
+@given(st.floats(0.0, 100.0), st.floats(1e-4, 10.0))
+@settings(max_examples=300, deadline=None)
+def test_the_interval_is_the_fewest_steps_a_send_fits_in(send_s: float, step_s: float) -> None:
+    every = choose_every(send_s, step_s)
+    assert 1 <= every <= MAX_EVERY
+    if every < MAX_EVERY:
+        assert every * step_s >= MARGIN * send_s * (1 - 1e-9)  # fits, with the margin
+    if 1 < every < MAX_EVERY:
+        assert (every - 1) * step_s < MARGIN * send_s  # and one step fewer would not
+
+
+def test_an_unmeasured_step_takes_the_longest_interval_only_when_a_send_took_time() -> None:
+    assert choose_every(0.0, 0.0) == 1
+    assert choose_every(0.5, 0.0) == MAX_EVERY
+
+
+def test_a_negative_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        replica.PeerReplicas(nn.Linear(2, 2), None, every=-1)  # type: ignore[arg-type]
+
+
+SEND_SLEEP_S = 0.03  # per point-to-point send: three per snapshot (header, meta, bytes)
+STEP_S = 0.01
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        reps = replica.PeerReplicas(model, opt, every=0, host=f"host{rank}")
+        send = reps._send
+
+        def slow_send(t: torch.Tensor, dst: int) -> None:  # a slow link: the send does not
+            time.sleep(SEND_SLEEP_S * (1 + rank))  # fit in a step; rank 1's is the slowest
+            send(t, dst)
+
+        reps._send = slow_send
+        taken = []
+        for step in range(1, 61):
+            time.sleep(STEP_S)  # the step's training
+            if reps.replicate(step):
+                taken.append(step)
+        reps.drain(taken[-1], timeout_s=30)
+        out[rank] = (taken, reps.every, reps.stats.waits, reps.stats.send_s)
+        reps.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(fn, args=(port, out), nprocs=2, start_method="spawn", join=True)
+        return dict(out)
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_agree_on_an_interval_the_slowest_send_fits_in() -> None:
+    """The second snapshot waits for the first send; from then on both ranks snapshot the
+    same steps, spaced so that the slowest rank's send (rank 1: 3 x 60 ms) fits with the
+    margin, and the training thread no longer waits for sends."""
+    res = _spawn(_worker)
+    (taken0, every0, waits0, send0), (taken1, every1, waits1, send1) = res[0], res[1]
+    assert taken0 == taken1  # a step held for every rank always exists
+    assert every0 == every1
+    slowest = max(send0, send1)
+    assert slowest >= 3 * 2 * SEND_SLEEP_S
+    # a send of >= 180 ms against steps of >= 10 ms: several steps (a loaded machine makes
+    # the measured step longer, so the interval shorter, but not 1), and not absurdly many
+    assert 1 < every0 <= math.ceil(MARGIN * slowest / STEP_S), (every0, slowest)
+    assert taken0[:2] == [1, 2]  # the first two at once: the calibration
+    gaps = {b - a for a, b in zip(taken0[1:], taken0[2:])}
+    assert gaps == {every0}, taken0
+    assert max(waits0, waits1) < len(taken0) - 1  # not a wait per snapshot
