@@ -369,3 +369,47 @@ def test_without_in_process_recovery_it_is_torchrun(tmp_path: Path) -> None:
     assert code == 1, log
     assert "Sending process" in log and "closing signal SIGTERM" in log, log  # torch's close
     assert not list(tmp_path.glob("rank*.json"))  # nobody finished
+
+
+def test_an_admitted_joiner_takes_the_launch_size_the_members_count() -> None:
+    """A joiner started outside `resilient run` (no RESILIENT_JOIN_WORLD) counts its own
+    one-rank world; once admitted it takes the members' launch size, or its admission cap and
+    batch split would differ from theirs. Its compute warm-up failing does not stop it."""
+    import json as _json
+
+    import torch
+    import torch.distributed as dist
+
+    from resilient.recovery import RecoveryConfig, join
+    from resilient.recovery.timeline import Timeline
+
+    class Rec:
+        job, rank, step, initial_world, global_batch, loader_batches = "w", 0, 0, 1, 1, True
+        timeline = Timeline(0)
+        store = dist.HashStore()
+        config = RecoveryConfig.from_env(warm_spare=True)
+        module = torch.nn.Linear(2, 2, device="meta")
+        device = torch.device("cuda")
+
+    rec = Rec()
+    rec.store.set(join._key(rec, "ticket/0"), _json.dumps({
+        "group_generation": 1000, "rank": 3, "world_size": 4, "members": [0, 1, 2, 1 << 20],
+        "generation": 1, "detector": [1, [0, 1, 2]], "detector_prefix": None,
+        "join_epoch": 0, "admitted": 1, "recovery": True, "initial_world": 4}))
+    regrouped: list = []
+
+    def no_warm_up(*_a: object) -> float:
+        raise RuntimeError("no GPU here")
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(join, "warm_compute", no_warm_up)
+        mp.setattr(join, "JoinerDetector", lambda *a, **k: None)
+        mp.setattr(join, "_regroup", lambda r, gen, rank, members, recovery=False:
+                   regrouped.append((gen, rank, members, recovery)))
+        assert join.join_as_spare(rec, timeout_s=10) is True
+    finally:
+        mp.undo()
+    assert (rec.initial_world, rec.global_batch) == (4, 4)
+    assert regrouped == [(1000, 3, [0, 1, 2, 1 << 20], True)]
+    assert "compute_warmed" not in [e["kind"] for e in rec.timeline.events]

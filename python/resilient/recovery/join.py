@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ from resilient.comm.process_group import abort_process_group, join_process_group
 from resilient.recovery import sharded
 from resilient.recovery.environment import JOIN_ENV
 from resilient.recovery.warmup import warm_compute
+
+log = logging.getLogger("resilient.recovery")
 
 JOIN_BASE = 1 << 20
 
@@ -167,7 +170,8 @@ def _publish_tickets(rec: Any, tickets: list[int], group_gen: int, generation: i
             "members": members, "generation": generation,
             "detector": [det_generation, sorted(live)],
             "detector_prefix": rec.detector.store_prefix, "join_epoch": rec.join_epoch,
-            "admitted": rec.admitted, "recovery": recovery}))
+            "admitted": rec.admitted, "recovery": recovery,
+            "initial_world": rec.initial_world}))
 
 
 def join_as_spare(rec: Any, timeout_s: float) -> bool:
@@ -176,7 +180,11 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     :func:`mark_finished`)."""
     if rec.config.warm_spare and rec.device.type == "cuda":  # before the ticket: members do
         dtypes = {p.dtype for p in rec.module.parameters() if p.is_floating_point()}  # not wait
-        rec.timeline.add("compute_warmed", seconds=round(warm_compute(rec.device, dtypes), 4))
+        try:
+            rec.timeline.add("compute_warmed",
+                             seconds=round(warm_compute(rec.device, dtypes), 4))
+        except Exception as exc:  # noqa: BLE001 -- a speed-up only: the join goes on
+            log.warning("resilient recovery: no compute warm-up (%s)", exc)
     ticket = int(rec.store.add(_key(rec, "tickets"), 1)) - 1
     rec.initial_rank = JOIN_BASE + ticket
     rec.timeline.add("join_requested", ticket=ticket)
@@ -198,6 +206,13 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     os.environ.pop(JOIN_ENV, None)
     rec.generation, rec.join_epoch, rec.admitted = (
         info["generation"], info["join_epoch"], info["admitted"])
+    # the job's launch size, as the members count it (their admission caps and batch policy
+    # must agree with this rank's once it is a member)
+    launched = int(info.get("initial_world", rec.initial_world))
+    if launched != rec.initial_world:
+        if getattr(rec, "loader_batches", False):  # one batch per rank of the launched job
+            rec.global_batch = launched
+        rec.initial_world = launched
     det_generation, live = info["detector"]
     rec.detector = JoinerDetector(rec.store, rec.job, det_generation, live,
                                   store_prefix=info.get("detector_prefix"))

@@ -13,9 +13,11 @@ replaces the older one only once it verified). Every rank snapshots the same ste
 step held for every rank always exists: if the previous snapshot is still being sent when the
 next is due, ``replicate`` waits for it (``stats.waited_s``). ``RESILIENT_REPLICA_EVERY=N``
 snapshots every N-th step; the default (0) chooses the interval so that a send fits: at the
-second snapshot, and every :data:`RECALIBRATE` snapshots after, the training thread waits for the
-previous send and the ranks agree (an all-reduce of the slowest send and step times on the
-replicas' group) on ``ceil(MARGIN * send / step)`` steps, the same on every rank. A send that
+second due step, and every :data:`RECALIBRATE` after, the ranks agree (an all-reduce of the
+slowest send, a send still running counted with its time so far, and of the slowest step on the
+replicas' group) on ``ceil(MARGIN * send / step)`` steps. While a send still runs on any rank,
+every rank skips that snapshot and agrees again at the next due step, so an agreement never
+waits for a send; a rank whose replication broke still takes part. A send that
 does not finish within ``RESILIENT_RECOVERY_GROUP_TIMEOUT_S`` stops the replication (logged; a
 restore then falls back to storage) rather than stall training.
 
@@ -288,7 +290,9 @@ class PeerReplicas:
         self.auto = every == 0
         self.every = max(1, every)
         self._wait_fn = wait or _wait
-        self._snapshots = 0  # taken by replicate() on this ring (the same count on every rank)
+        self._scheduled = 0  # snapshots due so far on this ring (the same count on every rank)
+        self._calibrating = False  # the last agreement found a send running: agree again
+        self._queued_at = 0.0  # when the snapshot being sent was handed to the sender
         self._next: int | None = None  # auto: the step the next snapshot is due at
         self._last: tuple[int, float] | None = None  # auto: the last snapshot's step, and when
         # replicate() returned (the training time since is the steps' own)
@@ -309,7 +313,7 @@ class PeerReplicas:
         plan = buddies([str(h) for h in hosts], factor)
         self.to = plan[self.rank]
         self.sources = [r for r in range(self.world) if self.rank in plan[r]]
-        self.stats = ReplicaStats()
+        self.stats = ReplicaStats(every=self.every)
         self._lock = threading.Lock()
         self._own: list[Snapshot] = []
         self._held: dict[int, list[Snapshot]] = {r: [] for r in self.sources}
@@ -332,77 +336,87 @@ class PeerReplicas:
 
     def replicate(self, step: int, extra: dict | None = None) -> bool:
         """Snapshots the state of `step` (and `extra`, JSON-able values that travel with it: a
-        scheduler's state_dict, data positions) and hands it to the sender, when `step` is a
-        multiple of ``every``; waits first for the previous snapshot's send. False when no
-        snapshot was taken (not a scheduled step, or replication stopped: ``broken``)."""
-        if self._stopped or self.broken or not self._due(step):
+        scheduler's state_dict, data positions) and hands it to the sender, when a snapshot is
+        due at `step`; waits first for the previous snapshot's send. False when no snapshot was
+        taken (not a due step, the interval's agreement found a send still running, or
+        replication stopped: ``broken``).
+
+        The schedule advances alike on every rank, whether its replication broke or not: a
+        rank whose send failed still takes part in the interval's agreement, so the others
+        never wait for it there."""
+        if self._stopped or not self._due(step):
             return False
         if not self.to:
-            if self.factor > 0:  # a group of one: nothing to restore for
+            if self.factor > 0 or self.broken:  # a group of one: nothing to restore for
                 return False
             # RESILIENT_REPLICA_FACTOR=0 (HSDP: the other replica groups hold each shard): the
             # own snapshot is all, read by a restore that takes the lost shard's boxes from it
             self._take(step).extra = dict(extra or {})
             return True
         t0 = time.monotonic()
-        calibrate = self.auto and self._snapshots % RECALIBRATE == 1
-        with self._lock:
-            if self._sending:
-                self.stats.waits += 1  # counted: how often the send was the bottleneck
-                done = self._sent.wait_for(lambda: not self._sending or self._stopped,
-                                           timeout=self.send_timeout_s)
-                if not done:
-                    self._break(f"the snapshot before step {step} was not sent within "
-                                f"{self.send_timeout_s:g} s")
+        calibrate = self.auto and (self._calibrating or self._scheduled % RECALIBRATE == 1)
+        self._scheduled += 1
+        try:
+            if calibrate:
+                self._calibrating = self._agree_interval(step, t0)
+                if self._calibrating:  # a send still running somewhere: every rank skips this
+                    return False  # snapshot rather than wait, and agrees again when next due
+            with self._lock:
+                if self._sending and not self.broken:
+                    self.stats.waits += 1  # counted: how often the send was the bottleneck
+                    done = self._sent.wait_for(lambda: not self._sending or self._stopped,
+                                               timeout=self.send_timeout_s)
+                    if not done:
+                        self._break(f"the snapshot before step {step} was not sent within "
+                                    f"{self.send_timeout_s:g} s")
+                if self.broken or self._stopped:
                     return False
-            if self.broken or self._stopped:
-                return False
-            self._sending = True
-        self.stats.waited_s += time.monotonic() - t0
-        if calibrate:  # the previous send is done on every rank: agree on the interval
+                self._sending = True
+            self.stats.waited_s += time.monotonic() - t0
+            t1 = time.monotonic()
             try:
-                self._agree_interval(step, t0)
+                snap = self._take(step)
+                snap.extra = dict(extra or {})
+                snap.meta()  # a value that cannot travel fails here, on the training thread
             except BaseException:
                 with self._lock:
                     self._sending = False
                     self._sent.notify_all()
                 raise
-        t0 = time.monotonic()
-        try:
-            snap = self._take(step)
-            snap.extra = dict(extra or {})
-            snap.meta()  # a value that cannot travel fails here, on the training thread
-        except BaseException:
+            self.stats.copy_s += time.monotonic() - t1
             with self._lock:
-                self._sending = False
-                self._sent.notify_all()
-            raise
-        self.stats.copy_s += time.monotonic() - t0
-        self._queue.put(snap)
-        self._snapshots += 1
-        if self.auto:
-            self._next = step + self.every
-            self._last = (step, time.monotonic())
-        return True
+                self._queued_at = time.monotonic()
+            self._queue.put(snap)
+            return True
+        finally:
+            if self.auto:
+                self._next = step + self.every
+                self._last = (step, time.monotonic())
 
     def _due(self, step: int) -> bool:
         if not self.auto:
             return step % self.every == 0
         return self._next is None or step >= self._next
 
-    def _agree_interval(self, step: int, arrived: float) -> None:
-        """RESILIENT_REPLICA_EVERY=0: the interval from the slowest rank's last send and
-        training time per step since the last snapshot (collective over the replicas' group;
-        every rank calls it at the same snapshot)."""
+    def _agree_interval(self, step: int, arrived: float) -> bool:
+        """RESILIENT_REPLICA_EVERY=0: the interval from the slowest rank's send and training
+        time per step since the last due step (collective over the replicas' group; every rank
+        calls it at the same due step). A send still running counts with the time it has run
+        so far. Returns whether one was still running on any rank (the snapshot is skipped and
+        the agreement repeated at the next due step, with a longer interval)."""
         assert self._last is not None
         last_step, left = self._last
         step_s = max(arrived - left, 0.0) / max(step - last_step, 1)
-        t = torch.tensor([self.stats.send_s, step_s], dtype=torch.float64)
+        with self._lock:
+            running = self._sending and not self.broken
+            send_s = arrived - self._queued_at if running else self.stats.send_s
+        t = torch.tensor([send_s, step_s, float(running)], dtype=torch.float64)
         self._wait_fn(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group,
                                       async_op=True))
-        send_s, step_s = t.tolist()
+        send_s, step_s, any_running = t.tolist()
         self.every = choose_every(send_s, step_s)
         self.stats.every = self.every
+        return any_running > 0
 
     def snapshot_now(self, step: int, extra: dict | None = None) -> None:
         """Takes a snapshot of the current state (`step`) for a restore that follows at once,

@@ -235,10 +235,10 @@ def restore(rec: Any, holds_state: bool) -> str:
     quiet = _step_is_local(rec.optimizer)
     warmup = Warmup.for_model(module, rec.device, enabled=rec.config.warm_nccl and (
         quiet or _init_optimizer_state(rec.optimizer))).start()
-    if quiet:
-        _init_optimizer_state(rec.optimizer)
-    rec.timeline.add("optimizer_ready")
     try:
+        if quiet:
+            _init_optimizer_state(rec.optimizer)
+        rec.timeline.add("optimizer_ready")
         group = replica_group(rendezvous_s=rec.config.group_timeout_s)
         restored = restore_sharded(module, rec.optimizer, old_replicas, group=group,
                                    wait=rec._wait_work)  # polled: a peer lost meanwhile
@@ -273,10 +273,17 @@ def restore(rec: Any, holds_state: bool) -> str:
     return source
 
 
+#: torch.optim's optimizers whose step is elementwise on DTensors (no collective). Not Muon
+#: or Adafactor (norms over a sharded dimension), nor any subclass (its step may differ).
+_LOCAL_STEP = frozenset(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
+    "ASGD", "Rprop") if hasattr(torch.optim, n))
+
+
 def _step_is_local(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's step issues no collective: torch.optim's own optimizers (their
-    ops on DTensors are elementwise). Any other (LAMB, Muon, Shampoo, ZeRO, a wrapper) may."""
-    return type(optimizer).__module__.startswith("torch.optim.")
+    """Whether the optimizer's step issues no collective: one of :data:`_LOCAL_STEP` exactly.
+    Any other (LAMB, Muon, Shampoo, ZeRO, a subclass, a wrapper) may."""
+    return type(optimizer) in _LOCAL_STEP
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -21,6 +21,7 @@ waits (``RESILIENT_RECOVERY_WARM_SPARE``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -192,14 +193,22 @@ class Warmup:
     def _connect(self, group: Any, voted: list[float]) -> None:
         """One group's vote, then its collectives (appended to ``works``)."""
         try:
+            where: Any = contextlib.nullcontext()
             if self.device.type == "cuda":
+                # A stream of its own: on the default stream, shared by these threads, one
+                # group's collective would wait for another's (a synchronous collective makes
+                # the current stream wait for it), in an order that differs between ranks.
                 torch.cuda.set_device(self.device)
-            if vote([group], bool(self.buffers), self.device):
-                with self._lock:
-                    voted.append(round(time.monotonic() - self._t0, 4))
-                works = issue([b for b in self.buffers if b[0] is group])
-                with self._lock:
-                    self.works += works
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.default_stream(self.device))  # the buffers
+                where = torch.cuda.stream(stream)
+            with where:
+                if vote([group], bool(self.buffers), self.device):
+                    with self._lock:
+                        voted.append(round(time.monotonic() - self._t0, 4))
+                    works = issue([b for b in self.buffers if b[0] is group])
+                    with self._lock:
+                        self.works += works
         except BaseException as exc:  # noqa: BLE001 -- reported by finish()
             with self._lock:
                 self.error = self.error or exc
@@ -231,6 +240,10 @@ class Warmup:
             self.thread.join(timeout_s)
 
 
+#: the dtypes warm_compute runs in (float8 has no randn or GEMM of this kind)
+COMPUTE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def warm_compute(device: torch.device, dtypes: set[torch.dtype]) -> float:
     """Runs a small forward, backward and foreach update in each of ``dtypes`` (the model's)
     on ``device``, on the calling thread (the training thread: cuBLAS handles are per thread):
@@ -242,7 +255,7 @@ def warm_compute(device: torch.device, dtypes: set[torch.dtype]) -> float:
         return 0.0
     from torch.nn import functional
 
-    for dtype in sorted(dtypes | {torch.float32}, key=str):
+    for dtype in sorted((dtypes & COMPUTE_DTYPES) | {torch.float32}, key=str):
         w = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
         x = torch.randn(64, 256, device=device, dtype=dtype)
         functional.linear(torch.tanh(functional.linear(x, w)), w).float().square().mean(
