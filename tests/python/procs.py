@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+from typing import Any, Callable
 
 import pytest
 
@@ -83,3 +85,18 @@ def kill_at_marker(args: list[str], marker: str, timeout: float, what: str) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def spawn_ranks(fn: Callable[[int, int, Any], None], nprocs: int = 2) -> dict:
+    """Runs ``fn(rank, port, out)`` in `nprocs` spawned processes (a free port for their
+    MASTER_PORT, `out` a shared dict) and returns what they put in `out`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(fn, args=(port, out), nprocs=nprocs, start_method="spawn",
+                           join=True)
+        return dict(out)

@@ -4,15 +4,14 @@ collectives pair across ranks, and that a failed warm-up fails the restore."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from procs import spawn_ranks
 from resilient.recovery import warmup
 
 
@@ -121,19 +120,8 @@ def _short_worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(fn, args=(port, out), nprocs=2, start_method="spawn",
-                           join=True)
-        return dict(out)
-
-
 def test_a_rank_without_memory_for_the_buffers_makes_every_rank_skip():
-    assert _spawn(_short_worker) == {0: (False, [], 3.0), 1: (False, [], 3.0)}
+    assert spawn_ranks(_short_worker) == {0: (False, [], 3.0), 1: (False, [], 3.0)}
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -157,7 +145,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 
 def test_two_ranks_warm_the_same_collectives_and_go_on_in_step():
-    assert _spawn(_worker) == {0: (3.0, 0.0, 70_000.0), 1: (3.0, 0.0, 70_000.0)}
+    assert spawn_ranks(_worker) == {0: (3.0, 0.0, 70_000.0), 1: (3.0, 0.0, 70_000.0)}
 
 
 def test_a_cpu_spare_warms_nothing():

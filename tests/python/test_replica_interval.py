@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from procs import spawn_ranks
 from resilient.recovery import replica
 from resilient.recovery.replica import MARGIN, MAX_EVERY, choose_every
 
@@ -45,13 +44,19 @@ SEND_SLEEP_S = 0.03  # per point-to-point send: three per snapshot (header, meta
 STEP_S = 0.01
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
+def _replicas(rank: int, port: int) -> replica.PeerReplicas:
+    """A 2-rank gloo job (rank 0 and 1 on hosts of their own) and its replicas, interval
+    chosen."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return replica.PeerReplicas(model, opt, every=0, host=f"host{rank}")
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    reps = _replicas(rank, port)
     try:
-        model = nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        reps = replica.PeerReplicas(model, opt, every=0, host=f"host{rank}")
         send = reps._send
 
         def slow_send(t: torch.Tensor, dst: int) -> None:  # a slow link: the send does not
@@ -71,21 +76,11 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(fn, args=(port, out), nprocs=2, start_method="spawn", join=True)
-        return dict(out)
-
-
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_an_interval_the_slowest_send_fits_in() -> None:
     """Both ranks snapshot the same steps, spaced so that the slowest rank's send (rank 1:
     3 x 60 ms) fits with the margin, and the training thread never waits for a send."""
-    res = _spawn(_worker)
+    res = spawn_ranks(_worker)
     (taken0, every0, waits0, send0), (taken1, every1, waits1, send1) = res[0], res[1]
     assert taken0 == taken1  # a step held for every rank always exists
     assert every0 == every1
@@ -104,12 +99,8 @@ def test_two_ranks_agree_on_an_interval_the_slowest_send_fits_in() -> None:
 def _broken_worker(rank: int, port: int, out: dict) -> None:
     """Rank 1's replication breaks after its first snapshot (a send that failed); rank 0's
     goes on. Both still agree on the interval at the second due step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    reps = _replicas(rank, port)
     try:
-        model = nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        reps = replica.PeerReplicas(model, opt, every=0, host=f"host{rank}")
         taken = []
         for step in range(1, 21):
             time.sleep(STEP_S)
@@ -126,7 +117,7 @@ def _broken_worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_rank_whose_replication_broke_still_takes_part_in_the_interval() -> None:
-    res = _spawn(_broken_worker)
+    res = spawn_ranks(_broken_worker)
     (taken0, every0, due0), (taken1, every1, due1) = res[0], res[1]
     assert taken1 == [1]  # nothing after the break
     assert taken0[0] == 1 and len(taken0) > 2, taken0  # the other rank goes on
