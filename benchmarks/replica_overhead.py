@@ -43,19 +43,25 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     x = torch.randn(args.batch, args.dim, device=dev)
     replicas = PeerReplicas(model, opt, every=args.every)
 
-    def step(i: int, replicate: bool) -> None:
+    def step(i: int, replicate: bool) -> bool:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-        if replicate:
-            replicas.replicate(i)
+        return replicate and replicas.replicate(i)
 
-    for i in range(3):  # warm-up, and the first snapshot allocates its pinned buffers
-        step(i, True)
+    # Warm-up until every rank took two snapshots: both of a rank's snapshot buffers are
+    # allocated (pinned) and the interval is agreed, so no block pays these one-time costs.
+    taken, i = torch.zeros(1, device=dev), 0
+    while taken.item() < 2 and i < 200:
+        taken += step(i, True)
+        mine = taken.clone()
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        taken.copy_(mine)
+        i += 1
+    warmup_steps = i
     torch.cuda.synchronize()
     dist.barrier()
     times: dict[str, list[float]] = {"off": [], "on": []}
-    i = 3
     for block in range(2 * args.blocks):
         mode = "on" if block % 2 else "off"
         torch.cuda.synchronize()
@@ -72,7 +78,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         out = {"gpus": args.gpus, "layers": args.layers, "dim": args.dim, "batch": args.batch,
-               "steps_per_block": args.steps, "blocks": args.blocks, "step_s_off": off,
+               "steps_per_block": args.steps, "blocks": args.blocks,
+               "warmup_steps": warmup_steps, "step_s_off": off,
                "step_s_on": on, "ratio": on / off, "blocks_off": times["off"],
                "blocks_on": times["on"], "snapshot_bytes": stats["bytes"],
                "every": replicas.every, "sent": stats["sent"], "waits": stats["waits"],
@@ -94,7 +101,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10, help="steps per block")
     p.add_argument("--blocks", type=int, default=4, help="blocks per mode")
-    p.add_argument("--every", type=int, default=1, help="RESILIENT_REPLICA_EVERY")
+    p.add_argument("--every", type=int, default=0,
+                   help="RESILIENT_REPLICA_EVERY (0, the default: chosen from the send and step)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     with socket.socket() as s:

@@ -174,6 +174,13 @@ def _publish_tickets(rec: Any, tickets: list[int], group_gen: int, generation: i
             "initial_world": rec.initial_world}))
 
 
+# A waiting joiner asks the store for its ticket every TICKET_POLL_S (its admission waits for
+# this poll: 100 requests a second per spare) and for the members' ``finished`` key every
+# FINISHED_POLL_S (a spare still waiting at the job's end exits that much later).
+TICKET_POLL_S = 0.01
+FINISHED_POLL_S = 0.5
+
+
 def join_as_spare(rec: Any, timeout_s: float) -> bool:
     """Joiner side: takes a ticket, waits to be admitted, joins and receives the state.
     Returns False, with ``rec.step`` the members' last step, when they finished first (see
@@ -190,14 +197,18 @@ def join_as_spare(rec: Any, timeout_s: float) -> bool:
     rec.timeline.add("join_requested", ticket=ticket)
     key, finished = _key(rec, f"ticket/{ticket}"), _key(rec, "finished")
     deadline = time.monotonic() + timeout_s
-    while not rec.store.check([key]):
-        if rec.store.check([finished]):  # the members reached their last step first
-            rec.step = int(bytes(rec.store.get(finished)).decode())
-            rec.timeline.add("join_too_late", ticket=ticket, step=rec.step)
-            return False
-        if time.monotonic() > deadline:
+    next_finished = 0.0
+    while not rec.store.check([key]):  # one request per poll; the end of the job is rarer news
+        now = time.monotonic()
+        if now >= next_finished:
+            next_finished = now + FINISHED_POLL_S
+            if rec.store.check([finished]):  # the members reached their last step first
+                rec.step = int(bytes(rec.store.get(finished)).decode())
+                rec.timeline.add("join_too_late", ticket=ticket, step=rec.step)
+                return False
+        if now > deadline:
             raise TimeoutError(f"not admitted to the job within {timeout_s}s")
-        time.sleep(0.01)  # a hot spare's admission waits for this poll
+        time.sleep(TICKET_POLL_S)  # a hot spare's admission waits for this poll
     info = json.loads(bytes(rec.store.get(key)).decode())
     # Admitted: a member from now on. Its build() makes the real model on the grown group
     # (resilient.joining() is False), and its CheckpointManager reads storage again when this
