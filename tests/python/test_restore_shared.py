@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +37,9 @@ def _state(rank: int, world: int, mesh):
     return {"rep": rep, "w": full[rank * n:(rank + 1) * n].clone(), "i": 7,
             "dt": distribute_tensor(dt, mesh, [Shard(0)]),
             "dr": distribute_tensor(dr, mesh, [Replicate()])}, specs
+
+
+FROZEN_S = 30  # how long the "frozen" phase's rank stays stopped
 
 
 def _same(a, b) -> bool:
@@ -81,7 +85,30 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
         return result
     mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared",
-            "corrupt": "shared"}.get(phase, phase)
+            "corrupt": "shared", "frozen": "shared"}.get(phase, phase)
+    kwargs: dict = {}
+    if phase == "frozen":  # 4 emulated hosts: every rank sends its run to every other rank;
+        import subprocess  # rank 1 stops (SIGSTOP) as its exchange begins, for FROZEN_S
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from resilient.checkpoint import exchange
+
+        os.environ["RESILIENT_HOST_ID"] = f"host-{rank}"
+        # the load's group outlives the frozen peer by far: only the checkpointer's own
+        # timeout (4 s) may end the others' waits
+        kwargs = {"timeout": 4, "group": dist.new_group(backend="gloo",
+                                                        timeout=timedelta(seconds=300))}
+        if rank == 1:
+            def freeze(*_):  # stopped from outside: a SIGSTOP a thread sends its own
+                pid = os.getpid()  # process did not hold here (continued at once)
+                subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {FROZEN_S}; "
+                                  f"kill -CONT {pid}"])
+                time.sleep(2)  # stopped in here
+                os._exit(0)  # continued: the others are gone
+
+            exchange._over_group = freeze
     if phase.startswith("hosts"):  # hosts2: 2 emulated hosts of 2 ranks; hosts4: 4 of 1
         per_host = world // int(phase[5])
         os.environ["RESILIENT_HOST_ID"] = f"host-{rank // per_host}"
@@ -118,7 +145,9 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
                                       expect[k].placements)
     mine = {"r": torch.tensor([-1])}
     with resilient.Checkpointer(root, specs=specs, restore=mode,
-                                collective_timeout=10 if phase == "dies" else None) as ck:
+                                collective_timeout=10 if phase == "dies" else None,
+                                **kwargs) as ck:
+        started = time.monotonic()
         try:
             result["step"] = ck.load(target, mine)
             result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
@@ -126,6 +155,7 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             result["bytes_read"] = ck.last_load.bytes_read
         except Exception as e:  # noqa: BLE001 -- reported to the test
             result["error"] = f"{type(e).__name__}: {e}"
+        result["seconds"] = time.monotonic() - started
         if phase == "hosts2":  # the tampered exchange fell back; now the real one
             os.environ["RESILIENT_HOST_ID"] = f"host-{rank // 2}"
             result["tampered_bytes_read"] = result.pop("bytes_read", None)
@@ -135,8 +165,14 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
             result["bytes_read"] = ck.last_load.bytes_read
         os.environ.pop("RESILIENT_HOST_ID", None)
-        if phase == "dies":  # no barrier, no close: a rank is gone
+        if phase in ("dies", "frozen"):  # no barrier, no close: a rank is gone
             _report(result, phase, world, rank, out)
+            if phase == "frozen":  # the job's store lives in rank 0: it stays until the
+                deadline = time.monotonic() + 60  # others reported (their waits read it)
+                while time.monotonic() < deadline and not all(
+                        os.path.exists(os.path.join(out, f"{phase}-{world}-{r}.json"))
+                        for r in range(world) if r != 1):
+                    time.sleep(0.1)
             sys.stdout.flush()
             os._exit(0)
     return result
@@ -267,6 +303,20 @@ def test_a_rank_that_dies_mid_load_leaves_no_buffer(at4):
     for g in at4[1]["dies"]:
         assert "error" in g, g
         assert not g["leftovers"]  # rank 0 created it and unlinked it on the way out
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_frozen_mid_exchange_fails_the_load_within_its_timeout(saved, tmp_path):
+    """Four emulated hosts (the exchange between them over gloo); rank 1 stops (SIGSTOP) as its
+    exchange begins and stays stopped for FROZEN_S. The others raise CollectiveError naming the
+    stopped step within the checkpointer's timeout (4 s here), not after the load group's own
+    gloo timeout (300 s) or when the peer comes back; no /dev/shm buffer is left."""
+    root = _copy(saved, tmp_path)
+    got = _run("frozen", 4, root, tmp_path, ranks={"frozen": (0, 2, 3)})["frozen"]
+    for g in got:
+        assert "CollectiveError" in g.get("error", "") and "within 4 s" in g["error"], g
+        assert g["seconds"] < FROZEN_S - 10, g  # ended by the timeout, not by the peer's return
+        assert not g["leftovers"]
 
 
 def test_shm_buffer_create_check_and_sweep(tmp_path):

@@ -401,8 +401,11 @@ class Checkpointer:
             applies to tensors below it whose shape matches (optimizer state of a sharded param).
         group: a gloo process group over all ranks for planning; default: a new one.
         store: a torch.distributed Store shared by all ranks; default: the default group's.
-        timeout: seconds a save may take from snapshot to commit, and any single blocking step
-            of the engine (default 600, RESILIENT_DIST_TIMEOUT_S / RESILIENT_CKPT_TIMEOUT_S).
+        timeout: seconds a save may take from snapshot to commit, any single blocking step
+            of the engine, and each wait of a collective load for the others' reads and
+            transfers (a peer frozen or lost mid-load makes every rank raise CollectiveError
+            after it, or at once when in-process recovery's verdict aborts the load; default
+            600, RESILIENT_DIST_TIMEOUT_S / RESILIENT_CKPT_TIMEOUT_S).
         collective_timeout: seconds every rank has to enter a save or load (default 30,
             RESILIENT_COLLECTIVE_TIMEOUT_S).
         split_bytes: replicated tensors at least this large are split by rows across replicas
@@ -1460,11 +1463,12 @@ class _Prepared:
     def read(self) -> None:
         ck = self.ck
         if ck.restore == "redistribute" and ck.world_size > 1:
-            self.reader.run_redistributed(ck._ranks.group, ck.rank, ck.world_size, None)
+            self.reader.run_redistributed(ck._ranks.group, ck.rank, ck.world_size, None,
+                                          ranks=ck._ranks, data_timeout=ck.timeout)
         elif ck.restore == "shared" and ck.world_size > 1:
             tag = f"{ck._ranks.run_id}-{self.step}-{ck._ranks._seq}"
             self.reader.run_shared(ck._ranks.group, ck.rank, ck.world_size, None, tag,
-                                   wait=ck._ranks.wait)
+                                   ranks=ck._ranks, data_timeout=ck.timeout)
         else:
             self.reader.run()
 

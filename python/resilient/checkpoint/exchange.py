@@ -10,11 +10,14 @@ cluster, not only one rank's per host. The transport is NCCL, staged through the
 chunks, when the job's default process group is NCCL (the fastest path between GPU hosts), and
 the process group of the load (gloo) otherwise. Each receiver checks the XXH3 of every run it
 received against the sender's (the senders verified the chunk checksums when reading from
-storage); any mismatch or transfer error makes every rank read directly instead."""
+storage); any mismatch or transfer error makes every rank read directly instead. A peer that
+stops mid-exchange (frozen, or its host gone) ends the exchange with CollectiveError on every
+rank, within the wait's timeout or at once on an abort (the `wait` the reader passes)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from resilient import _C, settings
+from resilient.errors import CollectiveError
 
 #: Bytes per NCCL transfer: the GPU staging holds one chunk to send and one per run received,
 #: NCCL_STAGING at most (smaller chunks where a rank receives many runs).
@@ -111,7 +115,10 @@ def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, worl
     default group, when every rank has NCCL) or else over `group`; `wait(work)` waits for a
     transfer. Returns what the check needs: {"sent": XXH3 of the run this rank read, or None,
     "got": {src: XXH3 of what arrived}, "error": a transfer's error or None}. Never raises for a
-    transfer: every rank must reach the gather of these reports."""
+    transfer that failed (every rank must reach the gather of these reports), but raises the
+    CollectiveError of a wait (a Checkpointer's: timed out, aborted, or a peer gone): the
+    group is broken then, and the others learn it from the job's store or their own waits,
+    not from a gather that would wait for the lost peer."""
     mine = [t for t in plan if rank in (t.src, t.dst)]
     report: dict[str, Any] = {"sent": None, "got": {}, "error": None}
     try:
@@ -134,12 +141,14 @@ def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, worl
             if staging is not None:
                 _over_nccl(buffer, mine, rank, group, nccl, staging, chunk, wait)
             else:
-                _over_group(buffer, mine, rank, group)
+                wait(_OnThread(lambda: _over_group(buffer, mine, rank, group)))
         for t in mine:
             if t.src == rank and report["sent"] is None:
                 report["sent"] = _C.xxh3_buffer(buffer.data_ptr() + t.lo, t.hi - t.lo)
             elif t.dst == rank:
                 report["got"][t.src] = _C.xxh3_buffer(buffer.data_ptr() + t.lo, t.hi - t.lo)
+    except CollectiveError:  # the wait timed out or was aborted, or a peer is gone: the
+        raise  # checkpointer's group is broken, and a gather of reports could wait for the peer
     except Exception as e:  # noqa: BLE001 -- reported to every rank, which then reads directly
         report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
     return report
@@ -169,9 +178,35 @@ def chunk_bytes(plan: list[Transfer]) -> int:
     return max(1 << 20, min(NCCL_CHUNK, NCCL_STAGING // (most + 1)) >> 20 << 20)
 
 
+class _OnThread:
+    """`fn` on a thread of its own, as a work that can be polled (is_completed, then wait):
+    gloo's point-to-point works complete only inside their wait(), which a frozen peer holds
+    for the group's whole timeout. A wait given up on leaves the thread to that timeout."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name="resilient-exchange")
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- raised again by wait()
+            self._error = e
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _over_group(buffer: torch.Tensor, mine: list[Transfer], rank: int, group: Any) -> None:
-    """Over gloo: its point-to-point works report completion only from wait(), so they cannot
-    be polled; a lost peer closes its connections, which ends the wait with an error."""
+    """Over gloo (send_and_receive runs it on a thread: see _OnThread); a lost peer closes its
+    connections, which ends the wait with an error."""
     works = []
     for t in mine:
         if t.src == rank:

@@ -171,10 +171,11 @@ class Ranks:
         """Rank 0's `obj` on every rank."""
         return self.gather(obj if self.rank == 0 else None, timeout)[0]
 
-    def wait(self, work: Any) -> None:
-        """Waits for `work` (any process group's, NCCL's included) as the gathers do: polled,
-        ended by abort(), a peer's mark or the collective timeout (CollectiveError)."""
-        self._wait(work)
+    def wait(self, work: Any, timeout: float | None = None) -> None:
+        """Waits for `work` (any process group's, NCCL's included; anything with
+        is_completed() and wait()) as the gathers do: polled, ended by abort(), a peer's mark
+        or `timeout` (default collective_timeout; CollectiveError)."""
+        self._wait(work, timeout)
 
     def _wait(self, work: Any, timeout: float | None = None) -> None:
         """Waits for a gloo collective by polling it: a peer killed mid-collective can leave a
@@ -237,6 +238,11 @@ class Ranks:
                 arrived = int(self.store.add(count, 0)) % _POISON
             except Exception:
                 arrived = -1
+            if arrived == self.world_size:
+                self.broken = f"{op}({arg!r}): a step timed out"
+                message = (f"{op}({arg!r}): a collective step did not finish within {limit:g} s "
+                           f"on rank {self.rank}; every rank entered {op}(), so a peer stopped "
+                           "(frozen, or its host is gone) or is slower than that")
             if 0 <= arrived < self.world_size:
                 self.broken = f"{op}({arg!r}) entered by {arrived} of {self.world_size} ranks"
                 message = (

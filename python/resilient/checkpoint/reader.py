@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +26,23 @@ log = logging.getLogger("resilient.checkpoint")
 
 class _NotShared(Exception):
     """This rank does not see its host's shared read buffer."""
+
+
+class Blocking:
+    """The collectives of a collective read (``Reader.run_shared``, ``run_redistributed``)
+    when no Checkpointer's ``Ranks`` (polled, abort-aware) carries them: blocking calls on
+    `group`, bounded only by its own timeout."""
+
+    def __init__(self, group: Any, world: int):
+        self.group, self.world = group, world
+
+    def gather(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def wait(self, work: Any, timeout: float | None = None) -> None:
+        work.wait()
 
 
 class Wanted:
@@ -121,11 +138,16 @@ class Reader:
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
 
     def run_redistributed(
-        self, group: Any, rank: int, world: int, failure: BaseException | None
+        self, group: Any, rank: int, world: int, failure: BaseException | None,
+        ranks: Any = None, data_timeout: float | None = None,
     ) -> None:
         """Collective: the shards of saved rank s are read by rank s % world into one flat
-        buffer, broadcast over `group`, and every rank copies what it needs from them."""
-        gathered = _gather_needs(group, rank, world, failure,
+        buffer, broadcast over `group`, and every rank copies what it needs from them.
+        `ranks` carries the gathers and waits (a Checkpointer's Ranks: polled, so its abort()
+        or a peer's mark ends them; default: blocking calls on `group`); `data_timeout` bounds
+        the waits that follow reads and transfers (default: the gathers' own)."""
+        ranks = ranks or Blocking(group, world)
+        gathered = _gather_needs(ranks, rank, failure,
                                  sorted({c.entry for w in self._wanted for c in w.copies}))
         union = sorted(set().union(*gathered))
         where: dict[str, tuple[int, int]] = {}
@@ -146,9 +168,8 @@ class Reader:
             self.bytes_read = sum(m["nbytes"] for m in mine)
         except Exception as e:
             error = e
-        status: list[Any] = [None] * world
         mine_status = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        dist.all_gather_object(status, mine_status, group=group)
+        status = ranks.gather(mine_status, data_timeout)
         if error is not None:
             raise error
         failed = [x for x in status if x is not None]
@@ -156,7 +177,8 @@ class Reader:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         for owner, flat in enumerate(flats):
             if flat.numel():
-                dist.broadcast(flat, src=owner, group=group)
+                ranks.wait(dist.broadcast(flat, src=owner, group=group, async_op=True),
+                           data_timeout)
         buffers = {}
         for name, (owner, off) in where.items():
             e = self._entries[name]
@@ -169,7 +191,7 @@ class Reader:
                     w.out[tuple(slice(a, b) for a, b in c.dst)] = src
 
     def run_shared(self, group: Any, rank: int, world: int, failure: BaseException | None,
-                   tag: str, wait: Callable[[Any], None] | None = None) -> None:
+                   tag: str, ranks: Any = None, data_timeout: float | None = None) -> None:
         """Collective: every saved piece that several ranks of a host need is read from storage
         once per host, into one /dev/shm buffer (checkpoint.shm) that the host's ranks share:
         the pieces are split over them in contiguous runs of the files (each reads its run with
@@ -180,10 +202,12 @@ class Reader:
         A piece only one rank of the host needs is read by it straight into its target. A
         reading error on any rank raises on every rank; when a host's buffer cannot be created
         (/dev/shm full or missing) or a rank does not see it, every rank reads directly instead,
-        with a warning. `tag` names this load (the same on every rank). `wait(work)` waits for
-        a transfer (the Checkpointer's polls it, so that an abort or a timeout ends it; default:
-        work.wait())."""
-        wait = wait or (lambda work: work.wait())
+        with a warning. `tag` names this load (the same on every rank). `ranks` and
+        `data_timeout`: as in run_redistributed (with a Checkpointer's Ranks, a peer that
+        stops mid-load, frozen or gone, makes every rank raise CollectiveError within
+        `data_timeout`, or at once on abort(), instead of waiting in gloo for the group's own
+        timeout)."""
+        ranks = ranks or Blocking(group, world)
         clock = time.perf_counter
         stamps = [("start", clock())]
         self.seconds = {}
@@ -193,14 +217,15 @@ class Reader:
         device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
         report = {"host": me_host, "pid": os.getpid(), "needed": needed, "nccl": nccl is not None,
                   "gpu": device is not None and device_share.eligible(self._wanted, device)}
-        gathered = _gather_needs(group, rank, world, failure, report)
+        gathered = _gather_needs(ranks, rank, failure, report)
         if not all(g["nccl"] for g in gathered):  # NCCL only where every rank has it
             nccl = None
         counts = Counter(n for g in gathered for n in g["needed"])
         if (nccl is not None and all(g["gpu"] for g in gathered)
                 and all(k in (1, world) for k in counts.values())):
             # every piece several ranks need is needed by all: read once, broadcast over NCCL
-            self._run_device(group, rank, world, nccl, counts, wait, clock, stamps)
+            self._run_device(group, rank, world, nccl, counts, ranks, data_timeout, clock,
+                             stamps)
             return
         hosts = exchange.Hosts.of([g["host"] for g in gathered])
         local = hosts.ranks[me_host]
@@ -241,8 +266,7 @@ class Reader:
         # The creator unlinks the buffer on every way out (a peer that dies mid-load makes the
         # collectives raise, and a process that lives on must not keep the memory in /dev/shm).
         try:
-            created: list[Any] = [None] * world
-            dist.all_gather_object(created, problem, group=group)
+            created = ranks.gather(problem, data_timeout)
             if problem is None and size and rank != local[0] and created[local[0]] is None:
                 problem = shm.check(path, shm.HEADER + size, tag)
             if any(p is not None for p in created):
@@ -267,11 +291,10 @@ class Reader:
             except Exception as e:
                 error = e
             stamps.append(("read", clock()))
-            status: list[Any] = [None] * world
             mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
             if isinstance(error, _NotShared):
                 mine = ("not shared", mine)
-            dist.all_gather_object(status, mine, group=group)
+            status = ranks.gather(mine, data_timeout)
             stamps.append(("wait_reads", clock()))
         finally:
             if rank == local[0]:
@@ -285,10 +308,10 @@ class Reader:
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         if plan:
-            report = exchange.send_and_receive(buffer, plan, rank, world, group, nccl, wait)
+            report = exchange.send_and_receive(buffer, plan, rank, world, group, nccl,
+                                               lambda w: ranks.wait(w, data_timeout))
             stamps.append(("exchange", clock()))
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, report, group=group)  # also: received, host-wide
+            everyone = ranks.gather(report, data_timeout)  # also: received, host-wide
             stamps.append(("wait_exchange", clock()))
             bad = exchange.mismatches(everyone, plan)
             if bad:  # not what its host read: every rank reads directly instead
@@ -309,7 +332,7 @@ class Reader:
                         for i, (name, t) in enumerate(stamps[1:])}
 
     def _run_device(self, group: Any, rank: int, world: int, nccl: Any, counts: Counter,
-                    wait: Callable[[Any], None], clock: Any, stamps: list) -> None:
+                    ranks: Any, data_timeout: float | None, clock: Any, stamps: list) -> None:
         """run_shared in an NCCL job (checkpoint.device_share): the pieces every rank needs are
         split over the ranks in contiguous runs of the files, each read once into GPU memory
         (the reader's own target where the piece fills whole rows of it) and broadcast; the
@@ -352,9 +375,8 @@ class Reader:
         except Exception as e:
             error = e
         stamps.append(("read", clock()))
-        status: list[Any] = [None] * world
-        dist.all_gather_object(status, None if error is None else
-                               f"rank {rank}: {type(error).__name__}: {error}", group=group)
+        status = ranks.gather(None if error is None else
+                              f"rank {rank}: {type(error).__name__}: {error}", data_timeout)
         stamps.append(("wait_reads", clock()))
         if error is not None:
             raise error
@@ -379,7 +401,7 @@ class Reader:
                 except Exception as e:
                     late = e
         for work in works:
-            wait(work)  # polled: an abort or the collective timeout ends it
+            ranks.wait(work, data_timeout)  # polled: an abort or the timeout ends it
         stamps.append(("broadcast", clock()))
         try:
             sums: Any = torch.stack(digests).tolist() if digests and late is None else []
@@ -387,8 +409,7 @@ class Reader:
             late = e
         if late is not None:
             sums = f"rank {rank}: {type(late).__name__}: {late}"
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, sums, group=group)
+        everyone = ranks.gather(sums, data_timeout)
         stamps.append(("wait_broadcast", clock()))
         errors = [x for x in everyone if isinstance(x, str)]
         if errors:
@@ -440,7 +461,7 @@ class Reader:
         return whole_src and full_rows
 
 
-def _gather_needs(group: Any, rank: int, world: int, failure: BaseException | None,
+def _gather_needs(ranks: Any, rank: int, failure: BaseException | None,
                   report: Any) -> list[Any]:
     """Collective: every rank's `report` (what it needs), or raises on every rank when one
     rank's planning failed (`failure`): CorruptCheckpointError when that is skippable (an older
@@ -448,8 +469,7 @@ def _gather_needs(group: Any, rank: int, world: int, failure: BaseException | No
     skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
     if failure is not None:
         report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, report, group=group)
+    gathered = ranks.gather(report)
     if failure is not None:
         raise failure
     bad = [g for g in gathered if isinstance(g, tuple)]
