@@ -1,8 +1,9 @@
 """The shared restore in an NCCL job, on every GPU of the machine (one rank each):
 
 - CUDA targets: each replicated piece is read once in all straight into one rank's GPU and
-  broadcast over NCCL (checkpoint.device_share); a piece altered on arrival fails the check and
-  every rank reads directly (still exact);
+  broadcast over NCCL (checkpoint.device_share), in several rounds of reads and broadcasts; a
+  piece altered on arrival fails the check and every rank reads directly (still exact); a
+  damaged piece in storage raises CorruptCheckpointError on every rank;
 - CPU targets, as 2 emulated hosts (RESILIENT_HOST_ID): the host buffers' exchange runs over
   NCCL staged through the GPUs (checkpoint.exchange), in several rounds; a run altered on
   arrival makes every rank read directly.
@@ -51,6 +52,21 @@ def _flip_once(dist, name: str) -> None:
     setattr(dist, name, flipped)
 
 
+def _corrupt_copy(root: str, to: str) -> None:
+    """Copies the checkpoint at `root` to `to` and flips bytes inside its largest data file."""
+    import pathlib
+    import shutil
+
+    shutil.copytree(root, to, symlinks=True)
+    data = max((p for p in pathlib.Path(to).rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        chunk = bytearray(f.read(64))
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
 def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -68,6 +84,10 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     with resilient.Checkpointer(root, keep=0, create=True) as ck:
         ck.save(1, state).wait()
     exchange.NCCL_CHUNK = 1 << 20  # several rounds per run
+    os.environ["RESILIENT_RESTORE_ROUND_BYTES"] = "2MiB"  # the GPU path: several rounds
+    if rank == 0:  # a copy with a damaged piece: whichever rank reads it, every rank raises
+        _corrupt_copy(root, root + "-corrupt")
+    dist.barrier()
     cases = [("gpu", "cuda", "broadcast"), ("gpu_flipped", "cuda", "broadcast"),
              ("hosts", "cpu", "irecv"), ("hosts_flipped", "cpu", "irecv")]
     for case, where, op in cases:
@@ -83,6 +103,13 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
                                         for k in state),
                             "bytes_read": ck.last_load.bytes_read,
                             "phases": sorted(ck.last_load.seconds)}
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with resilient.Checkpointer(root + "-corrupt", restore="shared") as ck:
+        try:
+            ck.load(target, step=1)
+            result["gpu_corrupt"] = "loaded"
+        except Exception as e:  # noqa: BLE001 -- reported to the test
+            result["gpu_corrupt"] = f"{type(e).__name__}: {e}"
     dist.barrier()
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:
@@ -105,6 +132,7 @@ def test_shared_restore_over_nccl_reads_once_and_checks_what_crossed(tmp_path):
         assert "exchange" in r["hosts"]["phases"], r  # the host buffers' exchange
         for case in ("gpu_flipped", "hosts_flipped"):  # fell back: each rank read it all
             assert r[case]["same"] and r[case]["bytes_read"] >= world * r["size"], (case, r)
+        assert "Corrupt" in r["gpu_corrupt"], r  # on every rank, none left waiting
 
 
 if __name__ == "__main__":

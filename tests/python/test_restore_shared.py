@@ -319,6 +319,30 @@ def test_a_peer_frozen_mid_exchange_fails_the_load_within_its_timeout(saved, tmp
         assert not g["leftovers"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=0, max_size=40), st.integers(1, 5),
+       st.integers(1, 3000))
+def test_device_rounds_keep_every_readers_order_and_cut_its_run_into_parts(sizes, world,
+                                                                           round_bytes):
+    """_run_device's broadcast order: every shared piece once; each reader's pieces in file
+    order; a reader's part of a round ends at the first piece that reaches `round_bytes`."""
+    from resilient.checkpoint.reader import _layout, _rounds
+
+    names = [f"p{i}" for i in range(len(sizes))]
+    entries = {n: {"nbytes": b} for n, b in zip(names, sizes)}
+    _, _, share = _layout(names, entries, world, align=1)
+    rounds = _rounds(names, share, entries, world, round_bytes)
+    flat = [n for r in rounds for n in r]
+    assert sorted(flat) == sorted(names) and all(r for r in rounds)
+    for reader in range(world):
+        run = [n for n in names if share[n] == reader]
+        assert [n for n in flat if share[n] == reader] == run
+        for batch in rounds:
+            part = [entries[n]["nbytes"] for n in batch if share[n] == reader]
+            assert not part or sum(part[:-1]) < round_bytes  # only its last piece reaches it
+    assert rounds == _rounds(names, share, entries, world, round_bytes)  # deterministic
+
+
 def test_shm_buffer_create_check_and_sweep(tmp_path):
     from resilient.checkpoint import shm
 

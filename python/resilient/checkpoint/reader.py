@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from resilient import settings
 from resilient.checkpoint import device_share, exchange, shm
 from resilient.checkpoint.codec import dtype_from_name, dtype_name
 from resilient.checkpoint.plan import Saved, ShardSpec, plan_reads
@@ -365,16 +366,9 @@ class Reader:
             held = {n: lands[n][0] if n in lands else torch.empty(
                 self._entries[n]["nbytes"], dtype=torch.uint8, device=device) for n in shared}
             self.run(only=own)
-            read_own = self.bytes_read
-            reads = [n for n in shared if share[n] == rank]
-            torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
-            self._engine.read(self._manifest, [
-                {"name": n, "ptr": held[n].data_ptr(), "nbytes": held[n].numel(),
-                 "device": device.index} for n in reads])
-            self.bytes_read = read_own + sum(held[n].numel() for n in reads)
         except Exception as e:
             error = e
-        stamps.append(("read", clock()))
+        stamps.append(("read_own", clock()))
         status = ranks.gather(None if error is None else
                               f"rank {rank}: {type(error).__name__}: {error}", data_timeout)
         stamps.append(("wait_reads", clock()))
@@ -383,23 +377,39 @@ class Reader:
         failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
-        # Every rank joins every broadcast, even after an error of its own (out of GPU memory
-        # in a sum or a copy), and reports the error in the gather below: no rank is left
-        # waiting in NCCL for one that stopped.
-        digests, works, late = [], [], None
+        # The broadcasts overlap the reads: in each round every reader reads its next part of
+        # its run, then every rank issues that round's broadcasts (NCCL runs them while the
+        # next round is read). Every rank joins every broadcast, even after an error of its
+        # own (a read that failed, out of GPU memory in a sum or a copy), and reports the
+        # error in the gather below: no rank is left waiting in NCCL for one that stopped.
+        torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
+        rounds = _rounds(shared, share, self._entries, world,
+                         settings.get("RESILIENT_RESTORE_ROUND_BYTES"))
+        digests, works, late, bad_read = [], [], None, None
         with torch.no_grad():
-            for n in shared:
-                buf = held.pop(n)
-                work = dist.broadcast(buf, src=dist.get_global_rank(group, share[n]),
-                                      group=nccl, async_op=True)
-                works.append(work)
-                try:
-                    if late is None:
-                        work.wait()  # the stream's order: the sum and the copies follow it
-                        digests.append(device_share.digest(buf))
-                        self._copy_out(n, buf, lands[n][1] if n in lands else None)
-                except Exception as e:
-                    late = e
+            for batch in rounds:
+                reads = [n for n in batch if share[n] == rank]
+                if reads and bad_read is None:
+                    try:
+                        self._engine.read(self._manifest, [
+                            {"name": n, "ptr": held[n].data_ptr(), "nbytes": held[n].numel(),
+                             "device": device.index} for n in reads])
+                        self.bytes_read += sum(held[n].numel() for n in reads)
+                    except Exception as e:
+                        bad_read = e
+                for n in batch:
+                    buf = held.pop(n)
+                    work = dist.broadcast(buf, src=dist.get_global_rank(group, share[n]),
+                                          group=nccl, async_op=True)
+                    works.append(work)
+                    try:
+                        if late is None:
+                            work.wait()  # the stream's order: the sum and copies follow it
+                            digests.append(device_share.digest(buf))
+                            self._copy_out(n, buf, lands[n][1] if n in lands else None)
+                    except Exception as e:
+                        late = e
+        stamps.append(("read", clock()))
         for work in works:
             ranks.wait(work, data_timeout)  # polled: an abort or the timeout ends it
         stamps.append(("broadcast", clock()))
@@ -407,16 +417,24 @@ class Reader:
             sums: Any = torch.stack(digests).tolist() if digests and late is None else []
         except Exception as e:
             late = e
-        if late is not None:
+        if bad_read is not None:
+            sums = ("read", f"rank {rank}: {type(bad_read).__name__}: {bad_read}")
+        elif late is not None:
             sums = f"rank {rank}: {type(late).__name__}: {late}"
         everyone = ranks.gather(sums, data_timeout)
         stamps.append(("wait_broadcast", clock()))
+        if bad_read is not None:
+            raise bad_read
+        failed = [x[1] for x in everyone if isinstance(x, tuple)]
+        if failed:
+            raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         errors = [x for x in everyone if isinstance(x, str)]
         if errors:
             raise ResilientError(f"loading failed after the reads: {errors[0]}")
         # Every rank's sums equal the reader's for every piece, or every rank reads directly.
+        sent = [n for batch in rounds for n in batch]  # the digests' order on every rank
         bad = [f"{n} at rank {r}" for r, theirs in enumerate(everyone)
-               for i, n in enumerate(shared) if theirs[i] != everyone[share[n]][i]]
+               for i, n in enumerate(sent) if theirs[i] != everyone[share[n]][i]]
         if bad:
             if rank == 0:
                 log.warning("restore: %d piece(s) broadcast over NCCL differ from what was read "
@@ -459,6 +477,25 @@ class Reader:
         whole_src = all(a == 0 and b == n for (a, b), n in zip(c.src, e["shape"]))
         full_rows = all(a == 0 and b == n for (a, b), n in zip(c.dst[1:], t.shape[1:]))
         return whole_src and full_rows
+
+
+def _rounds(shared: list[str], share: dict[str, int], entries: dict[str, dict], world: int,
+            round_bytes: int) -> list[list[str]]:
+    """The broadcast order of _run_device: each reader's run (the pieces `share` gives it, in
+    `shared`'s order) cut into parts of about `round_bytes` (a part ends at the first piece
+    that reaches it; a larger piece is a part of its own); round k holds every reader's k-th
+    part, reader after reader. The same on every rank."""
+    parts: list[list[list[str]]] = [[] for _ in range(world)]
+    filled = [round_bytes] * world
+    for n in shared:
+        r = share[n]
+        if filled[r] >= round_bytes:
+            parts[r].append([])
+            filled[r] = 0
+        parts[r][-1].append(n)
+        filled[r] += entries[n]["nbytes"]
+    return [[n for r in range(world) if k < len(parts[r]) for n in parts[r][k]]
+            for k in range(max((len(p) for p in parts), default=0))]
 
 
 def _gather_needs(ranks: Any, rank: int, failure: BaseException | None,
