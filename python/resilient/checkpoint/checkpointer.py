@@ -1133,12 +1133,15 @@ class Checkpointer:
         try:
             prepared.read()
             read_outcome: Any = None
+        except CollectiveError:  # the group broke mid-read (a peer stopped, an abort): the
+            raise  # others raise from the store's mark, not from a gather that would pair wrong
         except _SKIPPABLE as e:
             read_outcome, read_error = ("skip", f"rank {self.rank}: {type(e).__name__}: {e}"), e
             self._skip_error = e
         except Exception as e:
             read_outcome, read_error = ("fatal", f"rank {self.rank}: {type(e).__name__}: {e}"), e
-        reads = [o for o in self._ranks.gather(read_outcome) if o is not None]
+        # after the reads: ranks may end them minutes apart (the checkpointer's own timeout)
+        reads = [o for o in self._ranks.gather(read_outcome, self.timeout) if o is not None]
         if read_error is not None and read_outcome[0] == "fatal":
             raise read_error
         fatal = [msg for kind, msg in reads if kind == "fatal"]

@@ -109,16 +109,18 @@ def nccl_group() -> Any:
 
 
 def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, world: int,
-                     group: Any, nccl: Any, wait: Callable[[Any], None]) -> dict[str, Any]:
+                     group: Any, nccl: Any, wait: Callable[[Any], None],
+                     gather: Callable[[Any], list[Any]]) -> dict[str, Any]:
     """Collective over `group` (every rank calls it with the same plan and the same `nccl`):
     sends this rank's run and receives the runs sent to it into `buffer`, over `nccl` (the
     default group, when every rank has NCCL) or else over `group`; `wait(work)` waits for a
-    transfer. Returns what the check needs: {"sent": XXH3 of the run this rank read, or None,
-    "got": {src: XXH3 of what arrived}, "error": a transfer's error or None}. Never raises for a
-    transfer that failed (every rank must reach the gather of these reports), but raises the
-    CollectiveError of a wait (a Checkpointer's: timed out, aborted, or a peer gone): the
-    group is broken then, and the others learn it from the job's store or their own waits,
-    not from a gather that would wait for the lost peer."""
+    transfer and `gather(obj)` is an all-gather of small objects over `group` (the
+    Checkpointer's: both polled). Returns what the check needs: {"sent": XXH3 of the run this
+    rank read, or None, "got": {src: XXH3 of what arrived}, "error": a transfer's error or
+    None}. Never raises for a transfer that failed (every rank must reach the gather of these
+    reports), but raises the CollectiveError of a wait (a Checkpointer's: timed out, aborted,
+    or a peer gone): the group is broken then, and the others learn it from the job's store
+    or their own waits, not from a gather that would wait for the lost peer."""
     mine = [t for t in plan if rank in (t.src, t.dst)]
     report: dict[str, Any] = {"sent": None, "got": {}, "error": None}
     try:
@@ -132,8 +134,7 @@ def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, worl
                 staging = _staging(mine, rank, chunk)
             except Exception as e:  # noqa: BLE001 -- e.g. out of GPU memory
                 problem = f"rank {rank}: {type(e).__name__}: {e}"
-            ready: list[Any] = [None] * world
-            dist.all_gather_object(ready, problem, group=group)
+            ready = gather(problem)
             if any(ready):
                 report["error"] = next(p for p in ready if p)
                 return report

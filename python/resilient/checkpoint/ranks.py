@@ -210,8 +210,12 @@ class Ranks:
             work.wait()
         except RuntimeError as e:  # gloo's own error: a peer closed its connection
             self.broken = "a collective failed"
-            raise CollectiveError(f"a checkpoint collective failed (a peer is gone?): "
-                                  f"{str(e).splitlines()[0][:300]}") from e
+            message = (f"a checkpoint collective failed (a peer is gone?): "
+                       f"{str(e).splitlines()[0][:300]}")
+            if self._entry is not None:  # the others stop too, not only where they meet it
+                self._mark_broken(self._key(self._seq, "count"),
+                                  self._key(self._seq, "broken"), message)
+            raise CollectiveError(message) from e
 
     def abort(self, reason: str) -> None:
         """Makes the collective entry in progress (or the next one) raise CollectiveError on
@@ -250,12 +254,17 @@ class Ranks:
                     f"{self.rank} called {op}({arg!r}), but only {arrived} of {self.world_size} "
                     f"ranks did within {limit:g} s; a call guarded by `if rank == 0` does this; "
                     "for a checkpoint written by one process pass distributed=False)")
-            try:  # the mark first, so that a rank the poison stops can read why
-                self.store.compare_set(broken, "", f"rank {self.rank}: {message}")
-                self.store.add(count, _POISON)
-            except Exception:
-                pass
+            self._mark_broken(count, broken, message)
         raise CollectiveError(message)
+
+    def _mark_broken(self, count: str, broken: str, message: str) -> None:
+        """Marks the entry broken in the store (why first, so that a rank the poison stops
+        can read it), then poisons its count: every rank's polled wait raises."""
+        try:
+            self.store.compare_set(broken, "", f"rank {self.rank}: {message}")
+            self.store.add(count, _POISON)
+        except Exception:  # the store is gone: the others end by their own timeouts
+            pass
 
     def _key(self, seq: int, leaf: str) -> str:
         """The job store's key `leaf` ("count" or "broken") of collective entry `seq`."""

@@ -25,6 +25,10 @@ from resilient.errors import CorruptCheckpointError, ResilientError, VersionMism
 log = logging.getLogger("resilient.checkpoint")
 
 
+#: RESILIENT_RESTORE_ROUND_BYTES when the setting is malformed
+DEFAULT_ROUND_BYTES = 256 << 20
+
+
 class _NotShared(Exception):
     """This rank does not see its host's shared read buffer."""
 
@@ -149,7 +153,8 @@ class Reader:
         the waits that follow reads and transfers (default: the gathers' own)."""
         ranks = ranks or Blocking(group, world)
         gathered = _gather_needs(ranks, rank, failure,
-                                 sorted({c.entry for w in self._wanted for c in w.copies}))
+                                 sorted({c.entry for w in self._wanted for c in w.copies}),
+                                 data_timeout)
         union = sorted(set().union(*gathered))
         where: dict[str, tuple[int, int]] = {}
         sizes = [0] * world
@@ -218,7 +223,7 @@ class Reader:
         device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
         report = {"host": me_host, "pid": os.getpid(), "needed": needed, "nccl": nccl is not None,
                   "gpu": device is not None and device_share.eligible(self._wanted, device)}
-        gathered = _gather_needs(ranks, rank, failure, report)
+        gathered = _gather_needs(ranks, rank, failure, report, data_timeout)
         if not all(g["nccl"] for g in gathered):  # NCCL only where every rank has it
             nccl = None
         counts = Counter(n for g in gathered for n in g["needed"])
@@ -310,7 +315,8 @@ class Reader:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         if plan:
             report = exchange.send_and_receive(buffer, plan, rank, world, group, nccl,
-                                               lambda w: ranks.wait(w, data_timeout))
+                                               lambda w: ranks.wait(w, data_timeout),
+                                               lambda o: ranks.gather(o, data_timeout))
             stamps.append(("exchange", clock()))
             everyone = ranks.gather(report, data_timeout)  # also: received, host-wide
             stamps.append(("wait_exchange", clock()))
@@ -362,6 +368,11 @@ class Reader:
 
         error: BaseException | None = None
         held: dict[str, torch.Tensor] = {}
+        try:  # a tuning knob: a malformed value must not fail the load (rank 0's is used)
+            round_bytes = settings.get("RESILIENT_RESTORE_ROUND_BYTES")
+        except ValueError as e:
+            round_bytes = DEFAULT_ROUND_BYTES
+            log.warning("restore: %s; rounds of %d bytes", e, round_bytes)
         try:
             held = {n: lands[n][0] if n in lands else torch.empty(
                 self._entries[n]["nbytes"], dtype=torch.uint8, device=device) for n in shared}
@@ -369,25 +380,36 @@ class Reader:
         except Exception as e:
             error = e
         stamps.append(("read_own", clock()))
-        status = ranks.gather(None if error is None else
-                              f"rank {rank}: {type(error).__name__}: {error}", data_timeout)
+        status = ranks.gather((None if error is None else
+                               f"rank {rank}: {type(error).__name__}: {error}", round_bytes),
+                              data_timeout)
         stamps.append(("wait_reads", clock()))
         if error is not None:
             raise error
-        failed = [x for x in status if x is not None]
+        failed = [x for x, _ in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
+        round_bytes = status[0][1]  # rank 0's: the broadcast order is the same on every rank
         # The broadcasts overlap the reads: in each round every reader reads its next part of
         # its run, then every rank issues that round's broadcasts (NCCL runs them while the
         # next round is read). Every rank joins every broadcast, even after an error of its
         # own (a read that failed, out of GPU memory in a sum or a copy), and reports the
         # error in the gather below: no rank is left waiting in NCCL for one that stopped.
+        # Before a round is read, the one before the last has ended (a polled wait: a peer
+        # that stops ends the load within data_timeout, or at once on abort). Copies into CPU
+        # targets (which would block this thread on the broadcasts) wait for the end.
         torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
-        rounds = _rounds(shared, share, self._entries, world,
-                         settings.get("RESILIENT_RESTORE_ROUND_BYTES"))
+        rounds = _rounds(shared, share, self._entries, world, round_bytes)
         digests, works, late, bad_read = [], [], None, None
+        issued: list[int] = []  # len(works) after each round
+        waited = 0  # works[:waited] have ended
+        to_cpu: list[tuple[str, torch.Tensor, tuple[int, int] | None]] = []
         with torch.no_grad():
             for batch in rounds:
+                if len(issued) >= 2:
+                    for work in works[waited:issued[-2]]:
+                        ranks.wait(work, data_timeout)
+                    waited = max(waited, issued[-2])
                 reads = [n for n in batch if share[n] == rank]
                 if reads and bad_read is None:
                     try:
@@ -406,12 +428,21 @@ class Reader:
                         if late is None:
                             work.wait()  # the stream's order: the sum and copies follow it
                             digests.append(device_share.digest(buf))
-                            self._copy_out(n, buf, lands[n][1] if n in lands else None)
+                            done = lands[n][1] if n in lands else None
+                            if self._copy_out(n, buf, done, cpu=False):
+                                to_cpu.append((n, buf, done))
                     except Exception as e:
                         late = e
+                issued.append(len(works))
         stamps.append(("read", clock()))
-        for work in works:
+        for work in works[waited:]:
             ranks.wait(work, data_timeout)  # polled: an abort or the timeout ends it
+        try:
+            for n, buf, done in to_cpu:
+                if late is None:
+                    self._copy_out(n, buf, done, cpu=True)
+        except Exception as e:
+            late = e
         stamps.append(("broadcast", clock()))
         try:
             sums: Any = torch.stack(digests).tolist() if digests and late is None else []
@@ -444,9 +475,11 @@ class Reader:
         self.seconds = {name: round(t - stamps[i][1], 4)
                         for i, (name, t) in enumerate(stamps[1:])}
 
-    def _copy_out(self, entry: str, raw: torch.Tensor, done: tuple[int, int] | None) -> None:
+    def _copy_out(self, entry: str, raw: torch.Tensor, done: tuple[int, int] | None,
+                  cpu: bool | None = None) -> bool:
         """The copies of saved piece `entry` (its bytes in `raw`) into this rank's targets,
-        but the one it landed in (`done`: (wanted, copy))."""
+        but the one it landed in (`done`: (wanted, copy)); only those into CPU targets
+        (`cpu` True) or only the others (False). Returns whether copies were left out."""
         e = self._entries[entry]
         src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
         if self._copies_of is None:  # entry -> its copies, once (not a scan per piece)
@@ -454,11 +487,16 @@ class Reader:
             for i, w in enumerate(self._wanted):
                 for j, c in enumerate(w.copies):
                     self._copies_of.setdefault(c.entry, []).append((i, j))
+        left = False
         for i, j in self._copies_of.get(entry, ()):
             if (i, j) != done:
                 w, c = self._wanted[i], self._wanted[i].copies[j]
+                if cpu is not None and (w.out.device.type == "cpu") != cpu:
+                    left = True
+                    continue
                 w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
                     tuple(slice(a, b) for a, b in c.src)]
+        return left
 
     def _fall_back(self, path: str, creator: bool, rank: int, why: list) -> None:
         """run_shared without a usable buffer: every rank reads directly (the same on all)."""
@@ -499,14 +537,14 @@ def _rounds(shared: list[str], share: dict[str, int], entries: dict[str, dict], 
 
 
 def _gather_needs(ranks: Any, rank: int, failure: BaseException | None,
-                  report: Any) -> list[Any]:
+                  report: Any, timeout: float | None = None) -> list[Any]:
     """Collective: every rank's `report` (what it needs), or raises on every rank when one
     rank's planning failed (`failure`): CorruptCheckpointError when that is skippable (an older
     step may load), ValueError otherwise; so no rank waits in a later collective."""
     skippable = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError, OSError)
     if failure is not None:
         report = (isinstance(failure, skippable), f"rank {rank}: {failure}")
-    gathered = ranks.gather(report)
+    gathered = ranks.gather(report, timeout)
     if failure is not None:
         raise failure
     bad = [g for g in gathered if isinstance(g, tuple)]
