@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 WORKER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
     from resilient.recovery.replica import replica_group
@@ -43,10 +43,11 @@ WORKER = textwrap.dedent("""
         dist.recv(y, src=1, group=group)
     dist.broadcast(x, src=1, group=group)
     print(f"RECEIVED {x.tolist()} {y.tolist()}", flush=True)
-    # destroyed before the interpreter exits, as a script should: a gloo group left to
-    # Py_Finalize sometimes aborts the process there ("terminate called without an active
-    # exception", 1 run in 3 here)
-    dist.destroy_process_group()
+    # Not torch's teardown: with gloo groups, the interpreter's exit sometimes aborts the
+    # process ("terminate called without an active exception"): 1 run in 3 with the groups
+    # left to Py_Finalize, and still now and then (CI) after destroy_process_group(). What
+    # this test checks ended above.
+    os._exit(0)
 """)
 
 
