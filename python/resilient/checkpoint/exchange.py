@@ -108,7 +108,7 @@ def nccl_group() -> Any:
     return dist.group.WORLD if "nccl" in str(dist.get_backend()) else None
 
 
-def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int, world: int,
+def send_and_receive(buffer: torch.Tensor, plan: list[Transfer], rank: int,
                      group: Any, nccl: Any, wait: Callable[[Any], None],
                      gather: Callable[[Any], list[Any]]) -> dict[str, Any]:
     """Collective over `group` (every rank calls it with the same plan and the same `nccl`):

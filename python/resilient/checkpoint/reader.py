@@ -314,7 +314,7 @@ class Reader:
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
         if plan:
-            report = exchange.send_and_receive(buffer, plan, rank, world, group, nccl,
+            report = exchange.send_and_receive(buffer, plan, rank, group, nccl,
                                                lambda w: ranks.wait(w, data_timeout),
                                                lambda o: ranks.gather(o, data_timeout))
             stamps.append(("exchange", clock()))
