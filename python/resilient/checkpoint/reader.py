@@ -25,10 +25,6 @@ from resilient.errors import CorruptCheckpointError, ResilientError, VersionMism
 log = logging.getLogger("resilient.checkpoint")
 
 
-#: RESILIENT_RESTORE_ROUND_BYTES when the setting is malformed
-DEFAULT_ROUND_BYTES = 256 << 20
-
-
 class _NotShared(Exception):
     """This rank does not see its host's shared read buffer."""
 
@@ -370,8 +366,9 @@ class Reader:
         held: dict[str, torch.Tensor] = {}
         try:  # a tuning knob: a malformed value must not fail the load (rank 0's is used)
             round_bytes = settings.get("RESILIENT_RESTORE_ROUND_BYTES")
-        except ValueError as e:
-            round_bytes = DEFAULT_ROUND_BYTES
+        except ValueError as e:  # its default, from settings.toml (one place)
+            knob = settings.lookup("RESILIENT_RESTORE_ROUND_BYTES")
+            round_bytes = knob.parse(knob.default)
             log.warning("restore: %s; rounds of %d bytes", e, round_bytes)
         try:
             held = {n: lands[n][0] if n in lands else torch.empty(
