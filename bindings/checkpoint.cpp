@@ -436,6 +436,8 @@ void register_checkpoint(pyb::module_& m) {
                t.dst = reinterpret_cast<void*>(d["ptr"].cast<uintptr_t>());
                t.nbytes = d["nbytes"].cast<uint64_t>();
                if (d.contains("device")) t.device = d["device"].cast<int>();
+               if (d.contains("done"))
+                 t.done = reinterpret_cast<int64_t*>(d["done"].cast<uintptr_t>());
                ts.push_back(std::move(t));
              }
              Status s;

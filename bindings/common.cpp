@@ -1,3 +1,10 @@
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,6 +18,41 @@
 
 namespace resilient::py {
 namespace pyb = pybind11;
+
+namespace {
+
+std::atomic_ref<int64_t> word_at(uintptr_t addr) {
+  if (addr % alignof(int64_t) != 0) throw pyb::value_error("an int64 word must be 8-byte aligned");
+  return std::atomic_ref<int64_t>(*reinterpret_cast<int64_t*>(addr));
+}
+
+// Memory that several processes map (the shared restore's /dev/shm buffer): progress words
+// published with release and read with acquire, so that the bytes a reader put in place before
+// publishing are visible to the process that sees the word (plain stores would do on x86, not
+// on Arm); and pages reserved before they are written.
+void register_shared_memory(pyb::module_& m) {
+  m.def(
+      "publish_i64",
+      [](uintptr_t addr, int64_t value) { word_at(addr).store(value, std::memory_order_release); },
+      pyb::arg("addr"), pyb::arg("value"), "Stores `value` at `addr` (release).");
+  m.def(
+      "observe_i64", [](uintptr_t addr) { return word_at(addr).load(std::memory_order_acquire); },
+      pyb::arg("addr"), "The int64 at `addr` (acquire).");
+  m.def(
+      "populate_write",
+      [](uintptr_t addr, uint64_t nbytes) {
+        const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+        const uintptr_t lo = addr / page * page;
+        const uintptr_t hi = (addr + nbytes + page - 1) / page * page;
+        return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+      },
+      pyb::arg("addr"), pyb::arg("nbytes"), pyb::call_guard<pyb::gil_scoped_release>(),
+      "Allocates the pages of a shared mapping that cover [addr, addr + nbytes) "
+      "(madvise MADV_POPULATE_WRITE). Returns 0, or the errno: EFAULT where a page could not be "
+      "had (a full tmpfs; no SIGBUS), EINVAL on kernels before 5.14.");
+}
+
+}  // namespace
 
 void register_common(pyb::module_& m) {
   register_store(m);
@@ -39,6 +81,7 @@ void register_common(pyb::module_& m) {
     else
       throw pyb::value_error("log level must be debug, info, warn or error");
   });
+  register_shared_memory(m);
 }
 
 }  // namespace resilient::py

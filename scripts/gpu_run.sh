@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore world-restore-cpu ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
 mkdir -p "$OUT"
 LIBDIR=/opt/deps/usr/lib/x86_64-linux-gnu
-export PYTHONPATH=$PWD/python:${PYTHONPATH:-}
+# PY_FIRST (e.g. $PWD/.baseline): a package directory searched before this tree's
+export PYTHONPATH=${PY_FIRST:+$PY_FIRST:}$PWD/python:${PYTHONPATH:-}
 export LD_LIBRARY_PATH=$LIBDIR:${LD_LIBRARY_PATH:-}
 # A native crash names its thread and prints native frames; faulthandler adds the Python stacks.
 export RESILIENT_CRASH_HANDLER=1 PYTHONFAULTHANDLER=1
@@ -36,6 +37,19 @@ configure() {  # $1: source tree, $2: build directory, rest: extra cmake argumen
     -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python)" \
     "$@" >"$OUT/configure$(basename "$dir").log" 2>&1 ||
     { tail -n 30 "$OUT/configure$(basename "$dir").log"; return 1; }
+}
+
+world_summary() {  # $1: a `resilient bench --world-size N --json` file: each row against raw
+  python - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+raw = next(x for x in r["rows"] if x["method"].startswith("raw"))
+for x in r["rows"]:
+    once = x["state_bytes"] / x["restore_s"] / 1e9
+    print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
+          f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw"
+          f" {x.get('restore_phases_s', '')}")
+PY
 }
 
 build() {
@@ -164,21 +178,22 @@ PY
           log "world restore: $n GPUs as $h host(s)"
           timeout 400 python -m resilient bench --world-size "$n" --hosts "$h" --device cuda \
             --size ${WORLD_SIZE:-4GiB} --tensors 128 --repeat 2 --methods ${WORLD_METHODS:-sharded,sharded_shm,dcp} \
-            --dir /tmp/wbench --json >"$OUT/world-h$h.json" 2>"$OUT/world-h$h.err"
-          echo "rc=$?"; tail -n 3 "$OUT/world-h$h.err"
-          python - "$OUT/world-h$h.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-raw = next(x for x in r["rows"] if x["method"].startswith("raw"))
-for x in r["rows"]:
-    once = x["state_bytes"] / x["restore_s"] / 1e9
-    print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
-          f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw"
-          f" {x.get('restore_phases_s', '')}")
-PY
+            --dir /tmp/wbench --json >"$OUT/world-h$h${WORLD_TAG:-}.json" 2>"$OUT/world-h$h${WORLD_TAG:-}.err"
+          echo "rc=$?"; tail -n 3 "$OUT/world-h$h${WORLD_TAG:-}.err"
+          world_summary "$OUT/world-h$h${WORLD_TAG:-}.json"
         done
-        python -m pytest -q -p no:cacheprovider tests/python/test_gpu_restore_exchange.py \
-          >"$OUT/exchange-test.log" 2>&1; tail -n 5 "$OUT/exchange-test.log" ;;
+        if [ -z "${SKIP_EXCHANGE_TEST:-}" ]; then
+          python -m pytest -q -p no:cacheprovider tests/python/test_gpu_restore_exchange.py \
+            >"$OUT/exchange-test.log" 2>&1; tail -n 5 "$OUT/exchange-test.log"
+        fi ;;
+    world-restore-cpu) # Issue 17: replicated CPU state restored at world N (gloo; the host's ranks share
+        # one /dev/shm buffer) from this machine's disk, against DCP and one raw reader in the same run.
+        log "world restore on CPU: ${WORLD_N:-4} ranks"
+        timeout 500 python -m resilient bench --world-size "${WORLD_N:-4}" --size ${WORLD_SIZE:-4GiB} \
+          --tensors 128 --repeat 2 --methods ${WORLD_METHODS:-sharded_shm,dcp} --dir /tmp/wbench-cpu \
+          --json >"$OUT/world-cpu${WORLD_TAG:-}.json" 2>"$OUT/world-cpu${WORLD_TAG:-}.err"
+        echo "rc=$?"; tail -n 3 "$OUT/world-cpu${WORLD_TAG:-}.err"
+        world_summary "$OUT/world-cpu${WORLD_TAG:-}.json" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     files) # Issue 17: several data files per rank (RESILIENT_FILES_PER_RANK) against one, tmpfs
            # and the local disk, with raw in the same runs.

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <iterator>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "io_test_util.hpp"
 #include "resilient/checkpoint/checkpointer.hpp"
@@ -97,6 +99,43 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
     EXPECT_GT(m->tensors[0].chunks.size(), 4u);
     if (zstd) EXPECT_EQ(m->tensors[0].chunks[0].codec, Codec::kZstd);  // iota compresses
   }
+}
+
+// A target's done word is set once all its chunks are verified and in place, while the call
+// still runs: a thread that sees it set finds the whole tensor there. A damaged chunk leaves its
+// tensor's word unset; a word that is not 8-byte aligned is refused.
+TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
+  auto c = make();
+  fill(5);
+  ASSERT_TRUE(save(*c, 1).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> big(300'000, 0);
+  std::vector<int64_t> small(3, 0);
+  alignas(8) int64_t done[3] = {0, 0, 0};
+  std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
+                               {"small", small.data(), 24, -1, &done[1]}};
+  std::atomic<bool> seen_whole{false};
+  std::thread watcher([&] {
+    while (std::atomic_ref<int64_t>(done[0]).load(std::memory_order_acquire) == 0)
+      std::this_thread::yield();
+    seen_whole = big == big_;
+  });
+  ASSERT_TRUE(c->read(*m, t).ok());
+  watcher.join();
+  EXPECT_TRUE(seen_whole.load());
+  EXPECT_EQ(done[0], 1);
+  EXPECT_EQ(done[1], 1);
+  EXPECT_EQ(small, small_);
+
+  io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
+  done[0] = done[1] = 0;
+  EXPECT_EQ(c->read(*m, t).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(done[0], 0);  // its damaged chunk never landed
+
+  auto* odd = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(&done[1]) + 4);
+  std::vector<ReadTarget> bad = {{"small", small.data(), 24, -1, odd}};
+  EXPECT_EQ(c->read(*m, bad).code(), StatusCode::kInvalidArgument);
 }
 
 // save_json parses the values on the writer thread: the same checkpoint as save(); text that is

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient.checkpoint import exchange
-from resilient.checkpoint.reader import _layout
+from resilient.checkpoint.host_share import layout as _layout
 
 
 class _Mailbox:

@@ -84,12 +84,17 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         with resilient.Checkpointer(root, keep=0, create=True, specs=specs) as ck:
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
         return result
-    mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared",
-            "corrupt": "shared", "frozen": "shared"}.get(phase, phase)
+    mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared", "fullshm": "shared",
+            "corrupt": "shared", "frozen": "shared", "frozenread": "shared"}.get(phase, phase)
     kwargs: dict = {}
+    if phase == "frozenread":  # one host: rank 1 stops (SIGSTOP) as its reader thread starts
+        from resilient.checkpoint import host_share
+
+        kwargs = {"timeout": 4}
+        if rank == 1:
+            host_share.RunReader.run = lambda self: _freeze()
     if phase == "frozen":  # 4 emulated hosts: every rank sends its run to every other rank;
-        import subprocess  # rank 1 stops (SIGSTOP) as its exchange begins, for FROZEN_S
-        from datetime import timedelta
+        from datetime import timedelta  # rank 1 stops (SIGSTOP) as its exchange begins
 
         import torch.distributed as dist
 
@@ -101,14 +106,7 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         kwargs = {"timeout": 4, "group": dist.new_group(backend="gloo",
                                                         timeout=timedelta(seconds=300))}
         if rank == 1:
-            def freeze(*_):  # stopped from outside: a SIGSTOP a thread sends its own
-                pid = os.getpid()  # process did not hold here (continued at once)
-                subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {FROZEN_S}; "
-                                  f"kill -CONT {pid}"])
-                time.sleep(2)  # stopped in here
-                os._exit(0)  # continued: the others are gone
-
-            exchange._over_group = freeze
+            exchange._over_group = lambda *_: _freeze()
     if phase.startswith("hosts"):  # hosts2: 2 emulated hosts of 2 ranks; hosts4: 4 of 1
         per_host = world // int(phase[5])
         os.environ["RESILIENT_HOST_ID"] = f"host-{rank // per_host}"
@@ -133,6 +131,8 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         dist.irecv = irecv
     if phase == "corrupt":  # the test's copy with a damaged piece
         root = root + "-corrupt"
+    if phase == "fullshm":  # a tmpfs too small for the buffer: a reader's reserve fails
+        shm.DIR = os.environ["TEST_SMALL_SHM"]
     if phase == "nobuffer":  # the buffer cannot be created
         shm.DIR = "/nonexistent-shm-dir"
     if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
@@ -165,9 +165,9 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
             result["bytes_read"] = ck.last_load.bytes_read
         os.environ.pop("RESILIENT_HOST_ID", None)
-        if phase in ("dies", "frozen"):  # no barrier, no close: a rank is gone
+        if phase in ("dies", "frozen", "frozenread"):  # no barrier, no close: a rank is gone
             _report(result, phase, world, rank, out)
-            if phase == "frozen":  # the job's store lives in rank 0: it stays until the
+            if phase.startswith("frozen"):  # the job's store lives in rank 0: it stays until the
                 deadline = time.monotonic() + 60  # others reported (their waits read it)
                 while time.monotonic() < deadline and not all(
                         os.path.exists(os.path.join(out, f"{phase}-{world}-{r}.json"))
@@ -176,6 +176,17 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             sys.stdout.flush()
             os._exit(0)
     return result
+
+
+def _freeze() -> None:
+    """Stops this process for FROZEN_S (SIGSTOP from outside: one that a thread sends its own
+    process did not hold here, it continued at once), then ends it: the others are gone."""
+    import subprocess
+
+    pid = os.getpid()
+    subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {FROZEN_S}; kill -CONT {pid}"])
+    time.sleep(2)  # stopped in here
+    os._exit(0)
 
 
 def _report(result: dict, phase: str, world: int, rank: int, out: str) -> None:
@@ -326,7 +337,8 @@ def test_device_rounds_keep_every_readers_order_and_cut_its_run_into_parts(sizes
                                                                            round_bytes):
     """_run_device's broadcast order: every shared piece once; each reader's pieces in file
     order; a reader's part of a round ends at the first piece that reaches `round_bytes`."""
-    from resilient.checkpoint.reader import _layout, _rounds
+    from resilient.checkpoint.device_share import rounds as _rounds
+    from resilient.checkpoint.host_share import layout as _layout
 
     names = [f"p{i}" for i in range(len(sizes))]
     entries = {n: {"nbytes": b} for n, b in zip(names, sizes)}
@@ -346,16 +358,29 @@ def test_device_rounds_keep_every_readers_order_and_cut_its_run_into_parts(sizes
 def test_shm_buffer_create_check_and_sweep(tmp_path):
     from resilient.checkpoint import shm
 
+    header = shm.header_bytes(4)
+    assert header == 4096 and shm.header_bytes(4, 1000) == 12288  # a word per reader and piece
     path = str(tmp_path / f"resilient-restore-{os.getpid()}-t1")
-    shm.create(path, shm.HEADER + 8192, "abc")
-    assert shm.check(path, shm.HEADER + 8192, "abc") is None
-    assert "not the buffer" in shm.check(path, shm.HEADER + 8192, "abd")
-    assert "not the buffer" in shm.check(path, shm.HEADER + 4096, "abc")
+    shm.create(path, header + 8192, "abc")
+    assert shm.check(path, header + 8192, "abc") is None
+    assert "not the buffer" in shm.check(path, header + 8192, "abd")
+    assert "not the buffer" in shm.check(path, header + 4096, "abc")
     assert "do not share" in shm.check(str(tmp_path / "missing"), 10, "abc")
     with pytest.raises(FileExistsError):
         shm.create(path, 10, "x")
-    view = shm.open_mapped(path, shm.HEADER + 8192)
-    assert bytes(view[:3].tolist()) == b"abc" and view.numel() == shm.HEADER + 8192
+    view = shm.open_mapped(path, header + 8192)
+    assert bytes(view[:3].tolist()) == b"abc" and view.numel() == header + 8192
+    progress = shm.Progress(view, 4, 3)
+    assert [progress.get(i) for i in range(4)] == [0, 0, 0, 0]  # a new buffer: nothing read
+    assert not any(progress.piece_done(i) for i in range(3))
+    progress.publish(2, shm.Progress.DONE)
+    progress.publish(3, shm.Progress.FAILED)
+    from resilient import _C
+
+    _C.publish_i64(progress.piece_word(1), 1)  # as the engine marks a piece in place
+    again = shm.Progress(shm.open_mapped(path, header + 8192), 4, 3)  # another mapping sees them
+    assert [again.get(i) for i in range(4)] == [0, 0, shm.Progress.DONE, shm.Progress.FAILED]
+    assert [again.piece_done(i) for i in range(3)] == [False, True, False]
     dead = tmp_path / "resilient-restore-999999999-t2"  # no such pid
     dead.write_bytes(b"x")
     assert shm.sweep(str(tmp_path)) == [dead.name]
@@ -365,28 +390,110 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_shm_buffer_full_dev_shm_raises_enospc_and_leaves_nothing(tmp_path, monkeypatch):
-    """posix_fallocate reserves the space, so a full /dev/shm (a container's 64 MiB) is ENOSPC
-    at creation (run_shared then reads directly), not a SIGBUS when a rank writes the pages."""
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 512 KiB tmpfs, as a container's small /dev/shm (mounting needs root)."""
+    import subprocess
+
+    where = tmp_path / "small-shm"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_shm_buffer_reserve_on_a_full_tmpfs_raises_enospc_not_sigbus(small_tmpfs, monkeypatch):
+    """The buffer is created sparse; each reader reserves the pages of its part before reading
+    into them. On a tmpfs without room that is ENOSPC (run_shared then reads directly), not a
+    SIGBUS when the pages are written; the same on kernels without MADV_POPULATE_WRITE, where
+    posix_fallocate reserves them."""
     import errno
 
     from resilient.checkpoint import shm
 
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    path = str(tmp_path / f"resilient-restore-{os.getpid()}-t3")
+    path = str(small_tmpfs / f"resilient-restore-{os.getpid()}-t3")
+    size = shm.header_bytes(2) + (4 << 20)  # 8x the tmpfs: creating it sparse is fine
+    shm.create(path, size, "tag")
+    view = shm.open_mapped(path, size)
+    shm.reserve(path, view, 4096, 128 << 10)  # this much fits
+    view[4096: 4096 + (128 << 10)] = 7  # and can be written
     with pytest.raises(OSError) as info:
-        shm.create(path, shm.HEADER + (1 << 30), "tag")
+        shm.reserve(path, view, 4096, 4 << 20)
+    assert info.value.errno == errno.ENOSPC and "has no room" in str(info.value)
+
+    class OldKernel:
+        @staticmethod
+        def populate_write(addr, nbytes):
+            return errno.EINVAL
+
+    monkeypatch.setattr(shm, "_C", OldKernel)
+    shm.reserve(path, view, 8192, 64 << 10)
+    with pytest.raises(OSError) as info:
+        shm.reserve(path, view, 4096, 4 << 20)
     assert info.value.errno == errno.ENOSPC
-    assert not os.listdir(tmp_path)
+    del view
+    shm.unlink(path)
+    assert not os.listdir(small_tmpfs)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_dev_shm_makes_every_rank_read_directly(small_tmpfs, saved, tmp_path,
+                                                        monkeypatch):
+    """Two ranks, their host's /dev/shm a 512 KiB tmpfs: a reader's reserve fails, every rank
+    learns it in the gather after the reads and reads directly; the state is exact and the
+    buffer is gone."""
+    monkeypatch.setenv("TEST_SMALL_SHM", str(small_tmpfs))
+    root = _copy(saved, tmp_path)
+    got = _run("fullshm", 2, root, tmp_path)["fullshm"]
+    for g in got:
+        assert g.get("error") is None and g["same"], g
+        assert g["bytes_read"] > _size(root) // 2, g  # replicated pieces read by every rank
+    assert not os.listdir(small_tmpfs)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_reader_of_the_host_fails_the_load_within_its_timeout(saved, tmp_path):
+    """One host of 4 ranks: rank 1 stops (SIGSTOP) as its reader thread starts, so its parts of
+    the host's buffer never arrive. The others, copying parts out as they arrive, raise
+    CollectiveError within the checkpointer's timeout (4 s), not when the peer comes back."""
+    root = _copy(saved, tmp_path)
+    got = _run("frozenread", 4, root, tmp_path, ranks={"frozenread": (0, 2, 3)})["frozenread"]
+    for g in got:
+        assert "CollectiveError" in g.get("error", "") and "within 4 s" in g["error"], g
+        assert g["seconds"] < FROZEN_S - 10, g
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100_000), max_size=40), st.data())
+def test_spans_cover_a_runs_pieces_and_nothing_else(sizes, data):
+    """host_share.spans (the ranges a reader reserves): every piece of its run, laid out as
+    layout does, is covered by disjoint ranges that hold no other piece."""
+    from resilient.checkpoint.host_share import layout, spans
+
+    names = [f"p{i}" for i in range(len(sizes))]
+    entries = {n: {"nbytes": b} for n, b in zip(names, sizes)}
+    where, _, _ = layout(names, entries, 1)
+    run = data.draw(st.lists(st.sampled_from(names), unique=True)) if names else []
+    ranges = spans(run, where, entries)
+    assert all(a < b for a, b in ranges)
+    assert all(b <= c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+    for n in run:
+        lo, hi = where[n], where[n] + entries[n]["nbytes"]
+        assert any(a <= lo and hi <= b for a, b in ranges), (n, ranges)
+    for m in set(names) - set(run):
+        lo, hi = where[m], where[m] + entries[m]["nbytes"]
+        assert not any(lo < b and a < hi for a, b in ranges), (m, ranges)
 
 
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 10_000_000), max_size=40), readers=st.integers(1, 9))
 def test_layout_places_pieces_apart_aligned_and_balances_readers(sizes, readers):
-    from resilient.checkpoint.reader import _layout
+    from resilient.checkpoint.host_share import layout as _layout
 
     entries = {f"e{i}": {"nbytes": n} for i, n in enumerate(sizes)}
     where, size, share = _layout(list(entries), entries, readers)
@@ -408,7 +515,7 @@ def test_exchange_plan_delivers_every_run_to_every_other_host_once(sizes, host_s
     runs tile the buffer's common part, and each run reaches every other host exactly once (and
     never its own), each host's receives spread over its ranks by position."""
     from resilient.checkpoint import exchange
-    from resilient.checkpoint.reader import _layout
+    from resilient.checkpoint.host_share import layout as _layout
 
     world = sum(host_sizes)
     names = data.draw(st.permutations([f"h{h}" for h, n in enumerate(host_sizes)

@@ -24,6 +24,19 @@ struct Piece {
   std::byte* dst;  // nullptr: verify only
   const std::string* tensor;
   int device = -1;
+  size_t target = 0;  // index into the Completions, when there are any
+};
+
+// Targets whose `done` word is set once all their chunks are in place: the count of chunks
+// each still waits for.
+struct Completions {
+  std::vector<std::atomic<uint64_t>> left;
+  std::vector<int64_t*> done;
+
+  void finished(size_t target) {
+    if (left[target].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      std::atomic_ref<int64_t>(*done[target]).store(1, std::memory_order_release);
+  }
 };
 
 // Host-to-device copies of one reader thread: a copy stream per device, and per staging buffer
@@ -135,7 +148,8 @@ Status decode(const Piece& p, const std::byte* stored, const std::string& path,
 }
 
 Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vector<Piece>& pieces,
-                  const RestoreOptions& o, memory::HostPool& pool) {
+                  const RestoreOptions& o, memory::HostPool& pool,
+                  Completions* completions = nullptr) {
   // Open each needed shard once and check the manifest's extents against the real sizes. The
   // step directory and the shards are opened without following links (a step directory
   // replaced by a link, to /etc say, is corrupt).
@@ -247,6 +261,8 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
           Status d =
               decode(p, buf + (p.chunk.offset - x.offset), paths[shard], device, cur, scratch);
           if (!d.ok()) return fail(d);
+          if (completions != nullptr && p.device < 0 && completions->done[p.target] != nullptr)
+            completions->finished(p.target);
         }
       }
       Status c = device.close(cur);
@@ -278,6 +294,8 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, i);
   std::vector<Piece> pieces;
+  Completions completions{std::vector<std::atomic<uint64_t>>(targets.size()), {}};
+  bool any_done = false;
   for (const auto& t : targets) {
     auto it = index.find(t.name);
     if (it == index.end()) {
@@ -295,14 +313,24 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
                                                   "' is on a CUDA device but CUDA is not usable: " +
                                                   memory::CudaRuntime::unavailable_reason());
     }
+    if (t.done != nullptr && reinterpret_cast<uintptr_t>(t.done) % alignof(int64_t) != 0) {
+      return Status(StatusCode::kInvalidArgument,
+                    "tensor '" + t.name + "': its done word is not 8-byte aligned");
+    }
+    const size_t target = completions.done.size();
+    completions.done.push_back(t.device < 0 ? t.done : nullptr);
+    completions.left[target].store(e.chunks.size(), std::memory_order_relaxed);
+    any_done = any_done || completions.done.back() != nullptr;
     uint64_t raw_off = 0;
     for (const auto& c : e.chunks) {
       pieces.push_back(
-          Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device});
+          Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device, target});
       raw_off += c.raw;
     }
+    if (e.chunks.empty() && completions.done.back() != nullptr)  // an empty tensor: in place
+      std::atomic_ref<int64_t>(*t.done).store(1, std::memory_order_release);
   }
-  return run_pieces(step_dir, m, pieces, o, pool);
+  return run_pieces(step_dir, m, pieces, o, pool, any_done ? &completions : nullptr);
 }
 
 Status verify_step(const std::string& step_dir, const Manifest& m, const RestoreOptions& o,

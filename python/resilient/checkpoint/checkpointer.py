@@ -174,9 +174,12 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     bytes_read: int = 0  #: read from storage by all ranks together (the step loaded)
-    #: this rank's seconds per phase of a shared restore: through a host buffer (plan, read,
-    #: wait_reads, exchange, wait_exchange, copy) or, in an NCCL job, broadcast between the GPUs
-    #: (read, wait_reads, broadcast, wait_broadcast); empty for the other modes
+    #: this rank's seconds per phase of the load: find (which steps to try), prepare (reading
+    #: the manifest and planning, until every rank's plan is agreed), the reads (one "read"; for
+    #: a shared restore its own phases: through a host buffer plan, read, wait_reads, exchange,
+    #: wait_exchange, copy, or in an NCCL job read_own, wait_reads, read, broadcast,
+    #: wait_broadcast), agree_reads (until every rank's reads are known to have succeeded) and
+    #: finish (putting values in place, agreed)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -539,6 +542,7 @@ class Checkpointer:
         weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
         self._dirty: int | None = None  # a skipped step whose failed read wrote into the target
+        self._find_s = 0.0  # the load in progress: seconds until the steps to try were known
         self.last_load = LoadReport()
         _OPEN.add(self)
 
@@ -967,6 +971,7 @@ class Checkpointer:
             raise ValueError("world_change must be 'warn' or 'raise'")
         self.wait_snapshot()
         self._wait_in_flight()
+        started = time.perf_counter()
         self._ranks.enter("load", step, check=True)  # before rank 0 fetches from a tier
         found: Any = None
         if self.rank == 0:
@@ -989,6 +994,7 @@ class Checkpointer:
         if not steps:
             self.last_load = LoadReport()
             return None
+        self._find_s = time.perf_counter() - started
         skipped: list[tuple[int, str]] = []
         self._dirty = None
         tried: dict[int, set[str]] = {}  # step -> tiers its copy was fetched from
@@ -1113,6 +1119,7 @@ class Checkpointer:
         Raises on every rank when the state does not fit or an unexpected error occurs."""
         prepared: Any = None
         self._skip_error = None
+        stamps = [time.perf_counter()]
         try:
             prepared = self._prepare(step, state, rank_state, world_change)
             outcome: Any = ("ok", prepared.issues if prepared.issues else None)
@@ -1125,6 +1132,7 @@ class Checkpointer:
             outcome = ("fatal", f"rank {self.rank}: {type(e).__name__}: {e}")
             prepared = e
         outcomes = self._ranks.gather(outcome)
+        stamps.append(time.perf_counter())
         _raise_agreed(outcomes, outcome, prepared, strict, step)
         skips = [o[1] for o in outcomes if o[0] == "skip"]
         if skips:
@@ -1140,8 +1148,10 @@ class Checkpointer:
             self._skip_error = e
         except Exception as e:
             read_outcome, read_error = ("fatal", f"rank {self.rank}: {type(e).__name__}: {e}"), e
+        stamps.append(time.perf_counter())
         # after the reads: ranks may end them minutes apart (the checkpointer's own timeout)
         reads = [o for o in self._ranks.gather(read_outcome, self.timeout) if o is not None]
+        stamps.append(time.perf_counter())
         if read_error is not None and read_outcome[0] == "fatal":
             raise read_error
         fatal = [msg for kind, msg in reads if kind == "fatal"]
@@ -1163,11 +1173,15 @@ class Checkpointer:
         if any(f is not None for f, _ in finished):
             raise ResilientError(f"loading step {step} failed on another rank while putting "
                                  f"values in place: {[f for f, _ in finished if f][0]}")
+        stamps.append(time.perf_counter())
+        spent = [round(b - a, 4) for a, b in zip(stamps, stamps[1:])]
+        seconds = {"find": round(self._find_s, 4), "prepare": spent[0],
+                   **(prepared.reader.seconds or {"read": spent[1]}),
+                   "agree_reads": spent[2], "finish": spent[3]}
         issues = prepared.issues
         self.last_load = LoadReport(step=step, missing=issues.missing,
                                     unexpected=issues.unexpected, mismatched=issues.mismatched,
-                                    bytes_read=sum(n for _, n in finished),
-                                    seconds=dict(prepared.reader.seconds))
+                                    bytes_read=sum(n for _, n in finished), seconds=seconds)
         if issues and self._dirty is not None:
             log.warning("entries left as they were may hold bytes of step %d, whose read failed "
                         "before this load", self._dirty)

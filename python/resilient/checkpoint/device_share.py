@@ -51,3 +51,28 @@ def digest(x: torch.Tensor) -> torch.Tensor:
 def byte_view(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     """Bytes [offset, offset + nbytes) of contiguous tensor t, as a flat uint8 view."""
     return t.reshape(-1).view(torch.uint8)[offset:offset + nbytes]
+
+
+def rounds(shared: list[str], share: dict[str, int], entries: dict[str, dict], world: int,
+           round_bytes: int) -> list[list[str]]:
+    """The broadcast order of Reader._run_device: each reader's run (the pieces `share` gives
+    it, in `shared`'s order) cut into parts of about `round_bytes` (a part ends at the first
+    piece that reaches it; a larger piece is a part of its own); round k holds every reader's
+    k-th part, reader after reader. The same on every rank."""
+    parts = [_parts([n for n in shared if share[n] == r], entries, round_bytes)
+             for r in range(world)]
+    return [[n for r in range(world) if k < len(parts[r]) for n in parts[r][k]]
+            for k in range(max((len(p) for p in parts), default=0))]
+
+
+def _parts(run: list[str], entries: dict[str, dict], part_bytes: int) -> list[list[str]]:
+    """`run` (piece names, in order) cut into parts of about `part_bytes`."""
+    out: list[list[str]] = []
+    filled = part_bytes
+    for n in run:
+        if filled >= part_bytes:
+            out.append([])
+            filled = 0
+        out[-1].append(n)
+        filled += entries[n]["nbytes"]
+    return out

@@ -17,16 +17,17 @@ import torch
 import torch.distributed as dist
 
 from resilient import settings
-from resilient.checkpoint import device_share, exchange, shm
+from resilient.checkpoint import device_share, exchange, host_share, shm
 from resilient.checkpoint.codec import dtype_from_name, dtype_name
 from resilient.checkpoint.plan import Saved, ShardSpec, plan_reads
-from resilient.errors import CorruptCheckpointError, ResilientError, VersionMismatchError
+from resilient.errors import (
+    CollectiveError,
+    CorruptCheckpointError,
+    ResilientError,
+    VersionMismatchError,
+)
 
 log = logging.getLogger("resilient.checkpoint")
-
-
-class _NotShared(Exception):
-    """This rank does not see its host's shared read buffer."""
 
 
 class Blocking:
@@ -218,16 +219,18 @@ class Reader:
         nccl = exchange.nccl_group()
         device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
         report = {"host": me_host, "pid": os.getpid(), "needed": needed, "nccl": nccl is not None,
-                  "gpu": device is not None and device_share.eligible(self._wanted, device)}
+                  "gpu": device is not None and device_share.eligible(self._wanted, device),
+                  "round_bytes": _round_bytes()}
         gathered = _gather_needs(ranks, rank, failure, report, data_timeout)
+        round_bytes = gathered[0]["round_bytes"]  # rank 0's: the same rounds on every rank
         if not all(g["nccl"] for g in gathered):  # NCCL only where every rank has it
             nccl = None
         counts = Counter(n for g in gathered for n in g["needed"])
         if (nccl is not None and all(g["gpu"] for g in gathered)
                 and all(k in (1, world) for k in counts.values())):
             # every piece several ranks need is needed by all: read once, broadcast over NCCL
-            self._run_device(group, rank, world, nccl, counts, ranks, data_timeout, clock,
-                             stamps)
+            self._run_device(group, rank, world, nccl, counts, round_bytes, ranks, data_timeout,
+                             clock, stamps)
             return
         hosts = exchange.Hosts.of([g["host"] for g in gathered])
         local = hosts.ranks[me_host]
@@ -250,11 +253,19 @@ class Reader:
         own = {n for n in needed if wanted_by[n] == 1 and n not in common_set}
         common = [n for n in union if n in common_set]  # the same list on every rank
         rest = [n for n in union if n not in common_set]
-        where, size, share = _layout(common, self._entries, world)  # readers: hosts.order
-        where_rest, size_rest, share_rest = _layout(rest, self._entries, len(local))
+        where, size, share = host_share.layout(common, self._entries, world)  # readers: hosts.order
+        where_rest, size_rest, share_rest = host_share.layout(rest, self._entries, len(local))
         plan = exchange.transfers(hosts, exchange.runs(hosts, common, where, share, size))
         where.update((n, size + off) for n, off in where_rest.items())
         size += size_rest
+        # Each rank of the host reads its run, and the host's ranks copy each piece out as soon
+        # as it is in place (checkpoint.host_share); the pieces other hosts read, after the
+        # exchange.
+        runs = [[n for n in common if share[n] == hosts.order.index(r)]
+                + [n for n in rest if share_rest[n] == i] for i, r in enumerate(local)]
+        index = {n: i for i, n in enumerate(common + rest)}  # its word in the header
+        remote = [n for n in common if hosts.order[share[n]] not in local]
+        header = shm.header_bytes(len(local), len(index))
         path = os.path.join(shm.DIR, f"resilient-restore-{gathered[local[0]]['pid']}-{tag}")
         # The host's first rank creates the buffer with this load's tag in its header; every
         # other rank checks that it sees that file (ranks that report one hostname but do not
@@ -262,39 +273,56 @@ class Reader:
         problem = None
         if rank == local[0] and size:
             try:
-                shm.create(path, shm.HEADER + size, tag)
+                shm.create(path, header + size, tag)
             except OSError as e:
                 problem = f"{path}: {e}"
         # The creator unlinks the buffer on every way out (a peer that dies mid-load makes the
         # collectives raise, and a process that lives on must not keep the memory in /dev/shm).
         try:
             created = ranks.gather(problem, data_timeout)
-            if problem is None and size and rank != local[0] and created[local[0]] is None:
-                problem = shm.check(path, shm.HEADER + size, tag)
             if any(p is not None for p in created):
                 self._fall_back(path, rank == local[0], rank, created)
                 return
+            mapping = torch.empty(0, dtype=torch.uint8)
+            if size:
+                try:
+                    if rank != local[0]:
+                        problem = shm.check(path, header + size, tag)
+                    if problem is None:
+                        mapping = shm.open_mapped(path, header + size)
+                except OSError as e:
+                    problem = f"{path}: {e}"
+            seen = ranks.gather(problem, data_timeout)  # the host's ranks map one buffer, or none
+            if any(p is not None for p in seen):
+                self._fall_back(path, rank == local[0], rank, seen)
+                return
             stamps.append(("plan", clock()))
-            error: BaseException | None = None
-            buffer = torch.empty(0, dtype=torch.uint8)
-            try:
-                if problem is not None:  # not the creator's buffer: nothing is read below
-                    raise _NotShared(problem)
+            buffer = mapping[header:]
+            progress = shm.Progress(mapping, len(local), len(index)) if size else None
+            me = local.index(rank)
+
+            def then() -> int:
                 self.run(only=own)
-                read_own = self.bytes_read
-                buffer = shm.open_mapped(path, shm.HEADER + size)[shm.HEADER:]
-                me, reader = local.index(rank), hosts.order.index(rank)
-                mine = ([n for n in common if share[n] == reader]
-                        + [n for n in rest if share_rest[n] == me])
-                targets = [{"name": n, "ptr": buffer.data_ptr() + where[n],
-                            "nbytes": self._entries[n]["nbytes"], "device": -1} for n in mine]
-                self._engine.read(self._manifest, targets)
-                self.bytes_read = read_own + sum(t["nbytes"] for t in targets)
+                return self.bytes_read
+
+            reading = host_share.RunReader(
+                lambda targets: self._engine.read(self._manifest, targets), then, path, mapping,
+                header, where, self._entries, runs[me], index, me, progress)
+            error: BaseException | None = None
+            reading.start()
+            try:
+                self._copy_arrivals(buffer, where, runs, index, progress, ranks, data_timeout)
+            except CollectiveError:
+                raise  # a peer stopped, or abort(): every rank raises it, without the gather
             except Exception as e:
                 error = e
+            finally:
+                reading.join()  # its reads are local, bounded by the disk
+            error = reading.error or error
+            self.bytes_read = reading.bytes_read
             stamps.append(("read", clock()))
             mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-            if isinstance(error, _NotShared):
+            if reading.no_room:
                 mine = ("not shared", mine)
             status = ranks.gather(mine, data_timeout)
             stamps.append(("wait_reads", clock()))
@@ -302,6 +330,7 @@ class Reader:
             if rank == local[0]:
                 shm.unlink(path)  # every rank of the host has it mapped (or failed)
         if any(isinstance(x, tuple) for x in status):
+            del buffer, mapping, progress, reading  # its pages go back before the direct reads
             self._fall_back(path, False, rank, [x[1] for x in status if isinstance(x, tuple)])
             return
         if error is not None:
@@ -321,21 +350,15 @@ class Reader:
                 self._fall_back(path, False, rank, [f"the copy between hosts differs: {bad}"])
                 return
         with torch.no_grad():
-            for w in self._wanted:
-                for c in w.copies:
-                    if c.entry in own:
-                        continue
-                    e = self._entries[c.entry]
-                    raw = buffer[where[c.entry]: where[c.entry] + e["nbytes"]]
-                    src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
-                    w.out[tuple(slice(a, b) for a, b in c.dst)] = src[
-                        tuple(slice(a, b) for a, b in c.src)]
+            for n in remote:
+                self._copy_out(n, buffer[where[n]: where[n] + self._entries[n]["nbytes"]], None)
         stamps.append(("copy", clock()))
         self.seconds = {name: round(t - stamps[i][1], 4)
                         for i, (name, t) in enumerate(stamps[1:])}
 
     def _run_device(self, group: Any, rank: int, world: int, nccl: Any, counts: Counter,
-                    ranks: Any, data_timeout: float | None, clock: Any, stamps: list) -> None:
+                    round_bytes: int, ranks: Any, data_timeout: float | None, clock: Any,
+                    stamps: list) -> None:
         """run_shared in an NCCL job (checkpoint.device_share): the pieces every rank needs are
         split over the ranks in contiguous runs of the files, each read once into GPU memory
         (the reader's own target where the piece fills whole rows of it) and broadcast; the
@@ -343,7 +366,7 @@ class Reader:
         device = torch.device("cuda", torch.cuda.current_device())
         order = {name: i for i, name in enumerate(self._entries)}
         shared = sorted((n for n, k in counts.items() if k > 1), key=order.__getitem__)
-        _, _, share = _layout(shared, self._entries, world)
+        _, _, share = host_share.layout(shared, self._entries, world)
         mine = {c.entry for w in self._wanted for c in w.copies}
         own = mine - set(shared)
         # Where each shared piece lands on this rank: a target's rows it fills whole, or a
@@ -364,12 +387,6 @@ class Reader:
 
         error: BaseException | None = None
         held: dict[str, torch.Tensor] = {}
-        try:  # a tuning knob: a malformed value must not fail the load (rank 0's is used)
-            round_bytes = settings.get("RESILIENT_RESTORE_ROUND_BYTES")
-        except ValueError as e:  # its default, from settings.toml (one place)
-            knob = settings.lookup("RESILIENT_RESTORE_ROUND_BYTES")
-            round_bytes = knob.parse(knob.default)
-            log.warning("restore: %s; rounds of %d bytes", e, round_bytes)
         try:
             held = {n: lands[n][0] if n in lands else torch.empty(
                 self._entries[n]["nbytes"], dtype=torch.uint8, device=device) for n in shared}
@@ -377,16 +394,14 @@ class Reader:
         except Exception as e:
             error = e
         stamps.append(("read_own", clock()))
-        status = ranks.gather((None if error is None else
-                               f"rank {rank}: {type(error).__name__}: {error}", round_bytes),
-                              data_timeout)
+        status = ranks.gather(None if error is None else
+                              f"rank {rank}: {type(error).__name__}: {error}", data_timeout)
         stamps.append(("wait_reads", clock()))
         if error is not None:
             raise error
-        failed = [x for x, _ in status if x is not None]
+        failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
-        round_bytes = status[0][1]  # rank 0's: the broadcast order is the same on every rank
         # The broadcasts overlap the reads: in each round every reader reads its next part of
         # its run, then every rank issues that round's broadcasts (NCCL runs them while the
         # next round is read). Every rank joins every broadcast, even after an error of its
@@ -396,7 +411,7 @@ class Reader:
         # that stops ends the load within data_timeout, or at once on abort). Copies into CPU
         # targets (which would block this thread on the broadcasts) wait for the end.
         torch.cuda.synchronize()  # no kernel may still use a tensor the engine overwrites
-        rounds = _rounds(shared, share, self._entries, world, round_bytes)
+        rounds = device_share.rounds(shared, share, self._entries, world, round_bytes)
         digests, works, late, bad_read = [], [], None, None
         issued: list[int] = []  # len(works) after each round
         waited = 0  # works[:waited] have ended
@@ -472,6 +487,26 @@ class Reader:
         self.seconds = {name: round(t - stamps[i][1], 4)
                         for i, (name, t) in enumerate(stamps[1:])}
 
+    def _copy_arrivals(self, buffer: torch.Tensor, where: dict[str, int], runs: list[list[str]],
+                       index: dict[str, int], progress: shm.Progress | None, ranks: Any,
+                       timeout: float | None) -> None:
+        """Copies the pieces this rank needs out of the host's buffer, each once it is in place
+        (runs[i]: reader i's pieces, in its reading order; taken reader after reader). Stops at
+        a reader's failure, which the gather after the reads reports."""
+        order = [(i, run[j]) for j in range(max(map(len, runs), default=0))
+                 for i, run in enumerate(runs) if j < len(run)]
+        wanted = {c.entry for w in self._wanted for c in w.copies}
+        with torch.no_grad():
+            for i, n in order:
+                if n not in wanted:
+                    continue
+                assert progress is not None
+                ranks.wait(host_share.Arrival(progress, i, index[n], timeout or 600.0), timeout)
+                if not progress.piece_done(index[n]):
+                    return  # its reader failed
+                nbytes = self._entries[n]["nbytes"]
+                self._copy_out(n, buffer[where[n]: where[n] + nbytes], None)
+
     def _copy_out(self, entry: str, raw: torch.Tensor, done: tuple[int, int] | None,
                   cpu: bool | None = None) -> bool:
         """The copies of saved piece `entry` (its bytes in `raw`) into this rank's targets,
@@ -514,23 +549,16 @@ class Reader:
         return whole_src and full_rows
 
 
-def _rounds(shared: list[str], share: dict[str, int], entries: dict[str, dict], world: int,
-            round_bytes: int) -> list[list[str]]:
-    """The broadcast order of _run_device: each reader's run (the pieces `share` gives it, in
-    `shared`'s order) cut into parts of about `round_bytes` (a part ends at the first piece
-    that reaches it; a larger piece is a part of its own); round k holds every reader's k-th
-    part, reader after reader. The same on every rank."""
-    parts: list[list[list[str]]] = [[] for _ in range(world)]
-    filled = [round_bytes] * world
-    for n in shared:
-        r = share[n]
-        if filled[r] >= round_bytes:
-            parts[r].append([])
-            filled[r] = 0
-        parts[r][-1].append(n)
-        filled[r] += entries[n]["nbytes"]
-    return [[n for r in range(world) if k < len(parts[r]) for n in parts[r][k]]
-            for k in range(max((len(p) for p in parts), default=0))]
+def _round_bytes() -> int:
+    """RESILIENT_RESTORE_ROUND_BYTES; a tuning knob, so a malformed value warns and gives its
+    default (from settings.toml) instead of failing the load."""
+    try:
+        return settings.get("RESILIENT_RESTORE_ROUND_BYTES")
+    except ValueError as e:
+        knob = settings.lookup("RESILIENT_RESTORE_ROUND_BYTES")
+        value = knob.parse(knob.default)
+        log.warning("restore: %s; rounds of %d bytes", e, value)
+        return value
 
 
 def _gather_needs(ranks: Any, rank: int, failure: BaseException | None,
@@ -549,23 +577,3 @@ def _gather_needs(ranks: Any, rank: int, failure: BaseException | None,
         error_type = CorruptCheckpointError if bad[0][0] else ValueError
         raise error_type(f"loading failed on another rank: {bad[0][1]}")
     return gathered
-
-
-def _layout(names: list[str], entries: dict[str, dict], readers: int,
-            align: int = 4096) -> tuple[dict[str, int], int, dict[str, int]]:
-    """Places `names` (in file order) in one buffer, offsets aligned for O_DIRECT, and splits
-    them over `readers` in contiguous runs of about equal bytes (a piece goes to the reader
-    whose share holds its middle byte): each reader reads one sequential stretch of the files,
-    which on a disk measured 10-25x faster than interleaved pieces (benchmarks/RESULTS.md).
-    Returns (offset per name, buffer size, reader per name)."""
-    where, size = {}, 0
-    for n in names:
-        where[n] = size
-        size += (entries[n]["nbytes"] + align - 1) // align * align
-    total = sum(entries[n]["nbytes"] for n in names)
-    share, before = {}, 0
-    for n in names:
-        nbytes = entries[n]["nbytes"]
-        share[n] = min(readers - 1, (2 * before + nbytes) * readers // (2 * total)) if total else 0
-        before += nbytes
-    return where, size, share

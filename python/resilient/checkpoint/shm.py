@@ -2,17 +2,22 @@
 read their shares of the checkpoint into and copy their pieces out of (Reader.run_shared).
 
 Named ``resilient-restore-<pid>-<tag>`` (the creating rank's pid and a tag the ranks agree on),
-created with O_EXCL, its space reserved with posix_fallocate (so a full /dev/shm is an error
-here, not a SIGBUS later), unlinked by its creator as soon as every rank mapped it (the mapping
-keeps the memory until it is dropped). Files left by a creator that died are removed by the
-next creation on the host."""
+created with O_EXCL and sized, not filled: each reader reserves the pages of its own run before
+reading into them (`reserve`, in parallel on the readers; a full /dev/shm is ENOSPC there, not a
+SIGBUS later); the header's progress words (`Progress`) say which pieces are in place, and the
+other ranks of the host copy each piece out while the rest is read. Unlinked by
+its creator once every rank is done reading (the mappings keep the memory until dropped). Files
+left by a creator that died are removed by the next creation on the host."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
 import torch
+
+from resilient import _C
 
 DIR = "/dev/shm"
 _NAME = re.compile(r"resilient-restore-(\d+)-[0-9a-z.-]+")
@@ -51,16 +56,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-HEADER = 4096  # the token, then the data (page aligned)
+PROGRESS = 1024  # the header: the token, then from here the readers' words, then the pieces'
+
+
+def header_bytes(readers: int, pieces: int = 0) -> int:
+    """Bytes before the data (page aligned, for O_DIRECT reads into it): the token and one
+    int64 word per reader and per piece (Progress)."""
+    return max(4096, -(-(PROGRESS + 8 * (readers + pieces)) // 4096) * 4096)
 
 
 def create(path: str, size: int, token: str) -> None:
-    """Creates the buffer with `size` bytes reserved and `token` at its start. OSError (ENOSPC,
-    EEXIST...) leaves no file behind."""
+    """Creates the buffer, `size` bytes long (not yet backed: see `reserve`), with `token` at
+    its start. OSError (EEXIST...) leaves no file behind."""
+    if len(token.encode()) >= PROGRESS:
+        raise ValueError(f"buffer token too long: {token!r}")
     sweep(os.path.dirname(path))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.ftruncate(fd, size)
         os.pwrite(fd, token.encode(), 0)
     except BaseException:
         os.close(fd)
@@ -84,11 +97,57 @@ def check(path: str, size: int, token: str) -> str | None:
 
 
 def open_mapped(path: str, size: int) -> torch.Tensor:
-    """The existing buffer mapped shared, as a uint8 tensor of `size` bytes (HEADER included)."""
-    if size <= HEADER:
-        return torch.empty(size, dtype=torch.uint8)
+    """The existing buffer mapped shared, as a uint8 tensor of `size` bytes (header included)."""
     os.close(os.open(path, os.O_RDONLY))  # exists (from_file would create it)
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def reserve(path: str, mapping: torch.Tensor, offset: int, nbytes: int) -> None:
+    """Backs bytes [offset, offset + nbytes) of the buffer (`mapping`: all of it, mapped) with
+    memory before they are written: OSError ENOSPC when /dev/shm has no room (writing them
+    would raise SIGBUS). On kernels before 5.14 (no MADV_POPULATE_WRITE), posix_fallocate,
+    which the readers of a host then take in turn."""
+    err = _C.populate_write(mapping.data_ptr() + offset, nbytes)
+    if err == errno.EINVAL:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+            return
+        except OSError as e:
+            err = e.errno
+        finally:
+            os.close(fd)
+    if err:
+        raise OSError(errno.ENOSPC, f"{os.path.dirname(path)} has no room for {nbytes} bytes of "
+                      f"the restore's shared buffer ({os.strerror(err)})", path)
+
+
+class Progress:
+    """The progress words in a mapped buffer's header: reader i publishes DONE once its run is
+    in place, or FAILED (release); each piece's word is set to 1 by the engine once that piece
+    is verified and in place (native read targets' "done"). The others observe them (acquire).
+    A new buffer holds zeros: nothing read."""
+
+    DONE, FAILED = 1, -1
+
+    def __init__(self, mapping: torch.Tensor, readers: int, pieces: int = 0):
+        assert mapping.numel() >= PROGRESS + 8 * (readers + pieces)
+        self._mapping = mapping  # keeps the words mapped
+        self._base = mapping.data_ptr() + PROGRESS
+        self._pieces = self._base + 8 * readers
+
+    def publish(self, reader: int, state: int) -> None:
+        _C.publish_i64(self._base + 8 * reader, state)
+
+    def get(self, reader: int) -> int:
+        return _C.observe_i64(self._base + 8 * reader)
+
+    def piece_word(self, piece: int) -> int:
+        """The address of piece `piece`'s word (for the engine to set)."""
+        return self._pieces + 8 * piece
+
+    def piece_done(self, piece: int) -> bool:
+        return _C.observe_i64(self._pieces + 8 * piece) != 0
 
 
 def unlink(path: str) -> None:

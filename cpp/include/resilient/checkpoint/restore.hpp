@@ -18,11 +18,15 @@ namespace resilient::checkpoint {
 
 /// A destination for one saved tensor: `nbytes` writable bytes at `dst`, in host memory
 /// (device -1) or on a CUDA device (copied host-to-device from the pool's pinned slabs).
+/// `done` (host targets only; 8-byte aligned, may lie in memory other processes map): set to 1
+/// with release ordering once every chunk of the tensor is verified and in place, while the
+/// other targets of the call are still being read (a shared restore's ranks copy it out then).
 struct ReadTarget {
   std::string name;
   void* dst = nullptr;
   uint64_t nbytes = 0;
   int device = -1;
+  int64_t* done = nullptr;
 };
 
 struct RestoreOptions {
