@@ -16,6 +16,10 @@
 #include "resilient/common/crash_report.hpp"
 #include "resilient/common/logging.hpp"
 
+#ifndef MADV_POPULATE_WRITE  // older C library headers; the kernel answers EINVAL before 5.14
+#define MADV_POPULATE_WRITE 23
+#endif
+
 namespace resilient::py {
 namespace pyb = pybind11;
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore world-restore-cpu ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore world-restore-cpu build-module ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -49,6 +49,9 @@ for x in r["rows"]:
     print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
           f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw"
           f" {x.get('restore_phases_s', '')}")
+    by = [p for p in x.get("restore_phases_by_rank_s") or [] if p]
+    if by:  # the slowest rank per phase
+        print("    max over ranks:", {k: max(p.get(k, 0) for p in by) for k in by[0]})
 PY
 }
 
@@ -112,6 +115,11 @@ PY
 for stage in "$@"; do
   case $stage in
     build) build || exit 1 ;;
+    build-module) # only the Python module (no C++ tests): for a short device call
+      unpack && configure . build/gpu -DRESILIENT_TESTS=OFF &&
+        cmake --build build/gpu -j "$(nproc)" --target _C >"$OUT/build.log" 2>&1 &&
+        cp build/gpu/bindings/_C*.so python/resilient/ || { tail -n 20 "$OUT/build.log"; exit 1; }
+      rm -f $LIBDIR/libssl.so.3 $LIBDIR/libcrypto.so.3 ;;
     test) run_tests ;;
     bench) bench 8g --size 8GiB --tensors 256 --repeat 1 ;;
     bench-big) bench 16g --size 16GiB --tensors 1000 --repeat 1
@@ -190,7 +198,7 @@ PY
         # one /dev/shm buffer) from this machine's disk, against DCP and one raw reader in the same run.
         log "world restore on CPU: ${WORLD_N:-4} ranks"
         timeout 500 python -m resilient bench --world-size "${WORLD_N:-4}" --size ${WORLD_SIZE:-4GiB} \
-          --tensors 128 --repeat 2 --methods ${WORLD_METHODS:-sharded_shm,dcp} --dir /tmp/wbench-cpu \
+          --tensors 128 --repeat ${WORLD_REPEAT:-2} --methods ${WORLD_METHODS:-sharded_shm,dcp} --dir /tmp/wbench-cpu \
           --json >"$OUT/world-cpu${WORLD_TAG:-}.json" 2>"$OUT/world-cpu${WORLD_TAG:-}.err"
         echo "rc=$?"; tail -n 3 "$OUT/world-cpu${WORLD_TAG:-}.err"
         world_summary "$OUT/world-cpu${WORLD_TAG:-}.json" ;;

@@ -101,9 +101,9 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
   }
 }
 
-// A target's done word is set once all its chunks are verified and in place, while the call
-// still runs: a thread that sees it set finds the whole tensor there. A damaged chunk leaves its
-// tensor's word unset; a word that is not 8-byte aligned is refused.
+// A target's done word is set once all its chunks are verified and in place: a thread that sees
+// it set (it may, while the call still runs) finds the whole tensor there. A damaged chunk leaves
+// its tensor's word unset; a word that is not 8-byte aligned is refused.
 TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   auto c = make();
   fill(5);
@@ -115,14 +115,18 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   alignas(8) int64_t done[3] = {0, 0, 0};
   std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
                                {"small", small.data(), 24, -1, &done[1]}};
-  std::atomic<bool> seen_whole{false};
+  std::atomic<bool> seen_whole{false}, ended{false};
   std::thread watcher([&] {
-    while (std::atomic_ref<int64_t>(done[0]).load(std::memory_order_acquire) == 0)
+    while (std::atomic_ref<int64_t>(done[0]).load(std::memory_order_acquire) == 0) {
+      if (ended) return;
       std::this_thread::yield();
+    }
     seen_whole = big == big_;
   });
-  ASSERT_TRUE(c->read(*m, t).ok());
+  Status read = c->read(*m, t);
+  ended = true;
   watcher.join();
+  ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(seen_whole.load());
   EXPECT_EQ(done[0], 1);
   EXPECT_EQ(done[1], 1);

@@ -323,6 +323,37 @@ def test_roots_that_are_not_checkpoint_roots_raise(tmp_path):
         assert ck.load({"model": m}) is None
 
 
+def test_processes_creating_one_root_at_once_all_succeed(tmp_path, monkeypatch):
+    """Ranks that each open the same new root with create=True (distributed=False, as a
+    per-rank loop does) all succeed: a marker another process is still writing makes the
+    directory a root, whenever it appears between looks (it failed CI once: one rank listed
+    the directory empty, another's temporary marker appeared, and the first refused it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from resilient.checkpoint import root as roots
+
+    real = roots._names
+    looks: list[str] = []
+
+    def another_process_writes_its_marker_meanwhile(path):
+        names = real(path)
+        if os.path.isdir(path) and not looks:
+            looks.append(path)
+            (tmp_path / "raced" / "resilient-root.json.tmp.0123abcd").write_text("{}")
+        return names
+
+    (tmp_path / "raced").mkdir()
+    monkeypatch.setattr(roots, "_names", another_process_writes_its_marker_meanwhile)
+    roots.ensure_root(str(tmp_path / "raced"))
+    assert (tmp_path / "raced" / "resilient-root.json").exists()
+    monkeypatch.setattr(roots, "_names", real)
+    for i in range(20):  # and for real: threads racing to create one root
+        where = str(tmp_path / f"root{i}")
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(roots.ensure_root, [where] * 8))
+        assert roots.is_root(where)
+
+
 # 7. lineage: a rollback starts a new branch ---------------------------------------------------
 def test_rollback_starts_a_branch_and_retention_keeps_its_lineage(tmp_path):
     root = tmp_path / "c"

@@ -39,7 +39,7 @@ def _state(rank: int, world: int, mesh):
             "dr": distribute_tensor(dr, mesh, [Replicate()])}, specs
 
 
-FROZEN_S = 30  # how long the "frozen" phase's rank stays stopped
+FROZEN_S = 20  # how long the "frozen" phase's rank stays stopped
 
 
 def _same(a, b) -> bool:
@@ -60,10 +60,10 @@ def _worker(rank: int, world: int, port: int, phases: str, root: str, out: str) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    shm_dir = shm.DIR
+    shm_dir, native = shm.DIR, shm._C
     for phase in phases.split(","):
         result = _phase(rank, world, mesh, phase, root, out)
-        shm.DIR = shm_dir  # as the phase found it
+        shm.DIR, shm._C = shm_dir, native  # as the phase found them
         dist.barrier()
         _report(result, phase, world, rank, out)
         dist.barrier()
@@ -85,7 +85,8 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             ck.save(1, expect, {"r": torch.tensor([rank])}).wait()
         return result
     mode = {"nobuffer": "shared", "notshared": "shared", "dies": "shared", "fullshm": "shared",
-            "corrupt": "shared", "frozen": "shared", "frozenread": "shared"}.get(phase, phase)
+            "corrupt": "shared", "frozen": "shared", "frozenread": "shared",
+            "noroom": "shared", "fullhosts": "shared"}.get(phase, phase)
     kwargs: dict = {}
     if phase == "frozenread":  # one host: rank 1 stops (SIGSTOP) as its reader thread starts
         from resilient.checkpoint import host_share
@@ -131,8 +132,23 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
         dist.irecv = irecv
     if phase == "corrupt":  # the test's copy with a damaged piece
         root = root + "-corrupt"
-    if phase == "fullshm":  # a tmpfs too small for the buffer: a reader's reserve fails
+    if phase in ("fullshm", "fullhosts"):  # a tmpfs too small for the buffer(s)
         shm.DIR = os.environ["TEST_SMALL_SHM"]
+    if phase == "fullhosts":  # 2 emulated hosts, whose buffers share that tmpfs
+        os.environ["RESILIENT_HOST_ID"] = f"host-{rank // 2}"
+    if phase == "noroom" and rank == 1:  # its pages cannot be had, as on a full /dev/shm
+        import errno
+
+        class NoRoom:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            @staticmethod
+            def populate_write(addr, nbytes):
+                return errno.EFAULT
+
+        native = shm._C
+        shm._C = NoRoom()
     if phase == "nobuffer":  # the buffer cannot be created
         shm.DIR = "/nonexistent-shm-dir"
     if phase == "notshared" and rank > 0:  # rank 0 creates it where the others do not look
@@ -268,14 +284,15 @@ def test_shared_restore_reads_each_byte_once_per_host(at4, tmp_path):
     direct = at4["direct"]
     assert direct[0]["same"] and direct[0]["bytes_read"] > 2 * size  # replicated: once per rank
     # resharded: rank_state of the ranks >= world is not read; then a buffer that cannot be
-    # created, and one the other ranks cannot see: every rank reads directly instead
-    at3 = _run("shared,nobuffer,notshared", 3, root, tmp_path)
+    # created, one the other ranks cannot see, and one whose pages a reader cannot reserve
+    # (a full /dev/shm): every rank reads directly instead
+    at3 = _run("shared,nobuffer,notshared,noroom", 3, root, tmp_path)
     at2 = _run("shared", 2, root, tmp_path)
     for got in (at3["shared"], at2["shared"]):
         assert all(g.get("error") is None and g["same"] for g in got), got
         assert got[0]["bytes_read"] < size
         assert not any(g["leftovers"] for g in got)
-    for phase in ("nobuffer", "notshared"):
+    for phase in ("nobuffer", "notshared", "noroom"):
         fallback = at3[phase]
         assert all(g.get("error") is None and g["same"] for g in fallback), fallback
         assert fallback[0]["bytes_read"] > size  # replicated pieces read by every rank
@@ -373,13 +390,13 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     progress = shm.Progress(view, 4, 3)
     assert [progress.get(i) for i in range(4)] == [0, 0, 0, 0]  # a new buffer: nothing read
     assert not any(progress.piece_done(i) for i in range(3))
-    progress.publish(2, shm.Progress.DONE)
+    progress.publish(2, 3)
     progress.publish(3, shm.Progress.FAILED)
     from resilient import _C
 
     _C.publish_i64(progress.piece_word(1), 1)  # as the engine marks a piece in place
     again = shm.Progress(shm.open_mapped(path, header + 8192), 4, 3)  # another mapping sees them
-    assert [again.get(i) for i in range(4)] == [0, 0, shm.Progress.DONE, shm.Progress.FAILED]
+    assert [again.get(i) for i in range(4)] == [0, 0, 3, shm.Progress.FAILED]
     assert [again.piece_done(i) for i in range(3)] == [False, True, False]
     dead = tmp_path / "resilient-restore-999999999-t2"  # no such pid
     dead.write_bytes(b"x")
@@ -390,21 +407,32 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 512 KiB tmpfs, as a container's small /dev/shm (mounting needs root)."""
+def _mount_tmpfs(where, size: str):
+    """A tmpfs of `size` at `where`, as a container's small /dev/shm (mounting needs root)."""
     import subprocess
 
-    where = tmp_path / "small-shm"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+
+
+def _umount(where) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """512 KiB: smaller than one host's buffer of the saved state."""
+    where = tmp_path / "small-shm"
+    _mount_tmpfs(where, "512k")
     try:
         yield where
     finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+        _umount(where)
 
 
 def test_shm_buffer_reserve_on_a_full_tmpfs_raises_enospc_not_sigbus(small_tmpfs, monkeypatch):
@@ -457,6 +485,28 @@ def test_a_full_dev_shm_makes_every_rank_read_directly(small_tmpfs, saved, tmp_p
 
 
 @pytest.mark.timeout(300)
+def test_pages_received_from_another_host_are_reserved_before_they_are_written(saved, tmp_path,
+                                                                              monkeypatch):
+    """Two emulated hosts of two ranks, whose buffers (about 1.2 MB each) share one 1600 KiB
+    tmpfs: the pages each host reads itself fit, those it receives from the other host do not.
+    Every page a rank writes, read or received, is reserved before any is written, so a rank
+    finds the tmpfs full there, not as a SIGBUS in the exchange, and every rank reads
+    directly: the state is exact and no buffer is left."""
+    where = tmp_path / "shm-1600k"
+    _mount_tmpfs(where, "1600k")
+    try:
+        monkeypatch.setenv("TEST_SMALL_SHM", str(where))
+        root = _copy(saved, tmp_path)
+        got = _run("fullhosts", 4, root, tmp_path)["fullhosts"]
+        for g in got:
+            assert g.get("error") is None and g["same"], g
+            assert g["bytes_read"] > _size(root), g  # the fallback: direct reads
+        assert not os.listdir(where)
+    finally:
+        _umount(where)
+
+
+@pytest.mark.timeout(300)
 def test_a_frozen_reader_of_the_host_fails_the_load_within_its_timeout(saved, tmp_path):
     """One host of 4 ranks: rank 1 stops (SIGSTOP) as its reader thread starts, so its parts of
     the host's buffer never arrive. The others, copying parts out as they arrive, raise
@@ -466,6 +516,7 @@ def test_a_frozen_reader_of_the_host_fails_the_load_within_its_timeout(saved, tm
     for g in got:
         assert "CollectiveError" in g.get("error", "") and "within 4 s" in g["error"], g
         assert g["seconds"] < FROZEN_S - 10, g
+        assert not g["leftovers"]
 
 
 @settings(max_examples=200, deadline=None)

@@ -176,10 +176,12 @@ class LoadReport:
     bytes_read: int = 0  #: read from storage by all ranks together (the step loaded)
     #: this rank's seconds per phase of the load: find (which steps to try), prepare (reading
     #: the manifest and planning, until every rank's plan is agreed), the reads (one "read"; for
-    #: a shared restore its own phases: through a host buffer plan, read, wait_reads, exchange,
-    #: wait_exchange, copy, or in an NCCL job read_own, wait_reads, read, broadcast,
-    #: wait_broadcast), agree_reads (until every rank's reads are known to have succeeded) and
-    #: finish (putting values in place, agreed)
+    #: a shared restore its own phases: through a host buffer plan, read (the host's reads,
+    #: with this rank's copies out of the buffer beside them), wait_reads, exchange,
+    #: wait_exchange, copy (the pieces other hosts read), or in an NCCL job read_own,
+    #: wait_reads, read, broadcast, wait_broadcast), agree_reads (until every rank's reads are
+    #: known to have succeeded) and finish (putting values in place, agreed); the step loaded
+    #: only, not the steps skipped before it
     seconds: dict[str, float] = field(default_factory=dict)
 
 

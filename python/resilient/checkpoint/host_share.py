@@ -79,42 +79,51 @@ class Arrival:
 class RunReader(threading.Thread):
     """Reads this rank's run of the buffer (`run`: piece names; `index`: each piece's word)
     into the mapped buffer (`mapping`: header and data) in one engine call, after reserving its
-    pages; the engine marks each piece done as it lands. Then publishes DONE (or FAILED) as
-    reader `slot`, and calls `then` (the pieces only this rank needs, straight into its
-    targets), which returns the bytes it read. `read(targets)` is the engine's verified read.
-    After join(): `error` (None, or what failed), `no_room` (the error was /dev/shm full: every
-    rank should read directly) and `bytes_read`."""
+    pages and those of `receives` (the [lo, hi) ranges of the buffer this rank receives from
+    other hosts); the engine marks each piece done as it lands. On failure publishes FAILED as
+    reader `slot`. Then, unless stop() was called, calls `then` (the pieces only this rank
+    needs, straight into its targets), which returns the bytes it read. `read(targets)` is the
+    engine's verified read. After join(): `error` (None, or what failed, without its
+    traceback, which would keep the buffer mapped), `no_room` (the pages could not be
+    reserved: every rank should read directly) and `bytes_read`."""
 
     def __init__(self, read: Callable[[list[dict]], None], then: Callable[[], int], path: str,
                  mapping: torch.Tensor, header: int, where: dict[str, int],
-                 entries: dict[str, dict], run: list[str], index: dict[str, int], slot: int,
-                 progress: shm.Progress | None):
+                 entries: dict[str, dict], run: list[str], receives: list[tuple[int, int]],
+                 index: dict[str, int], slot: int, progress: shm.Progress | None):
         super().__init__(name="resilient-restore-read", daemon=True)
         self._read, self._then, self._path, self._mapping = read, then, path, mapping
         self._header, self._where, self._entries = header, where, entries
-        self._run, self._index, self._slot, self._progress = run, index, slot, progress
+        self._run, self._receives, self._index = run, receives, index
+        self._slot, self._progress = slot, progress
+        self._stopped = threading.Event()
         self.error: BaseException | None = None
         self.no_room = False
         self.bytes_read = 0
 
+    def stop(self) -> None:
+        """The load is abandoned: read nothing more after the run in progress."""
+        self._stopped.set()
+
     def run(self) -> None:
-        if self._run:
-            assert self._progress is not None  # a run exists only with a buffer
+        if self._run or self._receives:
+            assert self._progress is not None  # they exist only with a buffer
             try:
                 self._read_run(self._progress)
             except BaseException as e:  # noqa: BLE001 -- reported after join()
-                self.error = e
+                self.error = e.with_traceback(None)
                 self._progress.publish(self._slot, shm.Progress.FAILED)
                 return
-            self._progress.publish(self._slot, shm.Progress.DONE)
+        if self._stopped.is_set():
+            return
         try:
             self.bytes_read += self._then()
         except BaseException as e:  # noqa: BLE001 -- reported after join()
-            self.error = e
+            self.error = e.with_traceback(None)
 
     def _read_run(self, progress: shm.Progress) -> None:
-        try:
-            for lo, hi in spans(self._run, self._where, self._entries):
+        try:  # every page this rank writes, before it writes any: no SIGBUS on a full tmpfs
+            for lo, hi in spans(self._run, self._where, self._entries) + self._receives:
                 shm.reserve(self._path, self._mapping, self._header + lo, hi - lo)
         except OSError:
             self.no_room = True

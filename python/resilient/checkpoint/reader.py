@@ -261,10 +261,13 @@ class Reader:
         # Each rank of the host reads its run, and the host's ranks copy each piece out as soon
         # as it is in place (checkpoint.host_share); the pieces other hosts read, after the
         # exchange.
-        runs = [[n for n in common if share[n] == hosts.order.index(r)]
-                + [n for n in rest if share_rest[n] == i] for i, r in enumerate(local)]
-        index = {n: i for i, n in enumerate(common + rest)}  # its word in the header
+        position = {r: hosts.order.index(r) for r in local}
+        runs = [[n for n in common if share[n] == position[r] and self._entries[n]["nbytes"]]
+                + [n for n in rest if share_rest[n] == i and self._entries[n]["nbytes"]]
+                for i, r in enumerate(local)]  # (an empty piece needs no read, nor copy)
+        index = {n: i for i, n in enumerate(n for run in runs for n in run)}  # its header word
         remote = [n for n in common if hosts.order[share[n]] not in local]
+        receives = [(t.lo, t.hi) for t in plan if t.dst == rank]
         header = shm.header_bytes(len(local), len(index))
         path = os.path.join(shm.DIR, f"resilient-restore-{gathered[local[0]]['pid']}-{tag}")
         # The host's first rank creates the buffer with this load's tag in its header; every
@@ -273,7 +276,7 @@ class Reader:
         problem = None
         if rank == local[0] and size:
             try:
-                shm.create(path, header + size, tag)
+                shm.create(path, header + size, tag, header)
             except OSError as e:
                 problem = f"{path}: {e}"
         # The creator unlinks the buffer on every way out (a peer that dies mid-load makes the
@@ -301,23 +304,31 @@ class Reader:
             progress = shm.Progress(mapping, len(local), len(index)) if size else None
             me = local.index(rank)
 
-            def then() -> int:
+            cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+            def then() -> int:  # on the reader's thread, whose current CUDA device is the 0th
+                if cuda is not None:
+                    torch.cuda.set_device(cuda)
                 self.run(only=own)
                 return self.bytes_read
 
             reading = host_share.RunReader(
                 lambda targets: self._engine.read(self._manifest, targets), then, path, mapping,
-                header, where, self._entries, runs[me], index, me, progress)
+                header, where, self._entries, runs[me], receives, index, me, progress)
             error: BaseException | None = None
-            reading.start()
             try:
+                reading.start()
                 self._copy_arrivals(buffer, where, runs, index, progress, ranks, data_timeout)
             except CollectiveError:
+                reading.stop()
                 raise  # a peer stopped, or abort(): every rank raises it, without the gather
             except Exception as e:
                 error = e
+                if progress is not None and not reading.is_alive():  # it never started
+                    progress.publish(me, shm.Progress.FAILED)
             finally:
-                reading.join()  # its reads are local, bounded by the disk
+                if reading.is_alive():
+                    reading.join()  # its reads are local, bounded by the disk
             error = reading.error or error
             self.bytes_read = reading.bytes_read
             stamps.append(("read", clock()))
@@ -330,7 +341,7 @@ class Reader:
             if rank == local[0]:
                 shm.unlink(path)  # every rank of the host has it mapped (or failed)
         if any(isinstance(x, tuple) for x in status):
-            del buffer, mapping, progress, reading  # its pages go back before the direct reads
+            del buffer, mapping, progress, reading, error  # the pages go back before the reads
             self._fall_back(path, False, rank, [x[1] for x in status if isinstance(x, tuple)])
             return
         if error is not None:
@@ -491,8 +502,9 @@ class Reader:
                        index: dict[str, int], progress: shm.Progress | None, ranks: Any,
                        timeout: float | None) -> None:
         """Copies the pieces this rank needs out of the host's buffer, each once it is in place
-        (runs[i]: reader i's pieces, in its reading order; taken reader after reader). Stops at
-        a reader's failure, which the gather after the reads reports."""
+        (runs[i]: reader i's pieces, in its reading order; taken round-robin over the readers,
+        as they read in parallel). Stops at a reader's failure, which the gather after the
+        reads reports."""
         order = [(i, run[j]) for j in range(max(map(len, runs), default=0))
                  for i, run in enumerate(runs) if j < len(run)]
         wanted = {c.entry for w in self._wanted for c in w.copies}

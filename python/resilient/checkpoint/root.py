@@ -54,7 +54,11 @@ def _names(path: str) -> list[str]:
 
 def is_root(path: str) -> bool:
     """True for a directory resilient initialised (a marker, a step or a save in progress)."""
-    names = _names(path)
+    return _holds_root(_names(path))
+
+
+def _holds_root(names: list[str]) -> bool:
+    """A directory listing of a root (its marker, or one being written; a step)."""
     return any(_STEP_DIR.match(n) or n.startswith((MARKER, ".tmp-step-")) for n in names)
 
 
@@ -84,12 +88,15 @@ def why_not_root(path: str) -> str:
 
 def ensure_root(path: str) -> None:
     """Makes `path` a checkpoint root: creates it (and its parents) and the marker, made
-    durable. A directory holding anything that is not a resilient root is refused."""
-    if is_root(path):
+    durable. A directory holding anything that is not a resilient root is refused. Safe
+    when several processes create the same root at once (one listing decides: a marker that
+    another process is writing makes it a root)."""
+    names = _names(path)
+    if _holds_root(names):
         if not os.path.exists(os.path.join(path, MARKER)):
             _write_marker(path)
         return
-    if os.path.isdir(path) and _names(path):
+    if os.path.isdir(path) and names:
         raise CheckpointNotFoundError(
             why_not_root(path) + "; refusing to create a checkpoint root there", path)
     os.makedirs(path, exist_ok=True)

@@ -65,15 +65,17 @@ def header_bytes(readers: int, pieces: int = 0) -> int:
     return max(4096, -(-(PROGRESS + 8 * (readers + pieces)) // 4096) * 4096)
 
 
-def create(path: str, size: int, token: str) -> None:
-    """Creates the buffer, `size` bytes long (not yet backed: see `reserve`), with `token` at
-    its start. OSError (EEXIST...) leaves no file behind."""
+def create(path: str, size: int, token: str, header: int = 4096) -> None:
+    """Creates the buffer, `size` bytes long, with `token` at its start and its first `header`
+    bytes reserved (the rest is backed by `reserve`). OSError (EEXIST, ENOSPC...) leaves no
+    file behind."""
     if len(token.encode()) >= PROGRESS:
-        raise ValueError(f"buffer token too long: {token!r}")
+        raise OSError(errno.ENAMETOOLONG, f"buffer token too long: {token!r}")
     sweep(os.path.dirname(path))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, min(header, size))  # the progress words: every rank's
         os.pwrite(fd, token.encode(), 0)
     except BaseException:
         os.close(fd)
@@ -107,7 +109,9 @@ def reserve(path: str, mapping: torch.Tensor, offset: int, nbytes: int) -> None:
     memory before they are written: OSError ENOSPC when /dev/shm has no room (writing them
     would raise SIGBUS). On kernels before 5.14 (no MADV_POPULATE_WRITE), posix_fallocate,
     which the readers of a host then take in turn."""
-    err = _C.populate_write(mapping.data_ptr() + offset, nbytes)
+    err = errno.EINTR
+    while err == errno.EINTR:
+        err = _C.populate_write(mapping.data_ptr() + offset, nbytes)
     if err == errno.EINVAL:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -117,18 +121,20 @@ def reserve(path: str, mapping: torch.Tensor, offset: int, nbytes: int) -> None:
             err = e.errno
         finally:
             os.close(fd)
-    if err:
+    if err in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):  # no page to be had
         raise OSError(errno.ENOSPC, f"{os.path.dirname(path)} has no room for {nbytes} bytes of "
                       f"the restore's shared buffer ({os.strerror(err)})", path)
+    if err:
+        raise OSError(err, f"reserving the restore's shared buffer: {os.strerror(err)}", path)
 
 
 class Progress:
-    """The progress words in a mapped buffer's header: reader i publishes DONE once its run is
-    in place, or FAILED (release); each piece's word is set to 1 by the engine once that piece
-    is verified and in place (native read targets' "done"). The others observe them (acquire).
-    A new buffer holds zeros: nothing read."""
+    """The progress words in a mapped buffer's header: reader i publishes FAILED when its run
+    cannot be read (release); each piece's word is set to 1 by the engine once that piece is
+    verified and in place (native read targets' "done"). The others observe them (acquire). A
+    new buffer holds zeros: nothing read, nothing failed."""
 
-    DONE, FAILED = 1, -1
+    FAILED = -1
 
     def __init__(self, mapping: torch.Tensor, readers: int, pieces: int = 0):
         assert mapping.numel() >= PROGRESS + 8 * (readers + pieces)

@@ -155,8 +155,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         if read:  # resilient's own count of the bytes its restore read from storage (all ranks)
             rows[method]["storage_read_bytes"] = read
             rows[method]["storage_read_gbps"] = round(read / load_s / 1e9, 3)
-        if phases:  # rank 0's phases of its last shared restore
+        every: list[Any] = [None] * world  # every rank's phases: where the slowest one waited
+        dist.all_gather_object(every, phases)
+        if phases:  # rank 0's phases of its last restore, then every rank's
             rows[method]["restore_phases_s"] = phases
+            rows[method]["restore_phases_by_rank_s"] = every
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
