@@ -97,7 +97,10 @@ def _change_dtensor(d, how: str, value: float):
     elif how == "local_transposed":  # the same DTensor, a non-contiguous local tensor
         d._local_tensor = d._local_tensor.t()
     elif how == "requires_grad":
-        d._local_tensor.requires_grad_(not d._local_tensor.requires_grad)
+        t = d._local_tensor
+        if not t.is_leaf:  # an earlier round's view (local_transposed) of a tensor with grad:
+            t = d._local_tensor = t.detach()  # only a leaf's flag can change
+        t.requires_grad_(not t.requires_grad)
     return d
 
 

@@ -220,9 +220,9 @@ class Reader:
         device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
         report = {"host": me_host, "pid": os.getpid(), "needed": needed, "nccl": nccl is not None,
                   "gpu": device is not None and device_share.eligible(self._wanted, device),
-                  "round_bytes": _round_bytes()}
+                  "round_bytes": _round_bytes() if nccl is not None else 0}
         gathered = _gather_needs(ranks, rank, failure, report, data_timeout)
-        round_bytes = gathered[0]["round_bytes"]  # rank 0's: the same rounds on every rank
+        round_bytes = gathered[0]["round_bytes"]  # rank 0's: the same GPU rounds on every rank
         if not all(g["nccl"] for g in gathered):  # NCCL only where every rank has it
             nccl = None
         counts = Counter(n for g in gathered for n in g["needed"])
