@@ -318,7 +318,8 @@ class Reader:
             error: BaseException | None = None
             try:
                 reading.start()
-                self._copy_arrivals(buffer, where, runs, index, progress, ranks, data_timeout)
+                self._copy_arrivals(buffer, where, runs, set(needed), index, progress, ranks,
+                                    data_timeout)
             except CollectiveError:
                 reading.stop()
                 raise  # a peer stopped, or abort(): every rank raises it, without the gather
@@ -499,15 +500,14 @@ class Reader:
                         for i, (name, t) in enumerate(stamps[1:])}
 
     def _copy_arrivals(self, buffer: torch.Tensor, where: dict[str, int], runs: list[list[str]],
-                       index: dict[str, int], progress: shm.Progress | None, ranks: Any,
-                       timeout: float | None) -> None:
-        """Copies the pieces this rank needs out of the host's buffer, each once it is in place
-        (runs[i]: reader i's pieces, in its reading order; taken round-robin over the readers,
-        as they read in parallel). Stops at a reader's failure, which the gather after the
-        reads reports."""
+                       wanted: set[str], index: dict[str, int], progress: shm.Progress | None,
+                       ranks: Any, timeout: float | None) -> None:
+        """Copies the pieces this rank needs (`wanted`) out of the host's buffer, each once it
+        is in place (runs[i]: reader i's pieces, in its reading order; taken round-robin over
+        the readers, as they read in parallel). Stops at a reader's failure, which the gather
+        after the reads reports."""
         order = [(i, run[j]) for j in range(max(map(len, runs), default=0))
                  for i, run in enumerate(runs) if j < len(run)]
-        wanted = {c.entry for w in self._wanted for c in w.copies}
         with torch.no_grad():
             for i, n in order:
                 if n not in wanted:

@@ -2,12 +2,13 @@
 read their shares of the checkpoint into and copy their pieces out of (Reader.run_shared).
 
 Named ``resilient-restore-<pid>-<tag>`` (the creating rank's pid and a tag the ranks agree on),
-created with O_EXCL and sized, not filled: each reader reserves the pages of its own run before
-reading into them (`reserve`, in parallel on the readers; a full /dev/shm is ENOSPC there, not a
-SIGBUS later); the header's progress words (`Progress`) say which pieces are in place, and the
-other ranks of the host copy each piece out while the rest is read. Unlinked by
-its creator once every rank is done reading (the mappings keep the memory until dropped). Files
-left by a creator that died are removed by the next creation on the host."""
+created with O_EXCL and sized, not filled (only the header is reserved): each rank reserves the
+pages it will write, those of its own run and those it receives from other hosts, before writing
+any (`reserve`, in parallel on the ranks; a full /dev/shm is ENOSPC there, not a SIGBUS later);
+the header's progress words (`Progress`) say which pieces are in place, and the other ranks of
+the host copy each piece out while the rest is read. Unlinked by its creator once every rank is
+done reading (the mappings keep the memory until dropped). Files left by a creator that died are
+removed by the next creation on the host."""
 
 from __future__ import annotations
 
