@@ -438,6 +438,7 @@ void register_checkpoint(pyb::module_& m) {
                if (d.contains("device")) t.device = d["device"].cast<int>();
                if (d.contains("done"))
                  t.done = reinterpret_cast<int64_t*>(d["done"].cast<uintptr_t>());
+               if (d.contains("populate")) t.populate = d["populate"].cast<bool>();
                ts.push_back(std::move(t));
              }
              Status s;

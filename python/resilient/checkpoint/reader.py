@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -210,6 +212,22 @@ class Reader:
         stops mid-load, frozen or gone, makes every rank raise CollectiveError within
         `data_timeout`, or at once on abort(), instead of waiting in gloo for the group's own
         timeout)."""
+        try:
+            self._run_shared(group, rank, world, failure, tag, ranks, data_timeout)
+        except BaseException as e:
+            # The raised error's frames (and those of the errors it chains) held the host's
+            # buffer mapped (gigabytes) for as long as a caller keeps the error, as a load
+            # that goes on to an older step does.
+            seen: set[int] = set()
+            err: BaseException | None = e
+            while err is not None and id(err) not in seen:
+                seen.add(id(err))
+                traceback.clear_frames(err.__traceback__)
+                err = err.__cause__ or err.__context__
+            raise
+
+    def _run_shared(self, group: Any, rank: int, world: int, failure: BaseException | None,
+                    tag: str, ranks: Any, data_timeout: float | None) -> None:
         ranks = ranks or Blocking(group, world)
         clock = time.perf_counter
         stamps = [("start", clock())]
@@ -314,12 +332,14 @@ class Reader:
 
             reading = host_share.RunReader(
                 lambda targets: self._engine.read(self._manifest, targets), then, path, mapping,
-                header, where, self._entries, runs[me], receives, index, me, progress)
+                header, where, self._entries, runs[me], receives, index, me, progress,
+                populate=bool(size) and shm.can_populate(mapping))
             error: BaseException | None = None
+            copying: dict[str, float] = {}
             try:
                 reading.start()
-                self._copy_arrivals(buffer, where, runs, set(needed), index, progress, ranks,
-                                    data_timeout)
+                copying = self._copy_arrivals(buffer, where, runs, set(needed), index,
+                                              progress, ranks, data_timeout)
             except CollectiveError:
                 reading.stop()
                 raise  # a peer stopped, or abort(): every rank raises it, without the gather
@@ -333,6 +353,7 @@ class Reader:
             error = reading.error or error
             self.bytes_read = reading.bytes_read
             stamps.append(("read", clock()))
+            detail = {f"read.{k}": v for k, v in {**reading.seconds, **copying}.items()}
             mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
             if reading.no_room:
                 mine = ("not shared", mine)
@@ -365,8 +386,15 @@ class Reader:
             for n in remote:
                 self._copy_out(n, buffer[where[n]: where[n] + self._entries[n]["nbytes"]], None)
         stamps.append(("copy", clock()))
+        # Unmapping the buffer takes a rank about 0.2 s per GiB (its page tables; the last rank
+        # to unmap also frees the pages): done on a thread, after every copy, beside whatever
+        # the job does next (benchmarks/RESULTS.md).
+        held = [mapping]
+        del buffer, mapping, progress, reading
+        shm.release_later(held)
         self.seconds = {name: round(t - stamps[i][1], 4)
                         for i, (name, t) in enumerate(stamps[1:])}
+        self.seconds.update(detail)
 
     def _run_device(self, group: Any, rank: int, world: int, nccl: Any, counts: Counter,
                     round_bytes: int, ranks: Any, data_timeout: float | None, clock: Any,
@@ -501,23 +529,50 @@ class Reader:
 
     def _copy_arrivals(self, buffer: torch.Tensor, where: dict[str, int], runs: list[list[str]],
                        wanted: set[str], index: dict[str, int], progress: shm.Progress | None,
-                       ranks: Any, timeout: float | None) -> None:
+                       ranks: Any, timeout: float | None) -> dict[str, float]:
         """Copies the pieces this rank needs (`wanted`) out of the host's buffer, each once it
-        is in place (runs[i]: reader i's pieces, in its reading order; taken round-robin over
-        the readers, as they read in parallel). Stops at a reader's failure, which the gather
-        after the reads reports."""
-        order = [(i, run[j]) for j in range(max(map(len, runs), default=0))
-                 for i, run in enumerate(runs) if j < len(run)]
-        with torch.no_grad():
-            for i, n in order:
-                if n not in wanted:
-                    continue
-                assert progress is not None
-                ranks.wait(host_share.Arrival(progress, i, index[n], timeout or 600.0), timeout)
-                if not progress.piece_done(index[n]):
-                    return  # its reader failed
-                nbytes = self._entries[n]["nbytes"]
-                self._copy_out(n, buffer[where[n]: where[n] + nbytes], None)
+        is in place (runs[i]: reader i's pieces; checkpoint.host_share.Arrivals), on a few
+        threads (host_share.copy_workers). Stops at a reader's failure, which the gather after
+        the reads reports. Returns its seconds waiting for pieces ("waits") and from the last
+        arrival to the end of the copies ("tail")."""
+        if progress is None:  # no buffer: nothing shared
+            return {}
+        arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0)
+        self._copies_map()  # built here, not by the copy threads at once
+
+        def copy(n: str, view: torch.Tensor) -> None:
+            with torch.no_grad():  # grad mode is per thread
+                self._copy_out(n, view, None)
+
+        clock = time.perf_counter
+        waits = 0.0
+        pool = ThreadPoolExecutor(host_share.copy_workers(), "resilient-restore-copy")
+        futures = []
+        try:
+            while arrivals.left():
+                t0 = clock()
+                ranks.wait(arrivals, timeout)
+                waits += clock() - t0
+                if arrivals.failed:
+                    break
+                for n in arrivals.take():
+                    view = buffer[where[n]: where[n] + self._entries[n]["nbytes"]]
+                    futures.append(pool.submit(copy, n, view))
+            last = clock()
+            for f in futures:
+                f.result()  # the first copy that failed raises here
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # no copy runs on after a raise
+        return {"waits": round(waits, 4), "tail": round(clock() - last, 4)}
+
+    def _copies_map(self) -> dict[str, list[tuple[int, int]]]:
+        """Saved piece -> its copies (wanted, copy), built once (not a scan per piece)."""
+        if self._copies_of is None:
+            self._copies_of = {}
+            for i, w in enumerate(self._wanted):
+                for j, c in enumerate(w.copies):
+                    self._copies_of.setdefault(c.entry, []).append((i, j))
+        return self._copies_of
 
     def _copy_out(self, entry: str, raw: torch.Tensor, done: tuple[int, int] | None,
                   cpu: bool | None = None) -> bool:
@@ -526,13 +581,8 @@ class Reader:
         (`cpu` True) or only the others (False). Returns whether copies were left out."""
         e = self._entries[entry]
         src = raw.view(dtype_from_name(e["dtype"])).reshape(tuple(e["shape"]))
-        if self._copies_of is None:  # entry -> its copies, once (not a scan per piece)
-            self._copies_of = {}
-            for i, w in enumerate(self._wanted):
-                for j, c in enumerate(w.copies):
-                    self._copies_of.setdefault(c.entry, []).append((i, j))
         left = False
-        for i, j in self._copies_of.get(entry, ()):
+        for i, j in self._copies_map().get(entry, ()):
             if (i, j) != done:
                 w, c = self._wanted[i], self._wanted[i].copies[j]
                 if cpu is not None and (w.out.device.type == "cpu") != cpu:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 
 import torch
 
@@ -129,6 +130,24 @@ def reserve(path: str, mapping: torch.Tensor, offset: int, nbytes: int) -> None:
         raise OSError(err, f"reserving the restore's shared buffer: {os.strerror(err)}", path)
 
 
+#: The last thread started by release_later (tests join it).
+releasing: threading.Thread | None = None
+
+
+def release_later(held: list) -> None:
+    """Drops the references in `held` (the last ones to a mapped buffer, so unmapping it) on
+    a thread of its own."""
+    global releasing
+    releasing = threading.Thread(target=held.clear, name="resilient-shm-release", daemon=True)
+    releasing.start()
+
+
+def can_populate(mapping: torch.Tensor) -> bool:
+    """Whether pages of `mapping` can be reserved as they are written (MADV_POPULATE_WRITE,
+    Linux 5.14 on): asked of its first page, which `create` reserved."""
+    return _C.populate_write(mapping.data_ptr(), 1) == 0
+
+
 class Progress:
     """The progress words in a mapped buffer's header: reader i publishes FAILED when its run
     cannot be read (release); each piece's word is set to 1 by the engine once that piece is
@@ -155,6 +174,10 @@ class Progress:
 
     def piece_done(self, piece: int) -> bool:
         return _C.observe_i64(self._pieces + 8 * piece) != 0
+
+    def pieces_done(self, first: int, count: int) -> bytes:
+        """One byte per piece first..first+count-1: 1 once it is in place, else 0."""
+        return _C.observe_many(self._pieces + 8 * first, count)
 
 
 def unlink(path: str) -> None:

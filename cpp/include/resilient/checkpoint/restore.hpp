@@ -27,6 +27,11 @@ struct ReadTarget {
   uint64_t nbytes = 0;
   int device = -1;
   int64_t* done = nullptr;
+  // A host target in a shared mapping whose pages may not exist yet (the shared restore's
+  // /dev/shm buffer): each chunk's pages are allocated before it is written, by the reader
+  // thread that writes it, so that a full tmpfs fails the read (kResourceExhausted) instead of
+  // raising SIGBUS, and the allocation runs beside the reads.
+  bool populate = false;
 };
 
 struct RestoreOptions {

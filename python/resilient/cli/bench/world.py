@@ -75,6 +75,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     hosts = max(1, min(world, getattr(args, "hosts", 1)))
     if hosts > 1:  # emulated hosts: consecutive ranks share one (the shared restore's unit)
         os.environ["RESILIENT_HOST_ID"] = f"bench-host-{rank * hosts // world}"
+    # As torchrun sets them: a rank's share of the host's CPUs (the restore's reader and copy
+    # threads) follows from its host's rank count.
+    per_host = -(-world // hosts)
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_host), LOCAL_RANK=str(rank % per_host))
     device = "cpu"
     kwargs: dict[str, Any] = {}
     if getattr(args, "device", "cpu") == "cuda":  # one GPU per rank, NCCL (the exchange's path)
