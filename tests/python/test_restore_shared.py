@@ -625,3 +625,56 @@ if __name__ == "__main__":
     phase, world = sys.argv[1], int(sys.argv[2])
     mp.start_processes(_worker, args=(world, port, phase, sys.argv[3], sys.argv[4]),
                        nprocs=world, start_method="spawn")
+
+
+class _Words:
+    """host_share.Arrivals' view of a buffer's header (shm.Progress), in memory: piece words
+    set by the test, in the order it draws, and readers that fail."""
+
+    def __init__(self, pieces: int, readers: int):
+        self.done, self.state = bytearray(pieces), [0] * readers
+
+    def get(self, reader: int) -> int:
+        return self.state[reader]
+
+    def pieces_done(self, first: int, count: int) -> bytes:
+        return bytes(self.done[first: first + count])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=5), st.integers(1, 8), st.data())
+def test_arrivals_take_each_wanted_piece_once_after_it_landed(lengths, window, data):
+    """host_share.Arrivals, whatever order the pieces land in and whatever window: take()
+    returns only pieces that landed and this rank wants, each once; once all landed nothing is
+    left; a reader's failure is seen while its pieces are outstanding."""
+    from resilient.checkpoint import shm
+    from resilient.checkpoint.host_share import Arrivals
+
+    runs = [[f"r{i}p{j}" for j in range(n)] for i, n in enumerate(lengths)]
+    index = {n: k for k, n in enumerate(n for run in runs for n in run)}
+    wanted = set(data.draw(st.lists(st.sampled_from(sorted(index)), unique=True))
+                 if index else [])
+    words = _Words(len(index), len(runs))
+    arrivals = Arrivals(words, runs, index, wanted, timeout=1.0, window=window)
+    order = data.draw(st.permutations(sorted(index)))
+    fail_at = data.draw(st.none() | st.integers(0, len(order)))
+    taken: list[str] = []
+    for step, n in enumerate(order):
+        if step == fail_at:  # a reader with pieces still out fails
+            open_readers = [i for i, run in enumerate(runs)
+                            if any(words.done[index[m]] == 0 for m in run)]
+            words.state[open_readers[0]] = shm.Progress.FAILED
+            wants_from_it = any(m in wanted and m not in taken for m in runs[open_readers[0]])
+            assert arrivals.is_completed() or not wants_from_it
+            if wants_from_it:
+                assert arrivals.failed
+            return
+        words.done[index[n]] = 1
+        if arrivals.is_completed():
+            got = arrivals.take()
+            assert all(words.done[index[m]] and m in wanted for m in got)
+            taken += got
+    while arrivals.left() and arrivals.is_completed():  # the window moves on
+        taken += arrivals.take()
+    assert sorted(taken) == sorted(wanted)
+    assert not arrivals.left() and not arrivals.failed
