@@ -426,28 +426,30 @@ void register_checkpoint(pyb::module_& m) {
              }
              return unwrap(std::move(r));
            })
-      .def("read",
-           [](Checkpointer& c, const Manifest& mf, const pyb::list& targets) {
-             std::vector<ReadTarget> ts;
-             for (const auto& item : targets) {
-               auto d = item.cast<pyb::dict>();
-               ReadTarget t;
-               t.name = d["name"].cast<std::string>();
-               t.dst = reinterpret_cast<void*>(d["ptr"].cast<uintptr_t>());
-               t.nbytes = d["nbytes"].cast<uint64_t>();
-               if (d.contains("device")) t.device = d["device"].cast<int>();
-               if (d.contains("done"))
-                 t.done = reinterpret_cast<int64_t*>(d["done"].cast<uintptr_t>());
-               if (d.contains("populate")) t.populate = d["populate"].cast<bool>();
-               ts.push_back(std::move(t));
-             }
-             Status s;
-             {
-               pyb::gil_scoped_release release;
-               s = c.read(mf, ts);
-             }
-             throw_if_error(s);
-           })
+      .def(
+          "read",
+          [](Checkpointer& c, const Manifest& mf, const pyb::list& targets, int local_ranks) {
+            std::vector<ReadTarget> ts;
+            for (const auto& item : targets) {
+              auto d = item.cast<pyb::dict>();
+              ReadTarget t;
+              t.name = d["name"].cast<std::string>();
+              t.dst = reinterpret_cast<void*>(d["ptr"].cast<uintptr_t>());
+              t.nbytes = d["nbytes"].cast<uint64_t>();
+              if (d.contains("device")) t.device = d["device"].cast<int>();
+              if (d.contains("done"))
+                t.done = reinterpret_cast<int64_t*>(d["done"].cast<uintptr_t>());
+              if (d.contains("populate")) t.populate = d["populate"].cast<bool>();
+              ts.push_back(std::move(t));
+            }
+            Status s;
+            {
+              pyb::gil_scoped_release release;
+              s = c.read(mf, ts, local_ranks);
+            }
+            throw_if_error(s);
+          },
+          pyb::arg("manifest"), pyb::arg("targets"), pyb::arg("local_ranks") = 0)
       .def("verify",
            [](Checkpointer& c, const Manifest& mf) {
              Status s;

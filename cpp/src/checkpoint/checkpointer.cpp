@@ -20,15 +20,15 @@ int auto_restore_threads(int usable_cpus, int local_ranks) {
 namespace {
 
 // The reader threads of a restore: `configured`, or with 0 this process's share of the CPUs it
-// may run on (torchrun's LOCAL_WORLD_SIZE ranks share the host).
-int restore_threads(int configured) {
+// may run on, shared by `local_ranks` ranks of the host (0: torchrun's LOCAL_WORLD_SIZE, else 1).
+int restore_threads(int configured, int local_ranks = 0) {
   if (configured > 0) return configured;
   cpu_set_t set;
   int cpus = ::sched_getaffinity(0, sizeof set, &set) == 0
                  ? CPU_COUNT(&set)
                  : static_cast<int>(std::thread::hardware_concurrency());
-  int64_t local = 1;
-  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {
+  int64_t local = local_ranks > 0 ? local_ranks : 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v != nullptr && local_ranks <= 0) {
     auto parsed = parse_int(v);
     if (parsed.ok() && *parsed > 0 && *parsed < (1 << 20)) local = *parsed;
   }
@@ -391,9 +391,9 @@ Result<Manifest> Checkpointer::manifest(int64_t step) const {
   return read_manifest(options_.root, step);
 }
 
-Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets) {
+Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets, int local_ranks) {
   RestoreOptions ro;
-  ro.threads = restore_threads(options_.restore_threads);
+  ro.threads = restore_threads(options_.restore_threads, local_ranks);
   ro.io = options_.io;
   ro.timeout = options_.timeout;
   ro.cuda = streams_->cuda();

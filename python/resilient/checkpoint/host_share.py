@@ -57,6 +57,10 @@ def spans(part: list[str], where: dict[str, int], entries: dict[str, dict],
     return out
 
 
+#: In the engine's error for a populate target whose pages could not be had (restore.cpp).
+NO_PAGE = "in its shared mapping"
+
+
 class Arrivals:
     """The pieces of the host's buffer that this rank copies out, taken as they land, in any
     order: a reader's engine finishes its pieces roughly in its run's order, a few groups at
@@ -126,27 +130,24 @@ class Arrivals:
             self._cursor[i] = c
 
 
-def copy_workers() -> int:
+def copy_workers(local: int) -> int:
     """Threads that copy a rank's pieces out of the host's buffer: its share of the CPUs it may
-    run on (torchrun's LOCAL_WORLD_SIZE ranks share the host), at most 4. The copies release
-    the GIL; several run at once beside the reads, and the last pieces' copies, after the reads,
-    end sooner."""
+    run on, which `local` ranks of the host share, at most 4. The copies release the GIL;
+    several run at once beside the reads, and the last pieces' copies, after the reads, end
+    sooner."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(1, min(4, cpus // local))
+    return max(1, min(4, cpus // max(1, local)))
 
 
 class RunReader(threading.Thread):
     """Reads this rank's run of the buffer (`run`: piece names; `index`: each piece's word)
-    into the mapped buffer (`mapping`: header and data) in one engine call, after reserving its
-    pages and those of `receives` (the [lo, hi) ranges of the buffer this rank receives from
-    other hosts); the engine marks each piece done as it lands. On failure publishes FAILED as
+    into the mapped buffer (`mapping`: header and data) in one engine call, then reserves the
+    pages of `receives` (the [lo, hi) ranges of the buffer this rank receives from other hosts);
+    the engine reserves the run's pages as it writes them, and marks each piece done as it
+    lands (without `populate`, every page is reserved first). On failure publishes FAILED as
     reader `slot`. Then, unless stop() was called, calls `then` (the pieces only this rank
     needs, straight into its targets), which returns the bytes it read. `read(targets)` is the
     engine's verified read; `populate`: whether the engine reserves the pages of the run as it
@@ -213,8 +214,8 @@ class RunReader(threading.Thread):
                     "populate": self._populate} for n in self._run]
         try:
             self._read(targets)
-        except ResourceExhaustedError:
-            self.no_room = self._populate  # the engine found no page for its run
+        except ResourceExhaustedError as e:  # the engine found no page for its run
+            self.no_room = self._populate and NO_PAGE in str(e)
             raise
         t2 = clock()
         if self._populate:

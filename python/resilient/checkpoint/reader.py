@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import traceback
 from collections import Counter
@@ -212,18 +213,22 @@ class Reader:
         stops mid-load, frozen or gone, makes every rank raise CollectiveError within
         `data_timeout`, or at once on abort(), instead of waiting in gloo for the group's own
         timeout)."""
+        handled = sys.exc_info()[1]  # a caller's error being handled: its frames are its own
         try:
             self._run_shared(group, rank, world, failure, tag, ranks, data_timeout)
         except BaseException as e:
-            # The raised error's frames (and those of the errors it chains) held the host's
-            # buffer mapped (gigabytes) for as long as a caller keeps the error, as a load
-            # that goes on to an older step does.
-            seen: set[int] = set()
-            err: BaseException | None = e
-            while err is not None and id(err) not in seen:
+            # The raised error's frames (and those of the errors it chains, raised in here)
+            # held the host's buffer mapped (gigabytes) for as long as a caller keeps the
+            # error, as a load that goes on to an older step does.
+            seen = {id(handled)}
+            chain: list[BaseException | None] = [e]
+            while chain:
+                err = chain.pop()
+                if err is None or id(err) in seen:
+                    continue
                 seen.add(id(err))
                 traceback.clear_frames(err.__traceback__)
-                err = err.__cause__ or err.__context__
+                chain += [err.__cause__, err.__context__]
             raise
 
     def _run_shared(self, group: Any, rank: int, world: int, failure: BaseException | None,
@@ -232,6 +237,7 @@ class Reader:
         clock = time.perf_counter
         stamps = [("start", clock())]
         self.seconds = {}
+        shm.wait_released()  # a last load's buffer, still being unmapped, holds /dev/shm pages
         needed = sorted({c.entry for w in self._wanted for c in w.copies})
         me_host = exchange.host_id()
         nccl = exchange.nccl_group()
@@ -331,21 +337,24 @@ class Reader:
                 return self.bytes_read
 
             reading = host_share.RunReader(
-                lambda targets: self._engine.read(self._manifest, targets), then, path, mapping,
+                lambda targets: self._engine.read(self._manifest, targets,
+                                                  local_ranks=len(local)), then, path, mapping,
                 header, where, self._entries, runs[me], receives, index, me, progress,
                 populate=bool(size) and shm.can_populate(mapping))
             error: BaseException | None = None
             copying: dict[str, float] = {}
+            started = False
             try:
                 reading.start()
+                started = True
                 copying = self._copy_arrivals(buffer, where, runs, set(needed), index,
-                                              progress, ranks, data_timeout)
+                                              progress, ranks, data_timeout, len(local))
             except CollectiveError:
                 reading.stop()
                 raise  # a peer stopped, or abort(): every rank raises it, without the gather
             except Exception as e:
                 error = e
-                if progress is not None and not reading.is_alive():  # it never started
+                if progress is not None and not started:  # its reader never ran
                     progress.publish(me, shm.Progress.FAILED)
             finally:
                 if reading.is_alive():
@@ -529,24 +538,31 @@ class Reader:
 
     def _copy_arrivals(self, buffer: torch.Tensor, where: dict[str, int], runs: list[list[str]],
                        wanted: set[str], index: dict[str, int], progress: shm.Progress | None,
-                       ranks: Any, timeout: float | None) -> dict[str, float]:
+                       ranks: Any, timeout: float | None, local: int) -> dict[str, float]:
         """Copies the pieces this rank needs (`wanted`) out of the host's buffer, each once it
         is in place (runs[i]: reader i's pieces; checkpoint.host_share.Arrivals), on a few
-        threads (host_share.copy_workers). Stops at a reader's failure, which the gather after
+        threads (host_share.copy_workers; `local`: the host's ranks) where every target is in
+        host memory, else on this thread (the caller's CUDA streams). Stops at a reader's
+        failure, which the gather after
         the reads reports. Returns its seconds waiting for pieces ("waits") and from the last
         arrival to the end of the copies ("tail")."""
         if progress is None:  # no buffer: nothing shared
             return {}
         arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0)
         self._copies_map()  # built here, not by the copy threads at once
+        inference = torch.is_inference_mode_enabled()
 
         def copy(n: str, view: torch.Tensor) -> None:
-            with torch.no_grad():  # grad mode is per thread
+            # grad and inference modes are per thread: the caller's, as its own copies would be
+            with torch.no_grad(), torch.inference_mode(inference):
                 self._copy_out(n, view, None)
 
         clock = time.perf_counter
         waits = 0.0
-        pool = ThreadPoolExecutor(host_share.copy_workers(), "resilient-restore-copy")
+        workers = host_share.copy_workers(local)
+        if any(w.out.device.type != "cpu" for w in self._wanted):
+            workers = 0  # device targets: copied on this thread, on the caller's streams
+        pool = ThreadPoolExecutor(max(1, workers), "resilient-restore-copy")
         futures = []
         try:
             while arrivals.left():
@@ -557,7 +573,11 @@ class Reader:
                     break
                 for n in arrivals.take():
                     view = buffer[where[n]: where[n] + self._entries[n]["nbytes"]]
-                    futures.append(pool.submit(copy, n, view))
+                    if workers:
+                        futures.append(pool.submit(copy, n, view))
+                    else:
+                        with torch.no_grad():
+                            self._copy_out(n, view, None)
             last = clock()
             for f in futures:
                 f.result()  # the first copy that failed raises here

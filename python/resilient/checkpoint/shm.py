@@ -2,13 +2,15 @@
 read their shares of the checkpoint into and copy their pieces out of (Reader.run_shared).
 
 Named ``resilient-restore-<pid>-<tag>`` (the creating rank's pid and a tag the ranks agree on),
-created with O_EXCL and sized, not filled (only the header is reserved): each rank reserves the
-pages it will write, those of its own run and those it receives from other hosts, before writing
-any (`reserve`, in parallel on the ranks; a full /dev/shm is ENOSPC there, not a SIGBUS later);
-the header's progress words (`Progress`) say which pieces are in place, and the other ranks of
-the host copy each piece out while the rest is read. Unlinked by its creator once every rank is
-done reading (the mappings keep the memory until dropped). Files left by a creator that died are
-removed by the next creation on the host."""
+created with O_EXCL and sized, not filled (only the header is reserved): every page is reserved
+before it is written, so a full /dev/shm is an error, not a SIGBUS. The native engine reserves
+the pages of a rank's run chunk by chunk as it writes them (read targets' "populate",
+`can_populate`); a rank reserves the pages it receives from other hosts itself (`reserve`), as
+it does all of them on kernels before 5.14. The header's progress words (`Progress`) say which
+pieces are in place, and the other ranks of the host copy each piece out while the rest is read.
+Unlinked by its creator once every rank is done reading (the mappings keep the memory until
+dropped, on a thread: `release_later`). Files left by a creator that died are removed by the
+next creation on the host."""
 
 from __future__ import annotations
 
@@ -136,10 +138,18 @@ releasing: threading.Thread | None = None
 
 def release_later(held: list) -> None:
     """Drops the references in `held` (the last ones to a mapped buffer, so unmapping it) on
-    a thread of its own."""
+    a thread of its own. Not a daemon: an interpreter that exits meanwhile waits for it (a
+    daemon thread ended at exit inside torch's unmap aborts the process)."""
     global releasing
-    releasing = threading.Thread(target=held.clear, name="resilient-shm-release", daemon=True)
+    wait_released()
+    releasing = threading.Thread(target=held.clear, name="resilient-shm-release")
     releasing.start()
+
+
+def wait_released() -> None:
+    """Waits until the buffer release_later is unmapping is gone (its pages are back)."""
+    if releasing is not None:
+        releasing.join()
 
 
 def can_populate(mapping: torch.Tensor) -> bool:

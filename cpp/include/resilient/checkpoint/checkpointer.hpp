@@ -135,7 +135,10 @@ class Checkpointer {
 
   Result<std::vector<int64_t>> steps() const;
   Result<Manifest> manifest(int64_t step) const;
-  Status read(const Manifest& manifest, std::span<const ReadTarget> targets);
+  /// Reads `targets` (restore_tensors). With automatic reader threads (restore_threads 0),
+  /// `local_ranks` > 0 is how many ranks share this host's CPUs, where the caller knows it
+  /// (else torchrun's LOCAL_WORLD_SIZE, or 1).
+  Status read(const Manifest& manifest, std::span<const ReadTarget> targets, int local_ranks = 0);
   Status verify(const Manifest& manifest);
 
   const CheckpointOptions& options() const { return options_; }
