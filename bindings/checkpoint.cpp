@@ -470,7 +470,7 @@ void register_checkpoint(pyb::module_& m) {
             Status s;
             {
               pyb::gil_scoped_release release;
-              s = c.wait_all(seconds_or_forever(timeout_s));
+              s = c.close(seconds_or_forever(timeout_s));
             }
             throw_if_error(s);
           },

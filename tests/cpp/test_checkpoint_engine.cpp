@@ -195,6 +195,31 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   close(fd);
 }
 
+// close() frees the pool's slabs (a snapshot's worth of memory) once the saves are done; a
+// checkpointer used again afterwards allocates anew.
+TEST_F(EngineTest, CloseFreesThePoolAndASaveAfterItAllocatesAgain) {
+  auto c = make();
+  fill(5);
+  ASSERT_TRUE(save(*c, 1).ok());
+  EXPECT_GT(c->pool().allocated_bytes(), 0u);
+  ASSERT_TRUE(c->close(30s).ok());
+  EXPECT_EQ(c->pool().allocated_bytes(), 0u);
+  ASSERT_TRUE(save(*c, 2).ok());
+  auto m = c->manifest(2);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> big(big_.size(), 0);
+  std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4}};
+  ASSERT_TRUE(c->read(*m, t).ok());
+  EXPECT_EQ(big, big_);
+
+  // A pool that another checkpointer shares stays: it is theirs too.
+  auto shared = c->shared_pool();
+  const uint64_t held = c->pool().allocated_bytes();
+  ASSERT_GT(held, 0u);
+  ASSERT_TRUE(c->close(30s).ok());
+  EXPECT_EQ(shared->allocated_bytes(), held);
+}
+
 // save_json parses the values on the writer thread: the same checkpoint as save(); text that is
 // not JSON fails that save on its handle and leaves the last checkpoint as it was.
 TEST_F(EngineTest, ValuesAsJsonTextAreParsedByTheWriter) {

@@ -251,6 +251,14 @@ Result<std::shared_ptr<SaveHandle>> Checkpointer::save_staged(int64_t step, Stag
   return handle;
 }
 
+Status Checkpointer::close(Duration timeout) {
+  Status s = wait_all(timeout);
+  // A pool shared with another checkpointer (the DCP writer hands it from engine to engine) or
+  // held by a staging stays as it is: its slabs are pinned once and reused.
+  if (pool_.use_count() == 1) pool_->trim();
+  return s;
+}
+
 Status Checkpointer::wait_all(Duration timeout) {
   std::vector<std::shared_ptr<SaveHandle>> pending;
   {

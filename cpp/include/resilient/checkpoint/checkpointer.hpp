@@ -132,6 +132,11 @@ class Checkpointer {
                                                   nlohmann::json values, bool commit = true);
   /// Waits for every queued save and for the writer to finish its background work (retention).
   Status wait_all(Duration timeout);
+  /// wait_all, then frees the host pool's slabs not on loan, unless another checkpointer or a
+  /// staging shares the pool: a closed checkpointer that is still referenced (a variable after
+  /// its `with` block, an error's traceback) holds no pool memory, which is the size of a
+  /// snapshot. A later save or read allocates again.
+  Status close(Duration timeout);
 
   Result<std::vector<int64_t>> steps() const;
   Result<Manifest> manifest(int64_t step) const;
