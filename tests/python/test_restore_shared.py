@@ -398,7 +398,7 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     assert bytes(view[:3].tolist()) == b"abc" and view.numel() == header + 8192
     progress = shm.Progress(view, 4, 3)
     assert [progress.get(i) for i in range(4)] == [0, 0, 0, 0]  # a new buffer: nothing read
-    assert not any(progress.piece_done(i) for i in range(3))
+    assert progress.pieces_done(0, 3) == bytes(3)
     progress.publish(2, 3)
     progress.publish(3, shm.Progress.FAILED)
     from resilient import _C
@@ -406,7 +406,8 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     _C.publish_i64(progress.piece_word(1), 1)  # as the engine marks a piece in place
     again = shm.Progress(shm.open_mapped(path, header + 8192), 4, 3)  # another mapping sees them
     assert [again.get(i) for i in range(4)] == [0, 0, 3, shm.Progress.FAILED]
-    assert [again.piece_done(i) for i in range(3)] == [False, True, False]
+    assert again.pieces_done(0, 3) == bytes([0, 1, 0])
+    assert again.pieces_done(1, 2) == bytes([1, 0])  # from a piece on
     dead = tmp_path / "resilient-restore-999999999-t2"  # no such pid
     dead.write_bytes(b"x")
     assert shm.sweep(str(tmp_path)) == [dead.name]

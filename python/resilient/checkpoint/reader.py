@@ -543,9 +543,8 @@ class Reader:
         is in place (runs[i]: reader i's pieces; checkpoint.host_share.Arrivals), on a few
         threads (host_share.copy_workers; `local`: the host's ranks) where every target is in
         host memory, else on this thread (the caller's CUDA streams). Stops at a reader's
-        failure, which the gather after
-        the reads reports. Returns its seconds waiting for pieces ("waits") and from the last
-        arrival to the end of the copies ("tail")."""
+        failure, which the gather after the reads reports. Returns its seconds waiting for
+        pieces ("waits") and from the last arrival to the end of the copies ("tail")."""
         if progress is None:  # no buffer: nothing shared
             return {}
         arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0)
@@ -553,7 +552,7 @@ class Reader:
         inference = torch.is_inference_mode_enabled()
 
         def copy(n: str, view: torch.Tensor) -> None:
-            # grad and inference modes are per thread: the caller's, as its own copies would be
+            # grad and inference modes are per thread: the caller's inference mode, on any
             with torch.no_grad(), torch.inference_mode(inference):
                 self._copy_out(n, view, None)
 
@@ -576,8 +575,7 @@ class Reader:
                     if workers:
                         futures.append(pool.submit(copy, n, view))
                     else:
-                        with torch.no_grad():
-                            self._copy_out(n, view, None)
+                        copy(n, view)
             last = clock()
             for f in futures:
                 f.result()  # the first copy that failed raises here

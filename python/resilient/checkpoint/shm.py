@@ -182,9 +182,6 @@ class Progress:
         """The address of piece `piece`'s word (for the engine to set)."""
         return self._pieces + 8 * piece
 
-    def piece_done(self, piece: int) -> bool:
-        return _C.observe_i64(self._pieces + 8 * piece) != 0
-
     def pieces_done(self, first: int, count: int) -> bytes:
         """One byte per piece first..first+count-1: 1 once it is in place, else 0."""
         return _C.observe_many(self._pieces + 8 * first, count)
