@@ -113,9 +113,7 @@ def reserve(path: str, mapping: torch.Tensor, offset: int, nbytes: int) -> None:
     memory before they are written: OSError ENOSPC when /dev/shm has no room (writing them
     would raise SIGBUS). On kernels before 5.14 (no MADV_POPULATE_WRITE), posix_fallocate,
     which the readers of a host then take in turn."""
-    err = errno.EINTR
-    while err == errno.EINTR:
-        err = _C.populate_write(mapping.data_ptr() + offset, nbytes)
+    err = _C.populate_write(mapping.data_ptr() + offset, nbytes)  # (EINTR retried there)
     if err == errno.EINVAL:
         fd = os.open(path, os.O_RDWR)
         try:
