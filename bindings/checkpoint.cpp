@@ -428,7 +428,8 @@ void register_checkpoint(pyb::module_& m) {
            })
       .def(
           "read",
-          [](Checkpointer& c, const Manifest& mf, const pyb::list& targets, int local_ranks) {
+          [](Checkpointer& c, const Manifest& mf, const pyb::list& targets, int local_ranks,
+             uintptr_t queue) {
             std::vector<ReadTarget> ts;
             for (const auto& item : targets) {
               auto d = item.cast<pyb::dict>();
@@ -442,14 +443,22 @@ void register_checkpoint(pyb::module_& m) {
               if (d.contains("populate")) t.populate = d["populate"].cast<bool>();
               ts.push_back(std::move(t));
             }
+            if (queue % alignof(int64_t) != 0)
+              throw pyb::value_error("the read queue's words must be 8-byte aligned");
             Status s;
+            uint64_t bytes = 0;
             {
               pyb::gil_scoped_release release;
-              s = c.read(mf, ts, local_ranks);
+              s = c.read(mf, ts, local_ranks, reinterpret_cast<int64_t*>(queue), &bytes);
             }
             throw_if_error(s);
+            return bytes;
           },
-          pyb::arg("manifest"), pyb::arg("targets"), pyb::arg("local_ranks") = 0)
+          pyb::arg("manifest"), pyb::arg("targets"), pyb::arg("local_ranks") = 0,
+          pyb::arg("queue") = 0,
+          "Reads the targets (dicts: name, ptr, nbytes, device, done, populate); returns the "
+          "bytes it read. `queue`: the address of two int64 words that the processes reading "
+          "the same targets into one shared buffer share (they claim the reads through it).")
       .def("verify",
            [](Checkpointer& c, const Manifest& mf) {
              Status s;

@@ -44,12 +44,12 @@ void register_shared_memory(pyb::module_& m) {
       [](uintptr_t addr, size_t count) {
         std::string out(count, '\0');
         for (size_t i = 0; i < count; ++i)
-          out[i] = word_at(addr + 8 * i).load(std::memory_order_acquire) != 0 ? 1 : 0;
+          out[i] = static_cast<char>(word_at(addr + 8 * i).load(std::memory_order_acquire) & 1);
         return pyb::bytes(out);
       },
       pyb::arg("addr"), pyb::arg("count"),
-      "Whether each of the `count` int64 words from `addr` is set (acquire): one byte, 0 or 1, "
-      "per word.");
+      "Whether each of the `count` int64 words from `addr` is odd (acquire; a read target's done "
+      "word once the tensor is in place): one byte, 0 or 1, per word.");
   m.def(
       "populate_write",
       [](uintptr_t addr, uint64_t nbytes) {

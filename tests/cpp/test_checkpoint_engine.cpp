@@ -104,9 +104,9 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
   }
 }
 
-// A target's done word is set once all its chunks are verified and in place: a thread that sees
-// it set (it may, while the call still runs) finds the whole tensor there. A damaged chunk leaves
-// its tensor's word unset; a word that is not 8-byte aligned is refused.
+// A target's done word is made odd once all its chunks are verified and in place: a thread that
+// sees it odd (it may, while the call still runs) finds the whole tensor there. A damaged chunk
+// leaves its tensor's word even; a word that is not 8-byte aligned is refused.
 TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   auto c = make();
   fill(5);
@@ -120,7 +120,7 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
                                {"small", small.data(), 24, -1, &done[1]}};
   std::atomic<bool> seen_whole{false}, ended{false};
   std::thread watcher([&] {
-    while (std::atomic_ref<int64_t>(done[0]).load(std::memory_order_acquire) == 0) {
+    while ((std::atomic_ref<int64_t>(done[0]).load(std::memory_order_acquire) & 1) == 0) {
       if (ended) return;
       std::this_thread::yield();
     }
@@ -131,14 +131,14 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   watcher.join();
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(seen_whole.load());
-  EXPECT_EQ(done[0], 1);
-  EXPECT_EQ(done[1], 1);
+  EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m->tensors[0].chunks.size()) + 1);
+  EXPECT_EQ(done[1], 3);  // one chunk
   EXPECT_EQ(small, small_);
 
   io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
   done[0] = done[1] = 0;
   EXPECT_EQ(c->read(*m, t).code(), StatusCode::kCorrupt);
-  EXPECT_EQ(done[0], 0);  // its damaged chunk never landed
+  EXPECT_EQ(done[0] & 1, 0);  // its damaged chunk never landed
 
   auto* odd = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(&done[1]) + 4);
   std::vector<ReadTarget> bad = {{"small", small.data(), 24, -1, odd}};
@@ -171,7 +171,7 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   std::vector<ReadTarget> t = {{"big", rw, bytes, -1, &done, /*populate=*/true}};
   Status read = c->read(*m, t);
   ASSERT_TRUE(read.ok()) << read.to_string();
-  EXPECT_EQ(done, 1);
+  EXPECT_EQ(done & 1, 1);
   EXPECT_EQ(std::memcmp(rw, big_.data(), bytes), 0);
 
   done = 0;  // past the end of the file: no page to be had
@@ -180,7 +180,7 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   read = c->read(*m, t);
   EXPECT_EQ(read.code(), StatusCode::kResourceExhausted) << read.to_string();
   EXPECT_NE(read.to_string().find("in its shared mapping"), std::string::npos) << read.to_string();
-  EXPECT_EQ(done, 0);
+  EXPECT_EQ(done & 1, 0);
   munmap(rw, 3 * bytes);
 
   void* ro = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
@@ -190,9 +190,93 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   read = c->read(*m, t);
   EXPECT_EQ(read.code(), StatusCode::kResourceExhausted) << read.to_string();
   EXPECT_NE(read.to_string().find("'big'"), std::string::npos) << read.to_string();
-  EXPECT_EQ(done, 0);
+  EXPECT_EQ(done & 1, 0);
   munmap(ro, bytes);
   close(fd);
+}
+
+// Readers sharing a queue (the ranks of a host, each with its own checkpointer and pool, here
+// threads) read each chunk once between them into one buffer: every tensor whole, every done word
+// odd, and the bytes they report adding up to the tensors' bytes.
+TEST_F(EngineTest, ReadersSharingAQueueReadEachChunkOnceBetweenThem) {
+  auto writer = make();
+  fill(3);
+  ASSERT_TRUE(save(*writer, 1).ok());
+  auto m = writer->manifest(1);
+  ASSERT_TRUE(m.ok());
+  for (int round = 0; round < 20; ++round) {
+    std::vector<float> big(big_.size(), 0);
+    std::vector<int64_t> small(3, 0);
+    alignas(8) int64_t done[2] = {0, 0};
+    alignas(8) int64_t queue[2] = {0, 0};
+    const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
+                                       {"small", small.data(), 24, -1, &done[1]}};
+    constexpr int kReaders = 4;
+    std::vector<std::unique_ptr<Checkpointer>> readers;
+    for (int r = 0; r < kReaders; ++r) readers.push_back(make());
+    std::vector<uint64_t> bytes(kReaders, 0);
+    std::vector<Status> status(kReaders);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kReaders; ++r) {
+      threads.emplace_back([&, r] { status[r] = readers[r]->read(*m, t, 1, queue, &bytes[r]); });
+    }
+    for (auto& th : threads) th.join();
+    for (const auto& s : status) ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(big, big_);
+    EXPECT_EQ(small, small_);
+    EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m->tensors[0].chunks.size()) + 1);
+    EXPECT_EQ(done[1], 3);
+    EXPECT_EQ(std::accumulate(bytes.begin(), bytes.end(), uint64_t{0}), big.size() * 4 + 24);
+    EXPECT_NE(queue[1], 0);  // the plan's fingerprint
+  }
+}
+
+// A reader that finds the queue's first group claimed (by another process) reads the rest and
+// leaves that group's tensor unfinished; one whose plan differs from the queue's reads nothing
+// (and claims nothing: the others read it all); one that fails closes the queue, so the others
+// stop claiming.
+TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
+  auto c = make();
+  fill(4);
+  ASSERT_TRUE(save(*c, 1).ok());
+  auto m = c->manifest(1);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> big(big_.size(), 0);
+  std::vector<int64_t> small(3, 0);
+  alignas(8) int64_t done[2] = {0, 0};
+  alignas(8) int64_t queue[2] = {1, 0};  // group 0 taken
+  const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
+                                     {"small", small.data(), 24, -1, &done[1]}};
+  uint64_t bytes = 0;
+  Status read = c->read(*m, t, 1, queue, &bytes);
+  ASSERT_TRUE(read.ok()) << read.to_string();
+  EXPECT_LT(bytes, big.size() * 4 + 24);
+  EXPECT_GT(bytes, 0u);
+  EXPECT_EQ(done[0] & 1, 0);  // its first chunks were another reader's
+  EXPECT_NE(big, big_);
+  const int64_t fingerprint = queue[1];
+  ASSERT_NE(fingerprint, 0);
+
+  auto o = c->options();  // larger slabs: other extents, another plan
+  o.pool.slab_bytes = 1 << 20;
+  auto other = Checkpointer::create(o);
+  ASSERT_TRUE(other.ok());
+  queue[0] = 0;
+  done[0] = done[1] = 0;
+  bytes = 1;
+  read = (*other)->read(*m, t, 1, queue, &bytes);
+  ASSERT_TRUE(read.ok()) << read.to_string();
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(queue[0], 0);  // nothing claimed
+  EXPECT_EQ(queue[1], fingerprint);
+  EXPECT_EQ(done[0], 0);
+  EXPECT_EQ(done[1], 0);
+
+  io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
+  queue[0] = queue[1] = 0;
+  read = c->read(*m, t, 1, queue, &bytes);
+  EXPECT_EQ(read.code(), StatusCode::kCorrupt) << read.to_string();
+  EXPECT_GE(queue[0], int64_t{1} << 62);
 }
 
 // close() frees the pool's slabs (a snapshot's worth of memory) once the saves are done; a

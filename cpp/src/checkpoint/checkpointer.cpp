@@ -399,8 +399,11 @@ Result<Manifest> Checkpointer::manifest(int64_t step) const {
   return read_manifest(options_.root, step);
 }
 
-Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets, int local_ranks) {
+Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets, int local_ranks,
+                          int64_t* queue, uint64_t* bytes_read) {
   RestoreOptions ro;
+  ro.queue = queue;
+  ro.bytes_read = bytes_read;
   ro.threads = restore_threads(options_.restore_threads, local_ranks);
   ro.io = options_.io;
   ro.timeout = options_.timeout;

@@ -8,17 +8,22 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include "checkpoint/detail/read_plan.hpp"
 #include "resilient/checkpoint/persist.hpp"
+#include "resilient/common/logging.hpp"
 #include "resilient/common/thread_pool.hpp"
 #include "resilient/io/file.hpp"
 #include "resilient/memory/populate.hpp"
 
 namespace resilient::checkpoint {
 namespace {
+
+// A closed queue: no group index is this large, so every claim after it ends the claimer's reads.
+constexpr int64_t kClosed = int64_t{1} << 62;
 
 struct Piece {
   uint32_t shard;
@@ -30,17 +35,34 @@ struct Piece {
   bool populate = false;  // ReadTarget::populate
 };
 
-// Targets whose `done` word is set once all their chunks are in place: the count of chunks
-// each still waits for.
+// Targets whose `done` word is made odd once all their chunks are in place: each chunk adds 2
+// to the word (in the word itself: the processes of a shared queue complete a target together),
+// and the one that completes it adds 1.
 struct Completions {
-  std::vector<std::atomic<uint64_t>> left;
+  std::vector<uint64_t> chunks;
   std::vector<int64_t*> done;
 
   void finished(size_t target) {
-    if (left[target].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      std::atomic_ref<int64_t>(*done[target]).store(1, std::memory_order_release);
+    std::atomic_ref<int64_t> word(*done[target]);
+    const auto all = static_cast<int64_t>(2 * chunks[target]);
+    if (word.fetch_add(2, std::memory_order_acq_rel) + 2 == all)
+      word.fetch_add(1, std::memory_order_release);
   }
 };
+
+// The fingerprint of a plan and the pieces it reads: processes that share a queue must claim
+// the same groups, or a chunk could be read twice and another never.
+int64_t fingerprint(const detail::ReadPlan& plan, const std::vector<Piece>& pieces) {
+  std::vector<uint64_t> words;
+  words.reserve(4 + 2 * plan.groups.size() + 4 * plan.extents.size() + 5 * pieces.size());
+  words.push_back(plan.groups.size());
+  for (auto [first, last] : plan.groups) words.insert(words.end(), {first, last});
+  for (const auto& x : plan.extents) words.insert(words.end(), {x.shard, x.offset, x.len, x.last});
+  for (const auto& p : pieces)
+    words.insert(words.end(), {p.shard, p.chunk.offset, p.chunk.len, p.chunk.raw, p.target});
+  words.insert(words.end(), plan.order.begin(), plan.order.end());
+  return static_cast<int64_t>(checksum(words.data(), words.size() * sizeof(uint64_t)) | 1);
+}
 
 // Host-to-device copies of one reader thread: a copy stream per device, and per staging buffer
 // the events that must complete before the buffer is reused.
@@ -210,7 +232,32 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
                                   .request_bytes = o.io.request_bytes});
   const TimePoint deadline = SteadyClock::instance().now() + o.timeout;
 
-  std::atomic<size_t> next{0};
+  // Groups are claimed from `next`, or from the queue that the processes reading the same
+  // targets share (RestoreOptions::queue), whose first process's plan every other must match.
+  std::atomic<int64_t> next{0};
+  std::optional<std::atomic_ref<int64_t>> shared_next;
+  if (o.queue != nullptr) {
+    std::atomic_ref<int64_t> plan_word(o.queue[1]);
+    int64_t expected = 0;
+    const int64_t mine = fingerprint(plan, pieces);
+    if (!plan_word.compare_exchange_strong(expected, mine, std::memory_order_acq_rel) &&
+        expected != mine) {
+      // Claiming the others' groups by this plan could read a chunk twice and another never:
+      // this process leaves the reads to those whose plan matches (the first one's does).
+      RESILIENT_LOG(kWarn,
+                    "restore: this rank planned its share of the host's reads differently "
+                    "from the host's first reader (other RESILIENT_* read settings, pool "
+                    "sizes or CPUs?); the other ranks read its share");
+      if (o.bytes_read != nullptr) *o.bytes_read = 0;
+      return ok_status();
+    }
+    shared_next.emplace(o.queue[0]);
+  }
+  auto claim = [&]() -> uint64_t {
+    return static_cast<uint64_t>(shared_next ? shared_next->fetch_add(1, std::memory_order_relaxed)
+                                             : next.fetch_add(1, std::memory_order_relaxed));
+  };
+  std::atomic<uint64_t> read_bytes{0};
   std::atomic<bool> failed{false};
   std::mutex err_mu;
   Status first_error;
@@ -218,6 +265,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
     std::lock_guard<std::mutex> lock(err_mu);
     if (first_error.ok()) first_error = std::move(s);
     failed = true;
+    if (shared_next) shared_next->store(kClosed, std::memory_order_relaxed);  // the others stop
   };
   // Each reader thread alternates between two sets of slabs so that the host-to-device copies
   // out of one overlap the read into the other.
@@ -233,7 +281,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
     std::vector<std::byte> scratch;
     std::vector<io::IoRequest> reqs;
     int cur = 0;
-    for (size_t g; !failed && (g = next.fetch_add(1)) < plan.groups.size();
+    for (uint64_t g; !failed && (g = claim()) < plan.groups.size();
          cur = (cur + 1) % plan.slab_sets) {
       const auto [first, last] = plan.groups[g];
       if (Status r = device.reuse(cur); !r.ok()) return fail(r);
@@ -273,6 +321,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
           Status d =
               decode(p, buf + (p.chunk.offset - x.offset), paths[shard], device, cur, scratch);
           if (!d.ok()) return fail(d);
+          if (p.dst != nullptr) read_bytes.fetch_add(p.chunk.raw, std::memory_order_relaxed);
           if (completions != nullptr && p.device < 0 && completions->done[p.target] != nullptr)
             completions->finished(p.target);
         }
@@ -295,6 +344,7 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
     worker();
   }
   for (auto& t : threads) t.join();
+  if (o.bytes_read != nullptr) *o.bytes_read = read_bytes.load();
   return first_error;
 }
 
@@ -306,7 +356,7 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
   std::unordered_map<std::string, size_t> index;
   for (size_t i = 0; i < m.tensors.size(); ++i) index.emplace(m.tensors[i].name, i);
   std::vector<Piece> pieces;
-  Completions completions{std::vector<std::atomic<uint64_t>>(targets.size()), {}};
+  Completions completions;
   bool any_done = false;
   for (const auto& t : targets) {
     auto it = index.find(t.name);
@@ -331,7 +381,7 @@ Status restore_tensors(const std::string& step_dir, const Manifest& m,
     }
     const size_t target = completions.done.size();
     completions.done.push_back(t.device < 0 ? t.done : nullptr);
-    completions.left[target].store(e.chunks.size(), std::memory_order_relaxed);
+    completions.chunks.push_back(e.chunks.size());
     any_done = any_done || completions.done.back() != nullptr;
     uint64_t raw_off = 0;
     for (const auto& c : e.chunks) {

@@ -1,9 +1,11 @@
-"""The reads of a shared restore on one host (Reader.run_shared, CPU path): each rank of the
-host reads its run of the host's /dev/shm buffer (checkpoint.shm) in one engine call on a thread
-of its own, and the engine marks each piece done, in a word of the buffer's header, as soon as
-it is verified and in place; meanwhile every rank of the host copies the pieces it needs out of
-the buffer as they are marked. A restore then takes about the slowest reader's time, not the
-reads followed by the copies (benchmarks/RESULTS.md, issue 17).
+"""The reads of a shared restore on one host (Reader.run_shared, CPU path): the ranks of the
+host read the host's pieces into its /dev/shm buffer (checkpoint.shm), each in one engine call on
+a thread of its own, and the engine marks each piece done, in a word of the buffer's header, as
+soon as it is verified and in place; meanwhile every rank of the host copies the pieces it needs
+out of the buffer as they are marked. The engines take the reads from one queue in the header,
+so the ranks finish together however unevenly the storage serves them (before Linux 5.14, each
+reads a fixed run). A restore then takes about the reads' time, not the reads followed by the
+copies (benchmarks/RESULTS.md, issue 17).
 
 A reader that fails publishes FAILED in its own word: the others stop copying and every rank
 learns the error in the gather after the reads. A reader that stops (frozen, killed) is a piece
@@ -63,16 +65,19 @@ NO_PAGE = "in its shared mapping"
 
 class Arrivals:
     """The pieces of the host's buffer that this rank copies out, taken as they land, in any
-    order: a reader's engine finishes its pieces roughly in its run's order, a few groups at
-    a time, so each reader's next `window` pieces not yet taken are watched. `runs[i]`: reader
-    i's pieces, whose words (`index`) follow one another; `wanted`: the pieces this rank takes.
-    A work object for Ranks.wait: is_completed() once a piece landed or a reader failed; then
-    take() returns the pieces landed since the last take(), and `failed` tells the rest. wait()
-    polls as well, up to `timeout` seconds (TimeoutError), for callers without Ranks."""
+    order: the engines finish the pieces of a run roughly in its order, a few groups at a time,
+    so each run's next `window` pieces not yet taken are watched. `runs[i]`: the pieces of run
+    i (a reader's fixed run, or all of them where the readers share a queue), whose words
+    (`index`) follow one another; `wanted`: the pieces this rank takes; `readers`: the host's
+    readers, any of which may publish FAILED. A work object for Ranks.wait: is_completed()
+    once a piece landed or a reader failed; then take() returns the pieces landed since the
+    last take(), and `failed` tells the rest. wait() polls as well, up to `timeout` seconds
+    (TimeoutError), for callers without Ranks."""
 
     def __init__(self, progress: shm.Progress, runs: list[list[str]], index: dict[str, int],
-                 wanted: set[str], timeout: float, window: int = 256):
+                 wanted: set[str], timeout: float, window: int = 256, readers: int = 0):
         self._progress, self._runs, self.timeout, self._window = progress, runs, timeout, window
+        self._readers = readers or len(runs)
         self._first = [index[run[0]] if run else 0 for run in runs]
         for run, first in zip(runs, self._first):
             assert all(index[n] == first + k for k, n in enumerate(run)), "words not in run order"
@@ -104,13 +109,13 @@ class Arrivals:
             time.sleep(0.001)
 
     def _scan(self) -> None:
+        if any(self._progress.get(r) == shm.Progress.FAILED for r in range(self._readers)):
+            self.failed = True
+            return
         for i, run in enumerate(self._runs):
             c = self._cursor[i]
             if c >= len(run):
                 continue
-            if self._progress.get(i) == shm.Progress.FAILED:
-                self.failed = True
-                return
             hi = min(len(run), c + self._window)
             landed = self._progress.pieces_done(self._first[i] + c, hi - c)
             new = int.from_bytes(landed, "little") & ~int.from_bytes(self._taken[i][c:hi], "little")
@@ -143,28 +148,33 @@ def copy_workers(local: int) -> int:
 
 
 class RunReader(threading.Thread):
-    """Reads this rank's run of the buffer (`run`: piece names; `index`: each piece's word)
-    into the mapped buffer (`mapping`: header and data) in one engine call, then reserves the
-    pages of `receives` (the [lo, hi) ranges of the buffer this rank receives from other hosts);
-    the engine reserves the run's pages as it writes them, and marks each piece done as it
-    lands (without `populate`, every page is reserved first). On failure publishes FAILED as
-    reader `slot`. Then, unless stop() was called, calls `then` (the pieces only this rank
-    needs, straight into its targets), which returns the bytes it read. `read(targets)` is the
-    engine's verified read; `populate`: whether the engine reserves the pages of the run as it
-    writes them (shm.can_populate). After join(): `error` (None, or what failed, without its
-    traceback, which would keep the buffer mapped), `no_room` (the pages could not be
-    reserved: every rank should read directly) and `bytes_read`."""
+    """Reads pieces of the host's buffer (`mapping`: header and data) in one engine call: this
+    rank's fixed run (`run`: piece names; `index`: each piece's word), or, with `queue` (the
+    address of the header's queue words), whatever part of `run` (then the host's whole read)
+    this engine claims before the host's other readers do. Then it reserves the pages of
+    `receives` (the [lo, hi) ranges of the buffer this rank receives from other hosts). The
+    engine reserves the pages it writes as it writes them, and marks each piece done as it
+    lands (without `populate`, every page of a fixed run is reserved first; a queue needs
+    `populate`). On failure publishes FAILED as reader `slot`. Then, unless stop() was called,
+    calls `then` (the pieces only this rank needs, straight into its targets), which returns
+    the bytes it read. `read(targets, queue)` is the engine's verified read, which returns the
+    bytes it read; `populate`: whether the engine reserves the pages as it writes them
+    (shm.can_populate). After join(): `error` (None, or what failed, without its traceback,
+    which would keep the buffer mapped), `no_room` (the pages could not be reserved: every
+    rank should read directly) and `bytes_read`."""
 
-    def __init__(self, read: Callable[[list[dict]], None], then: Callable[[], int], path: str,
-                 mapping: torch.Tensor, header: int, where: dict[str, int],
+    def __init__(self, read: Callable[[list[dict], int], int], then: Callable[[], int],
+                 path: str, mapping: torch.Tensor, header: int, where: dict[str, int],
                  entries: dict[str, dict], run: list[str], receives: list[tuple[int, int]],
                  index: dict[str, int], slot: int, progress: shm.Progress | None,
-                 populate: bool):
+                 populate: bool, queue: int = 0):
         super().__init__(name="resilient-restore-read", daemon=True)
+        assert populate or not queue, "a shared queue needs pages reserved as they are written"
         self._read, self._then, self._path, self._mapping = read, then, path, mapping
         self._header, self._where, self._entries = header, where, entries
         self._run, self._receives, self._index = run, receives, index
         self._slot, self._progress, self._populate = slot, progress, populate
+        self._queue = queue
         self._stopped = threading.Event()
         self.error: BaseException | None = None
         self.no_room = False
@@ -201,7 +211,7 @@ class RunReader(threading.Thread):
 
     def _read_run(self, progress: shm.Progress) -> None:
         # Every page this rank writes is reserved before it is written: no SIGBUS on a full
-        # tmpfs. The engine reserves the pages of its run, chunk by chunk as it writes them,
+        # tmpfs. The engine reserves the pages it writes, chunk by chunk as it writes them,
         # beside the reads; where it cannot (kernels before 5.14), they are reserved first.
         clock = time.perf_counter
         t0 = clock()
@@ -213,7 +223,7 @@ class RunReader(threading.Thread):
                     "device": -1, "done": progress.piece_word(self._index[n]),
                     "populate": self._populate} for n in self._run]
         try:
-            self._read(targets)
+            self.bytes_read += self._read(targets, self._queue) if targets else 0
         except ResourceExhaustedError as e:  # the engine found no page for its run
             self.no_room = self._populate and NO_PAGE in str(e)
             raise
@@ -221,4 +231,3 @@ class RunReader(threading.Thread):
         if self._populate:
             self._reserve(self._receives)  # written by the exchange, after every rank's read
         self.seconds = {"reserve": round(t1 - t0 + clock() - t2, 4), "engine": round(t2 - t1, 4)}
-        self.bytes_read += sum(t["nbytes"] for t in targets)

@@ -311,17 +311,20 @@ class Reader:
                 self._fall_back(path, rank == local[0], rank, created)
                 return
             mapping = torch.empty(0, dtype=torch.uint8)
+            populate = False
             if size:
                 try:
                     if rank != local[0]:
                         problem = shm.check(path, header + size, tag)
                     if problem is None:
                         mapping = shm.open_mapped(path, header + size)
+                        populate = shm.can_populate(mapping)
                 except OSError as e:
                     problem = f"{path}: {e}"
-            seen = ranks.gather(problem, data_timeout)  # the host's ranks map one buffer, or none
-            if any(p is not None for p in seen):
-                self._fall_back(path, rank == local[0], rank, seen)
+            # the host's ranks map one buffer, or none
+            seen = ranks.gather((problem, populate), data_timeout)
+            if any(p is not None for p, _ in seen):
+                self._fall_back(path, rank == local[0], rank, [p for p, _ in seen])
                 return
             stamps.append(("plan", clock()))
             buffer = mapping[header:]
@@ -336,18 +339,24 @@ class Reader:
                 self.run(only=own)
                 return self.bytes_read
 
+            # The host's readers take the reads from one queue, so that they end together
+            # however unevenly the storage serves them, where every one of them reserves the
+            # pages as it writes them; else (before Linux 5.14) each reads its fixed run.
+            queued = len(local) > 1 and all(seen[r][1] for r in local) and progress is not None
+            lanes = [[n for run in runs for n in run]] if queued else runs  # words in order
             reading = host_share.RunReader(
-                lambda targets: self._engine.read(self._manifest, targets,
-                                                  local_ranks=len(local)), then, path, mapping,
-                header, where, self._entries, runs[me], receives, index, me, progress,
-                populate=bool(size) and shm.can_populate(mapping))
+                lambda targets, queue: self._engine.read(self._manifest, targets,
+                                                         local_ranks=len(local), queue=queue),
+                then, path, mapping, header, where, self._entries,
+                lanes[0] if queued else runs[me], receives, index, me, progress,
+                populate=populate, queue=progress.queue if queued else 0)
             error: BaseException | None = None
             copying: dict[str, float] = {}
             started = False
             try:
                 reading.start()
                 started = True
-                copying = self._copy_arrivals(buffer, where, runs, set(needed), index,
+                copying = self._copy_arrivals(buffer, where, lanes, set(needed), index,
                                               progress, ranks, data_timeout, len(local))
             except CollectiveError:
                 reading.stop()
@@ -540,14 +549,15 @@ class Reader:
                        wanted: set[str], index: dict[str, int], progress: shm.Progress | None,
                        ranks: Any, timeout: float | None, local: int) -> dict[str, float]:
         """Copies the pieces this rank needs (`wanted`) out of the host's buffer, each once it
-        is in place (runs[i]: reader i's pieces; checkpoint.host_share.Arrivals), on a few
-        threads (host_share.copy_workers; `local`: the host's ranks) where every target is in
-        host memory, else on this thread (the caller's CUDA streams). Stops at a reader's
+        is in place (runs[i]: the pieces of a run of reads, in order; host_share.Arrivals), on
+        a few threads (host_share.copy_workers; `local`: the host's ranks) where every target
+        is in host memory, else on this thread (the caller's CUDA streams). Stops at a reader's
         failure, which the gather after the reads reports. Returns its seconds waiting for
         pieces ("waits") and from the last arrival to the end of the copies ("tail")."""
         if progress is None:  # no buffer: nothing shared
             return {}
-        arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0)
+        arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0,
+                                       window=256 * local, readers=local)
         self._copies_map()  # built here, not by the copy threads at once
         inference = torch.is_inference_mode_enabled()
 

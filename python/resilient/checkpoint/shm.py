@@ -61,6 +61,7 @@ def _alive(pid: int) -> bool:
 
 
 PROGRESS = 1024  # the header: the token, then from here the readers' words, then the pieces'
+QUEUE = PROGRESS - 16  # the two words of the readers' shared queue (the engine's `queue`)
 
 
 def header_bytes(readers: int, pieces: int = 0) -> int:
@@ -73,7 +74,7 @@ def create(path: str, size: int, token: str, header: int = 4096) -> None:
     """Creates the buffer, `size` bytes long, with `token` at its start and its first `header`
     bytes reserved (the rest is backed by `reserve`). OSError (EEXIST, ENOSPC...) leaves no
     file behind."""
-    if len(token.encode()) >= PROGRESS:
+    if len(token.encode()) >= QUEUE:
         raise OSError(errno.ENAMETOOLONG, f"buffer token too long: {token!r}")
     sweep(os.path.dirname(path))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -157,10 +158,12 @@ def can_populate(mapping: torch.Tensor) -> bool:
 
 
 class Progress:
-    """The progress words in a mapped buffer's header: reader i publishes FAILED when its run
-    cannot be read (release); each piece's word is set to 1 by the engine once that piece is
-    verified and in place (native read targets' "done"). The others observe them (acquire). A
-    new buffer holds zeros: nothing read, nothing failed."""
+    """The progress words in a mapped buffer's header: reader i publishes FAILED when its reads
+    fail (release); each piece's word is made odd by the engine once that piece is verified
+    and in place (native read targets' "done", which count the piece's chunks in the word
+    first). The others observe them (acquire). `queue`: the address of the two words through
+    which the host's readers claim the reads (the engine's queue). A new buffer holds zeros:
+    nothing read, nothing failed, nothing claimed."""
 
     FAILED = -1
 
@@ -169,6 +172,7 @@ class Progress:
         self._mapping = mapping  # keeps the words mapped
         self._base = mapping.data_ptr() + PROGRESS
         self._pieces = self._base + 8 * readers
+        self.queue = mapping.data_ptr() + QUEUE
 
     def publish(self, reader: int, state: int) -> None:
         _C.publish_i64(self._base + 8 * reader, state)
@@ -181,7 +185,8 @@ class Progress:
         return self._pieces + 8 * piece
 
     def pieces_done(self, first: int, count: int) -> bytes:
-        """One byte per piece first..first+count-1: 1 once it is in place, else 0."""
+        """One byte per piece first..first+count-1: 1 once it is in place (its word odd), else
+        0."""
         return _C.observe_many(self._pieces + 8 * first, count)
 
 

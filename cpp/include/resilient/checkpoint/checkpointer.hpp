@@ -142,8 +142,10 @@ class Checkpointer {
   Result<Manifest> manifest(int64_t step) const;
   /// Reads `targets` (restore_tensors). With automatic reader threads (restore_threads 0),
   /// `local_ranks` > 0 is how many ranks share this host's CPUs, where the caller knows it
-  /// (else torchrun's LOCAL_WORLD_SIZE, or 1).
-  Status read(const Manifest& manifest, std::span<const ReadTarget> targets, int local_ranks = 0);
+  /// (else torchrun's LOCAL_WORLD_SIZE, or 1). `queue` and `bytes_read`: as in RestoreOptions
+  /// (the ranks of a host sharing one restore's reads).
+  Status read(const Manifest& manifest, std::span<const ReadTarget> targets, int local_ranks = 0,
+              int64_t* queue = nullptr, uint64_t* bytes_read = nullptr);
   Status verify(const Manifest& manifest);
 
   const CheckpointOptions& options() const { return options_; }

@@ -18,9 +18,11 @@ namespace resilient::checkpoint {
 
 /// A destination for one saved tensor: `nbytes` writable bytes at `dst`, in host memory
 /// (device -1) or on a CUDA device (copied host-to-device from the pool's pinned slabs).
-/// `done` (host targets only; 8-byte aligned, may lie in memory other processes map): set to 1
-/// with release ordering once every chunk of the tensor is verified and in place, while the
-/// other targets of the call are still being read (a shared restore's ranks copy it out then).
+/// `done` (host targets only; 8-byte aligned, may lie in memory other processes map; 0 before
+/// the read): counts the tensor's chunks in place (2 each) and is made odd, with release
+/// ordering, once every chunk is verified and in place, while the other targets of the call are
+/// still being read (a shared restore's ranks copy it out then). Counted in the word itself, so
+/// that processes sharing a queue (RestoreOptions::queue) complete one tensor together.
 struct ReadTarget {
   std::string name;
   void* dst = nullptr;
@@ -39,6 +41,16 @@ struct RestoreOptions {
   io::IoOptions io;
   Duration timeout = std::chrono::seconds(600);
   const memory::CudaRuntime* cuda = nullptr;  // needed for device targets
+  // Two int64 words (8-byte aligned, 0 before the first reader starts) in memory that several
+  // processes map, each reading the same targets (by name, size and order) into one shared
+  // buffer: the reads' groups are claimed through queue[0] by whichever thread of whichever
+  // process is free, so the processes finish together however unevenly the storage serves
+  // them. queue[1] holds the first process's plan fingerprint: a process whose plan differs
+  // (other settings) reads nothing and fails (kFailedPrecondition). A process that fails closes
+  // the queue: the others stop claiming.
+  int64_t* queue = nullptr;
+  // Out: the bytes of the targets this process read (the tensors' bytes, not the file's).
+  uint64_t* bytes_read = nullptr;
 };
 
 /// Reads every target from the step directory `step_dir` described by `manifest`. Errors:

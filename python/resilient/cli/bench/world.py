@@ -155,6 +155,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "write_gbps": round(written / save_s / 1e9, 3),
             "restore_s": round(load_s, 4),
             "restore_gbps": round(world * nbytes / load_s / 1e9, 3),
+            "save_all_s": [round(x, 4) for x in saves],  # every repeat, in order
+            "restore_all_s": [round(x, 4) for x in loads],
         }
         if read:  # resilient's own count of the bytes its restore read from storage (all ranks)
             rows[method]["storage_read_bytes"] = read
