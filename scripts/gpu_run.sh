@@ -49,6 +49,7 @@ for x in r["rows"]:
     once = x["state_bytes"] / x["restore_s"] / 1e9
     print(f"  {x['method']:<15} save {x['save_s']:.3f}s write {x['write_gbps']:.2f} restore {x['restore_s']:.3f}s "
           f"read {x.get('storage_read_bytes', 0) / 2**30:.2f}GiB once {once:.2f}GB/s = {once / raw['restore_gbps']:.2f}x raw"
+          f" ({x.get('x_raw_paired', '-')}x paired, raw after each {x.get('raw_paired_gbps', '-')})"
           f" {x.get('restore_phases_s', '')}")
     by = [p for p in x.get("restore_phases_by_rank_s") or [] if p]
     if by:  # the slowest rank per phase

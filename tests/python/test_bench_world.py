@@ -30,6 +30,12 @@ def test_world_bench_two_ranks_every_method(tmp_path):
     assert rows["sharded"]["storage_read_bytes"] == 2 * state  # once per rank
     assert rows["raw (1 reader)"]["storage_read_bytes"] == state
     assert all(row["restore_s"] > 0 and row["save_s"] > 0 for row in rows.values())
+    for name, row in rows.items():  # a raw read right after each restore, and the ratio to it
+        if not name.startswith("raw"):
+            assert len(row["raw_paired_gbps"]) == len(row["restore_all_s"]) == 1, row
+            once = row["state_bytes"] / row["restore_all_s"][0] / 1e9
+            assert row["x_raw_paired"] == pytest.approx(once / row["raw_paired_gbps"][0],  # rounded
+                                                        rel=0.01, abs=1e-3)
     assert not (tmp_path / "scratch").exists()
 
 
