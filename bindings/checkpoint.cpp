@@ -429,7 +429,7 @@ void register_checkpoint(pyb::module_& m) {
       .def(
           "read",
           [](Checkpointer& c, const Manifest& mf, const pyb::list& targets, int local_ranks,
-             uintptr_t queue) {
+             uintptr_t queue, int threads) {
             std::vector<ReadTarget> ts;
             for (const auto& item : targets) {
               auto d = item.cast<pyb::dict>();
@@ -449,16 +449,23 @@ void register_checkpoint(pyb::module_& m) {
             uint64_t bytes = 0;
             {
               pyb::gil_scoped_release release;
-              s = c.read(mf, ts, local_ranks, reinterpret_cast<int64_t*>(queue), &bytes);
+              s = c.read(mf, ts,
+                         {.local_ranks = local_ranks,
+                          .threads = threads,
+                          .queue = reinterpret_cast<int64_t*>(queue),
+                          .bytes_read = &bytes});
             }
             throw_if_error(s);
             return bytes;
           },
           pyb::arg("manifest"), pyb::arg("targets"), pyb::arg("local_ranks") = 0,
-          pyb::arg("queue") = 0,
+          pyb::arg("queue") = 0, pyb::arg("threads") = 0,
           "Reads the targets (dicts: name, ptr, nbytes, device, done, populate); returns the "
           "bytes it read. `queue`: the address of two int64 words that the processes reading "
-          "the same targets into one shared buffer share (they claim the reads through it).")
+          "the same targets into one shared buffer share (they claim the reads through it; "
+          "give them one `threads` count, or their plans may differ).")
+      .def("reader_threads", &Checkpointer::reader_threads, pyb::arg("local_ranks") = 0,
+           "The reader threads a read would run, `local_ranks` ranks sharing the host's CPUs.")
       .def("verify",
            [](Checkpointer& c, const Manifest& mf) {
              Status s;

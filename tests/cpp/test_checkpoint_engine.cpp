@@ -218,7 +218,10 @@ TEST_F(EngineTest, ReadersSharingAQueueReadEachChunkOnceBetweenThem) {
     std::vector<Status> status(kReaders);
     std::vector<std::thread> threads;
     for (int r = 0; r < kReaders; ++r) {
-      threads.emplace_back([&, r] { status[r] = readers[r]->read(*m, t, 1, queue, &bytes[r]); });
+      threads.emplace_back([&, r] {
+        status[r] =
+            readers[r]->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes[r]});
+      });
     }
     for (auto& th : threads) th.join();
     for (const auto& s : status) ASSERT_TRUE(s.ok()) << s.to_string();
@@ -248,7 +251,7 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
                                      {"small", small.data(), 24, -1, &done[1]}};
   uint64_t bytes = 0;
-  Status read = c->read(*m, t, 1, queue, &bytes);
+  Status read = c->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_LT(bytes, big.size() * 4 + 24);
   EXPECT_GT(bytes, 0u);
@@ -264,7 +267,7 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   queue[0] = 0;
   done[0] = done[1] = 0;
   bytes = 1;
-  read = (*other)->read(*m, t, 1, queue, &bytes);
+  read = (*other)->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(queue[0], 0);  // nothing claimed
@@ -274,9 +277,42 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
 
   io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
   queue[0] = queue[1] = 0;
-  read = c->read(*m, t, 1, queue, &bytes);
+  read = c->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   EXPECT_EQ(read.code(), StatusCode::kCorrupt) << read.to_string();
   EXPECT_GE(queue[0], int64_t{1} << 62);
+}
+
+// The plan, and so the fingerprint a queue is shared under, depends on the reader threads: ranks
+// whose settings differ plan apart (the second reads nothing), unless the read is given one
+// thread count (ReadSharing::threads), as the ranks of a host sharing a restore agree on.
+TEST_F(EngineTest, ReadersGivenOneThreadCountPlanAlikeWhateverTheirSettings) {
+  auto writer = make();
+  fill(6);
+  ASSERT_TRUE(save(*writer, 1).ok());
+  auto m = writer->manifest(1);
+  ASSERT_TRUE(m.ok());
+  auto with_threads = [&](int n) {
+    auto o = writer->options();
+    o.restore_threads = n;
+    return Checkpointer::create(o).value();
+  };
+  auto one = with_threads(1);
+  auto four = with_threads(4);
+  std::vector<float> big(big_.size(), 0);
+  std::vector<int64_t> small(3, 0);
+  const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4},
+                                     {"small", small.data(), 24}};
+  const uint64_t all = big.size() * 4 + 24;
+  for (int agreed : {0, 4}) {
+    alignas(8) int64_t queue[2] = {0, 0};
+    uint64_t first = 0, second = 0;
+    ASSERT_TRUE(one->read(*m, t, {.threads = agreed, .queue = queue, .bytes_read = &first}).ok());
+    queue[0] = 0;  // the groups again, under the first reader's fingerprint
+    ASSERT_TRUE(four->read(*m, t, {.threads = agreed, .queue = queue, .bytes_read = &second}).ok());
+    EXPECT_EQ(first, all);
+    EXPECT_EQ(second, agreed ? all : 0) << "agreed threads: " << agreed;
+  }
+  EXPECT_EQ(big, big_);
 }
 
 // close() frees the pool's slabs (a snapshot's worth of memory) once the saves are done; a

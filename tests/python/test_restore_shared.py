@@ -99,7 +99,7 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             real_read(self, progress)
             result["host_read"] = self.bytes_read  # its engine's, before its own pieces'
 
-        host_share.RunReader._read_run = late
+        host_share.RunReader._read_run = late  # put back below
     if phase == "frozenread":  # one host: rank 1 stops (SIGSTOP) as its reader thread starts
         from resilient.checkpoint import host_share
 
@@ -193,6 +193,8 @@ def _phase(rank: int, world: int, mesh, phase: str, root: str, out: str) -> dict
             result["same"] = all(_same(target[k], expect[k]) for k in ("rep", "w", "dt", "dr"))
             result["bytes_read"] = ck.last_load.bytes_read
         os.environ.pop("RESILIENT_HOST_ID", None)
+        if phase == "lateread":
+            host_share.RunReader._read_run = real_read
         if phase in ("dies", "frozen", "frozenread"):  # no barrier, no close: a rank is gone
             _report(result, phase, world, rank, out)
             if phase.startswith("frozen"):  # the job's store lives in rank 0: it stays until the
@@ -436,11 +438,24 @@ def test_shm_buffer_create_check_and_sweep(tmp_path):
     progress.publish(3, shm.Progress.FAILED)
     from resilient import _C
 
-    _C.publish_i64(progress.piece_word(1), 1)  # as the engine marks a piece in place
+    _C.publish_i64(progress.piece_word(1), 7)  # as the engine marks a piece of 3 chunks in place
+    _C.publish_i64(progress.piece_word(2), 4)  # 2 of its chunks in place, not yet the whole piece
     again = shm.Progress(shm.open_mapped(path, header + 8192), 4, 3)  # another mapping sees them
     assert [again.get(i) for i in range(4)] == [0, 0, 3, shm.Progress.FAILED]
     assert again.pieces_done(0, 3) == bytes([0, 1, 0])
     assert again.pieces_done(1, 2) == bytes([1, 0])  # from a piece on
+    # the readers' queue lies in the header, before the readers' words and after the token;
+    # a reader whose load is abandoned closes it (the others' engines claim no more)
+    assert progress.queue % 8 == 0 and _C.observe_i64(progress.queue) == 0
+    assert view.data_ptr() + len("abc") <= progress.queue < progress.piece_word(0)
+    from resilient.checkpoint.host_share import RunReader
+
+    reader = RunReader(lambda targets, queue: 0, lambda: 0, path, view, header, {}, {}, [], [],
+                       {}, 0, progress, populate=True, queue=progress.queue)
+    reader.stop()
+    assert again.get(2) == 3 and _C.observe_i64(progress.queue) == shm.CLOSED
+    with pytest.raises(OSError, match="too long"):
+        shm.create(path + "-long", header, "x" * shm.QUEUE)  # the token stops short of it
     dead = tmp_path / "resilient-restore-999999999-t2"  # no such pid
     dead.write_bytes(b"x")
     assert shm.sweep(str(tmp_path)) == [dead.name]

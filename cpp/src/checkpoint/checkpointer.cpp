@@ -399,12 +399,16 @@ Result<Manifest> Checkpointer::manifest(int64_t step) const {
   return read_manifest(options_.root, step);
 }
 
-Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets, int local_ranks,
-                          int64_t* queue, uint64_t* bytes_read) {
+int Checkpointer::reader_threads(int local_ranks) const {
+  return restore_threads(options_.restore_threads, local_ranks);
+}
+
+Status Checkpointer::read(const Manifest& m, std::span<const ReadTarget> targets,
+                          const ReadSharing& sharing) {
   RestoreOptions ro;
-  ro.queue = queue;
-  ro.bytes_read = bytes_read;
-  ro.threads = restore_threads(options_.restore_threads, local_ranks);
+  ro.queue = sharing.queue;
+  ro.bytes_read = sharing.bytes_read;
+  ro.threads = sharing.threads > 0 ? sharing.threads : reader_threads(sharing.local_ranks);
   ro.io = options_.io;
   ro.timeout = options_.timeout;
   ro.cuda = streams_->cuda();

@@ -54,12 +54,13 @@ struct Completions {
 // the same groups, or a chunk could be read twice and another never.
 int64_t fingerprint(const detail::ReadPlan& plan, const std::vector<Piece>& pieces) {
   std::vector<uint64_t> words;
-  words.reserve(4 + 2 * plan.groups.size() + 4 * plan.extents.size() + 5 * pieces.size());
+  words.reserve(4 + 2 * plan.groups.size() + 4 * plan.extents.size() + 6 * pieces.size());
   words.push_back(plan.groups.size());
   for (auto [first, last] : plan.groups) words.insert(words.end(), {first, last});
   for (const auto& x : plan.extents) words.insert(words.end(), {x.shard, x.offset, x.len, x.last});
   for (const auto& p : pieces)
-    words.insert(words.end(), {p.shard, p.chunk.offset, p.chunk.len, p.chunk.raw, p.target});
+    words.insert(words.end(),
+                 {p.shard, p.chunk.offset, p.chunk.len, p.chunk.raw, p.chunk.xxh3, p.target});
   words.insert(words.end(), plan.order.begin(), plan.order.end());
   return static_cast<int64_t>(checksum(words.data(), words.size() * sizeof(uint64_t)) | 1);
 }

@@ -182,8 +182,11 @@ class RunReader(threading.Thread):
         self.seconds: dict[str, float] = {}  # "reserve", "engine": parts of the run's read
 
     def stop(self) -> None:
-        """The load is abandoned: read nothing more after the run in progress."""
+        """The load is abandoned: read nothing more after the run in progress (with a queue,
+        it is closed: every reader of the host stops after the groups it is reading)."""
         self._stopped.set()
+        if self._queue:
+            shm.close_queue(self._queue)
 
     def run(self) -> None:
         if self._run or self._receives:

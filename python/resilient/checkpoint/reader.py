@@ -311,7 +311,7 @@ class Reader:
                 self._fall_back(path, rank == local[0], rank, created)
                 return
             mapping = torch.empty(0, dtype=torch.uint8)
-            populate = False
+            populate, threads = False, self._engine.reader_threads(len(local))
             if size:
                 try:
                     if rank != local[0]:
@@ -322,9 +322,9 @@ class Reader:
                 except OSError as e:
                     problem = f"{path}: {e}"
             # the host's ranks map one buffer, or none
-            seen = ranks.gather((problem, populate), data_timeout)
-            if any(p is not None for p, _ in seen):
-                self._fall_back(path, rank == local[0], rank, [p for p, _ in seen])
+            seen = ranks.gather((problem, populate, threads), data_timeout)
+            if any(s[0] is not None for s in seen):
+                self._fall_back(path, rank == local[0], rank, [s[0] for s in seen])
                 return
             stamps.append(("plan", clock()))
             buffer = mapping[header:]
@@ -341,12 +341,21 @@ class Reader:
 
             # The host's readers take the reads from one queue, so that they end together
             # however unevenly the storage serves them, where every one of them reserves the
-            # pages as it writes them; else (before Linux 5.14) each reads its fixed run.
+            # pages as it writes them; else (before Linux 5.14) each reads its fixed run. The
+            # queue's pieces are in the files' order, in which the engines take them (their
+            # words follow it, for the copiers' window), and the readers plan with one thread
+            # count (their plans must match).
             queued = len(local) > 1 and all(seen[r][1] for r in local) and progress is not None
-            lanes = [[n for run in runs for n in run]] if queued else runs  # words in order
+            lanes = runs
+            if queued:
+                lanes = [sorted((n for run in runs for n in run),
+                                key=lambda n: (self._entries[n]["shard"], order[n]))]
+                index = {n: i for i, n in enumerate(lanes[0])}
+            agreed = min(seen[r][2] for r in local) if queued else 0
             reading = host_share.RunReader(
                 lambda targets, queue: self._engine.read(self._manifest, targets,
-                                                         local_ranks=len(local), queue=queue),
+                                                         local_ranks=len(local), queue=queue,
+                                                         threads=agreed),
                 then, path, mapping, header, where, self._entries,
                 lanes[0] if queued else runs[me], receives, index, me, progress,
                 populate=populate, queue=progress.queue if queued else 0)
@@ -357,7 +366,8 @@ class Reader:
                 reading.start()
                 started = True
                 copying = self._copy_arrivals(buffer, where, lanes, set(needed), index,
-                                              progress, ranks, data_timeout, len(local))
+                                              progress, ranks, data_timeout, len(local),
+                                              window=256 * len(local) if queued else 256)
             except CollectiveError:
                 reading.stop()
                 raise  # a peer stopped, or abort(): every rank raises it, without the gather
@@ -389,6 +399,11 @@ class Reader:
         failed = [x for x in status if x is not None]
         if failed:
             raise CorruptCheckpointError(f"reading the checkpoint failed on {failed[0]}")
+        if progress is not None and 0 in progress.pieces_done(0, len(index)):
+            # every read of the host ended without error, so every piece must be in place:
+            # never send or return a buffer that is not (the same on every rank of the host)
+            raise RuntimeError("restore: the host's reads ended without error but pieces of "
+                               "its shared buffer are not in place (a bug in resilient)")
         if plan:
             report = exchange.send_and_receive(buffer, plan, rank, group, nccl,
                                                lambda w: ranks.wait(w, data_timeout),
@@ -547,7 +562,8 @@ class Reader:
 
     def _copy_arrivals(self, buffer: torch.Tensor, where: dict[str, int], runs: list[list[str]],
                        wanted: set[str], index: dict[str, int], progress: shm.Progress | None,
-                       ranks: Any, timeout: float | None, local: int) -> dict[str, float]:
+                       ranks: Any, timeout: float | None, local: int,
+                       window: int = 256) -> dict[str, float]:
         """Copies the pieces this rank needs (`wanted`) out of the host's buffer, each once it
         is in place (runs[i]: the pieces of a run of reads, in order; host_share.Arrivals), on
         a few threads (host_share.copy_workers; `local`: the host's ranks) where every target
@@ -557,7 +573,7 @@ class Reader:
         if progress is None:  # no buffer: nothing shared
             return {}
         arrivals = host_share.Arrivals(progress, runs, index, wanted, timeout or 600.0,
-                                       window=256 * local, readers=local)
+                                       window=window, readers=local)
         self._copies_map()  # built here, not by the copy threads at once
         inference = torch.is_inference_mode_enabled()
 

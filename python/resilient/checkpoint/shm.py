@@ -190,6 +190,15 @@ class Progress:
         return _C.observe_many(self._pieces + 8 * first, count)
 
 
+#: A closed queue's next group (the engine's kClosed): no reader claims another.
+CLOSED = 1 << 62
+
+
+def close_queue(queue: int) -> None:
+    """Closes the readers' queue at `queue` (Progress.queue): they stop claiming groups."""
+    _C.publish_i64(queue, CLOSED)
+
+
 def unlink(path: str) -> None:
     try:
         os.unlink(path)

@@ -100,6 +100,18 @@ class SaveHandle {
   SaveStats stats_;
 };
 
+/// How a read shares its host: `local_ranks` > 0 is how many ranks share this host's CPUs,
+/// where the caller knows it (else torchrun's LOCAL_WORLD_SIZE, or 1), for the automatic
+/// reader threads (restore_threads 0); `threads` > 0 sets them (the ranks of a host sharing a
+/// queue agree on one count: their plans must match). `queue` and `bytes_read`: as in
+/// RestoreOptions.
+struct ReadSharing {
+  int local_ranks = 0;
+  int threads = 0;
+  int64_t* queue = nullptr;
+  uint64_t* bytes_read = nullptr;
+};
+
 /// Thread-safe: save() may be called from one thread at a time; reads from any.
 class Checkpointer {
  public:
@@ -140,12 +152,11 @@ class Checkpointer {
 
   Result<std::vector<int64_t>> steps() const;
   Result<Manifest> manifest(int64_t step) const;
-  /// Reads `targets` (restore_tensors). With automatic reader threads (restore_threads 0),
-  /// `local_ranks` > 0 is how many ranks share this host's CPUs, where the caller knows it
-  /// (else torchrun's LOCAL_WORLD_SIZE, or 1). `queue` and `bytes_read`: as in RestoreOptions
-  /// (the ranks of a host sharing one restore's reads).
-  Status read(const Manifest& manifest, std::span<const ReadTarget> targets, int local_ranks = 0,
-              int64_t* queue = nullptr, uint64_t* bytes_read = nullptr);
+  /// Reads `targets` (restore_tensors).
+  Status read(const Manifest& manifest, std::span<const ReadTarget> targets,
+              const ReadSharing& sharing = {});
+  /// The reader threads a read would run with `local_ranks` (as in ReadSharing).
+  int reader_threads(int local_ranks = 0) const;
   Status verify(const Manifest& manifest);
 
   const CheckpointOptions& options() const { return options_; }

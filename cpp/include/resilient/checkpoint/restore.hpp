@@ -46,8 +46,10 @@ struct RestoreOptions {
   // buffer: the reads' groups are claimed through queue[0] by whichever thread of whichever
   // process is free, so the processes finish together however unevenly the storage serves
   // them. queue[1] holds the first process's plan fingerprint: a process whose plan differs
-  // (other settings) reads nothing and fails (kFailedPrecondition). A process that fails closes
-  // the queue: the others stop claiming.
+  // (other settings; the caller should give every process one thread count) claims nothing and
+  // returns OK, with a warning, having read nothing: the others read it all, and the caller waits
+  // for the done words as always. A process that fails closes the queue: the others stop
+  // claiming.
   int64_t* queue = nullptr;
   // Out: the bytes of the targets this process read (the tensors' bytes, not the file's).
   uint64_t* bytes_read = nullptr;
