@@ -95,7 +95,10 @@ def spawn_ranks(fn: Callable[[int, int, Any], None], nprocs: int = 2) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    # The manager's server process is spawned too: forked from this process, whose other
+    # threads (the engine's, torch's) may hold the allocator's locks at the fork, its first
+    # thread deadlocked once (CI, 2026-11-28: in Thread.__init__, for the test's full 600 s).
+    with mp.get_context("spawn").Manager() as manager:
         out = manager.dict()
         mp.start_processes(fn, args=(port, out), nprocs=nprocs, start_method="spawn",
                            join=True)
