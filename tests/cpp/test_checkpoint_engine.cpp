@@ -69,6 +69,15 @@ class EngineTest : public ::testing::Test {
     if (!h.ok()) return h.status();
     return (*h)->wait(30s);
   }
+  // Fills the tensors with `seed`'s values and saves them as step 1 through `c`: its manifest
+  // in `m` (call under ASSERT_NO_FATAL_FAILURE).
+  void save_step_one(Checkpointer& c, uint32_t seed, Manifest& m) {
+    fill(seed);
+    ASSERT_TRUE(save(c, 1).ok());
+    auto got = c.manifest(1);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    m = std::move(got).value();
+  }
   Status load_into(Checkpointer& c, int64_t step, std::vector<float>& big,
                    std::vector<int64_t>& small) {
     big.assign(300'000, 0);
@@ -109,10 +118,8 @@ TEST_F(EngineTest, SaveLoadRoundTripBitExact) {
 // leaves its tensor's word even; a word that is not 8-byte aligned is refused.
 TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
   auto c = make();
-  fill(5);
-  ASSERT_TRUE(save(*c, 1).ok());
-  auto m = c->manifest(1);
-  ASSERT_TRUE(m.ok());
+  Manifest m;
+  ASSERT_NO_FATAL_FAILURE(save_step_one(*c, 5, m));
   std::vector<float> big(300'000, 0);
   std::vector<int64_t> small(3, 0);
   alignas(8) int64_t done[3] = {0, 0, 0};
@@ -126,23 +133,23 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
     }
     seen_whole = big == big_;
   });
-  Status read = c->read(*m, t);
+  Status read = c->read(m, t);
   ended = true;
   watcher.join();
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(seen_whole.load());
-  EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m->tensors[0].chunks.size()) + 1);
+  EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m.tensors[0].chunks.size()) + 1);
   EXPECT_EQ(done[1], 3);  // one chunk
   EXPECT_EQ(small, small_);
 
   io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
   done[0] = done[1] = 0;
-  EXPECT_EQ(c->read(*m, t).code(), StatusCode::kCorrupt);
+  EXPECT_EQ(c->read(m, t).code(), StatusCode::kCorrupt);
   EXPECT_EQ(done[0] & 1, 0);  // its damaged chunk never landed
 
   auto* odd = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(&done[1]) + 4);
   std::vector<ReadTarget> bad = {{"small", small.data(), 24, -1, odd}};
-  EXPECT_EQ(c->read(*m, bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->read(m, bad).code(), StatusCode::kInvalidArgument);
 }
 
 // A populate target (a shared mapping whose pages do not exist yet: the shared restore's
@@ -150,10 +157,8 @@ TEST_F(EngineTest, DoneWordsAreSetWhenATargetIsCompletelyInPlace) {
 // pages cannot be had for writing fails the read with kResourceExhausted, not a signal.
 TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   auto c = make();
-  fill(5);
-  ASSERT_TRUE(save(*c, 1).ok());
-  auto m = c->manifest(1);
-  ASSERT_TRUE(m.ok());
+  Manifest m;
+  ASSERT_NO_FATAL_FAILURE(save_step_one(*c, 5, m));
   const size_t bytes = big_.size() * 4;
   const int fd = memfd_create("populate-test", 0);
   ASSERT_GE(fd, 0);
@@ -169,7 +174,7 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   }
   alignas(8) int64_t done = 0;
   std::vector<ReadTarget> t = {{"big", rw, bytes, -1, &done, /*populate=*/true}};
-  Status read = c->read(*m, t);
+  Status read = c->read(m, t);
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_EQ(done & 1, 1);
   EXPECT_EQ(std::memcmp(rw, big_.data(), bytes), 0);
@@ -177,7 +182,7 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   done = 0;  // past the end of the file: no page to be had
   const uint64_t page = 4096;
   t = {{"big", static_cast<std::byte*>(rw) + bytes / page * page + page, bytes, -1, &done, true}};
-  read = c->read(*m, t);
+  read = c->read(m, t);
   EXPECT_EQ(read.code(), StatusCode::kResourceExhausted) << read.to_string();
   EXPECT_NE(read.to_string().find("in its shared mapping"), std::string::npos) << read.to_string();
   EXPECT_EQ(done & 1, 0);
@@ -187,7 +192,7 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
   ASSERT_NE(ro, MAP_FAILED);
   done = 0;
   t = {{"big", ro, bytes, -1, &done, /*populate=*/true}};
-  read = c->read(*m, t);
+  read = c->read(m, t);
   EXPECT_EQ(read.code(), StatusCode::kResourceExhausted) << read.to_string();
   EXPECT_NE(read.to_string().find("'big'"), std::string::npos) << read.to_string();
   EXPECT_EQ(done & 1, 0);
@@ -200,10 +205,8 @@ TEST_F(EngineTest, PopulateTargetsGetTheirPagesBeforeTheyAreWritten) {
 // odd, and the bytes they report adding up to the tensors' bytes.
 TEST_F(EngineTest, ReadersSharingAQueueReadEachChunkOnceBetweenThem) {
   auto writer = make();
-  fill(3);
-  ASSERT_TRUE(save(*writer, 1).ok());
-  auto m = writer->manifest(1);
-  ASSERT_TRUE(m.ok());
+  Manifest m;
+  ASSERT_NO_FATAL_FAILURE(save_step_one(*writer, 3, m));
   for (int round = 0; round < 20; ++round) {
     std::vector<float> big(big_.size(), 0);
     std::vector<int64_t> small(3, 0);
@@ -220,14 +223,14 @@ TEST_F(EngineTest, ReadersSharingAQueueReadEachChunkOnceBetweenThem) {
     for (int r = 0; r < kReaders; ++r) {
       threads.emplace_back([&, r] {
         status[r] =
-            readers[r]->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes[r]});
+            readers[r]->read(m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes[r]});
       });
     }
     for (auto& th : threads) th.join();
     for (const auto& s : status) ASSERT_TRUE(s.ok()) << s.to_string();
     EXPECT_EQ(big, big_);
     EXPECT_EQ(small, small_);
-    EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m->tensors[0].chunks.size()) + 1);
+    EXPECT_EQ(done[0], 2 * static_cast<int64_t>(m.tensors[0].chunks.size()) + 1);
     EXPECT_EQ(done[1], 3);
     EXPECT_EQ(std::accumulate(bytes.begin(), bytes.end(), uint64_t{0}), big.size() * 4 + 24);
     EXPECT_NE(queue[1], 0);  // the plan's fingerprint
@@ -240,10 +243,8 @@ TEST_F(EngineTest, ReadersSharingAQueueReadEachChunkOnceBetweenThem) {
 // stop claiming.
 TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   auto c = make();
-  fill(4);
-  ASSERT_TRUE(save(*c, 1).ok());
-  auto m = c->manifest(1);
-  ASSERT_TRUE(m.ok());
+  Manifest m;
+  ASSERT_NO_FATAL_FAILURE(save_step_one(*c, 4, m));
   std::vector<float> big(big_.size(), 0);
   std::vector<int64_t> small(3, 0);
   alignas(8) int64_t done[2] = {0, 0};
@@ -251,7 +252,7 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4, -1, &done[0]},
                                      {"small", small.data(), 24, -1, &done[1]}};
   uint64_t bytes = 0;
-  Status read = c->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
+  Status read = c->read(m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_LT(bytes, big.size() * 4 + 24);
   EXPECT_GT(bytes, 0u);
@@ -267,7 +268,7 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   queue[0] = 0;
   done[0] = done[1] = 0;
   bytes = 1;
-  read = (*other)->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
+  read = (*other)->read(m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(queue[0], 0);  // nothing claimed
@@ -277,7 +278,7 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
 
   io::testing::flip_byte((root_ / step_dir_name(1) / shard_file_name(0)).string(), 70'000);
   queue[0] = queue[1] = 0;
-  read = c->read(*m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
+  read = c->read(m, t, {.local_ranks = 1, .queue = queue, .bytes_read = &bytes});
   EXPECT_EQ(read.code(), StatusCode::kCorrupt) << read.to_string();
   EXPECT_GE(queue[0], int64_t{1} << 62);
 }
@@ -287,10 +288,8 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
 // thread count (ReadSharing::threads), as the ranks of a host sharing a restore agree on.
 TEST_F(EngineTest, ReadersGivenOneThreadCountPlanAlikeWhateverTheirSettings) {
   auto writer = make();
-  fill(6);
-  ASSERT_TRUE(save(*writer, 1).ok());
-  auto m = writer->manifest(1);
-  ASSERT_TRUE(m.ok());
+  Manifest m;
+  ASSERT_NO_FATAL_FAILURE(save_step_one(*writer, 6, m));
   auto with_threads = [&](int n) {
     auto o = writer->options();
     o.restore_threads = n;
@@ -306,9 +305,9 @@ TEST_F(EngineTest, ReadersGivenOneThreadCountPlanAlikeWhateverTheirSettings) {
   for (int agreed : {0, 4}) {
     alignas(8) int64_t queue[2] = {0, 0};
     uint64_t first = 0, second = 0;
-    ASSERT_TRUE(one->read(*m, t, {.threads = agreed, .queue = queue, .bytes_read = &first}).ok());
+    ASSERT_TRUE(one->read(m, t, {.threads = agreed, .queue = queue, .bytes_read = &first}).ok());
     queue[0] = 0;  // the groups again, under the first reader's fingerprint
-    ASSERT_TRUE(four->read(*m, t, {.threads = agreed, .queue = queue, .bytes_read = &second}).ok());
+    ASSERT_TRUE(four->read(m, t, {.threads = agreed, .queue = queue, .bytes_read = &second}).ok());
     EXPECT_EQ(first, all);
     EXPECT_EQ(second, agreed ? all : 0) << "agreed threads: " << agreed;
   }

@@ -194,15 +194,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
-    if rank == 0:
-        shutil.rmtree(paired.parent, ignore_errors=True)
     if rank == 0:  # the storage limit in the same run: one reader, the checkpoint's bytes
         from resilient.cli.bench.methods import raw_row
 
+        shutil.rmtree(paired.parent, ignore_errors=True)
         d = root / "raw"
         d.mkdir(parents=True, exist_ok=True)
-        raw = raw_row(nbytes, d, _C.parse_bytes(getattr(args, "request_bytes", "16MiB")),
-                      getattr(args, "queue_depth", 8), args.repeat)
+        raw = raw_row(nbytes, d, request, depth, args.repeat)
         shutil.rmtree(d, ignore_errors=True)
         rows["raw"] = {"method": "raw (1 reader)", "state_bytes": nbytes, "written_bytes": nbytes,
                        "save_s": round(raw.durable_s, 4), "write_gbps": raw.write_gbps,
