@@ -889,8 +889,12 @@ class Checkpointer:
                     li = info[chain[0]]
                     self._head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
             seq = self._max_seq + 1
+            parent = self._head
+            if parent is not None and handle.step <= parent[0]:  # re-saving: replace the step
+                parent = roots.parent_for(roots.history(self.root, steps)[1], parent,
+                                          handle.step)
             roots.write_lineage(roots.tmp_dir(self.root, handle.step), handle.step, seq,
-                                self._head)
+                                parent)
             _C.commit_shards(self.root, handle.step, self.world_size, handle.save_id)
         except Exception as e:
             return f"error: commit failed: {type(e).__name__}: {e}"

@@ -404,7 +404,8 @@ class ResilientStorageWriter(StorageWriter):
             if chain:
                 li = lineage[chain[0]]
                 head = (chain[0], li.seq if isinstance(li, roots.Lineage) else None)
-            roots.write_lineage(tmp, info.step, roots.max_seq(lineage) + 1, head)
+            roots.write_lineage(tmp, info.step, roots.max_seq(lineage) + 1,
+                                roots.parent_for(lineage, head, info.step))
             _C.commit_shards(info.root, info.step, info.world_size, info.save_id)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,11 @@ committed atomically with the step. The *current lineage* is the chain of parent
 commit with the largest seq. ``load()`` without a step walks that chain, newest first; after
 ``load(step=k)`` the next commit names k as its parent, so it starts a new branch and the steps
 saved after k on the old branch are no longer in the lineage: retention deletes them, and a crash
-after that first commit resumes the new branch. Steps without ``lineage.json`` (older roots) are
+after that first commit resumes the new branch. Saving a step the writer's position already
+reached (re-saving the step one resumed from, or a DCP save that replaces ``root/step-N``)
+replaces that step: the new commit's parent is the nearest ancestor older than it
+(parent_for()), and the native commit exchanges the two directories, so the old copy stays
+loadable until the new one is committed. Steps without ``lineage.json`` (older roots) are
 ancestors of each other in step order.
 """
 
@@ -261,6 +265,32 @@ def chain_of(info: dict[int, Lineage | str | None]) -> list[int]:
         seen.add(p)
         cur = p
     return chain
+
+
+def parent_for(info: dict[int, Lineage | str | None], head: tuple[int, int | None] | None,
+               step: int) -> tuple[int, int | None] | None:
+    """The parent of a new commit of `step` by a writer positioned at `head` (the step and seq
+    it resumed from or last committed): `head` itself when `step` is newer; otherwise `head`'s
+    nearest ancestor older than `step`. Re-saving the step one resumed from (or an older one)
+    replaces that step in the lineage instead of making it its own parent, so the steps before
+    it stay in the lineage and retention keeps them. None when the walk cannot go on (a record
+    damaged, replaced or deleted): the new commit then starts a lineage of its own."""
+    cur = head
+    seen: set[int] = set()
+    while cur is not None and cur[0] >= step:
+        if cur[0] in seen:
+            return None
+        seen.add(cur[0])
+        li = info.get(cur[0], DAMAGED)
+        if li is None:  # an older root's steps: ancestors of each other in step order
+            older = [s for s, r in info.items() if s < step and r is None]
+            return (max(older), None) if older else None
+        if li == DAMAGED or (cur[1] is not None and li.seq != cur[1]):  # type: ignore[union-attr]
+            return None
+        if li.parent_step is None:  # type: ignore[union-attr]
+            return None
+        cur = (li.parent_step, li.parent_seq)  # type: ignore[union-attr]
+    return cur
 
 
 def max_seq(info: dict[int, Lineage | str | None]) -> int:
