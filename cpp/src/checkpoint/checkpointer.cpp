@@ -44,8 +44,9 @@ Result<CheckpointOptions> CheckpointOptions::from_env(std::string root) {
                              env_value("RESILIENT_CHUNK_BYTES", o.chunk_bytes, parse_bytes));
   auto small = [](const char* name, int* field) -> Status {
     RESILIENT_ASSIGN_OR_RETURN(int64_t v, env_value<int64_t>(name, *field, parse_int));
-    if (v < -(1 << 20) || v > (1 << 20)) {
-      return Status(StatusCode::kInvalidArgument, std::string(name) + " out of range");
+    if (v < -(1 << 20) || v > (1 << 20)) {  // the real range is checked by validate()
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(name) + "=" + std::to_string(v) + " is out of range");
     }
     *field = static_cast<int>(v);
     return ok_status();
@@ -66,21 +67,35 @@ Result<CheckpointOptions> CheckpointOptions::from_env(std::string root) {
 
 Status CheckpointOptions::validate() const {
   auto bad = [](const std::string& m) { return Status(StatusCode::kInvalidArgument, m); };
+  // "<field> (<its RESILIENT_* variable>) must be in [lo, hi], got v": the variable is named
+  // because most values come from the environment (docs/SETTINGS.md has the same ranges).
+  auto outside = [&](const char* field, const char* variable, int64_t v, int64_t lo, int64_t hi) {
+    return bad(std::string(field) + " (" + variable + ") must be in [" + std::to_string(lo) + ", " +
+               std::to_string(hi) + "], got " + std::to_string(v));
+  };
   if (root.empty()) return bad("checkpoint root must not be empty");
   if (rank < 0 || world_size < 1 || rank >= world_size)
     return bad("rank must be in [0, world_size)");
   if (chunk_bytes < 4096 || chunk_bytes % 4096 != 0)
-    return bad("chunk_bytes must be a positive multiple of 4096");
-  if (zstd_level < 0 || zstd_level > 22) return bad("zstd_level must be in [0, 22]");
-  if (copy_threads < 1 || copy_threads > 256) return bad("copy_threads must be in [1, 256]");
+    return bad("chunk_bytes (RESILIENT_CHUNK_BYTES) must be a positive multiple of 4096, got " +
+               std::to_string(chunk_bytes));
+  if (zstd_level < 0 || zstd_level > 22)
+    return outside("zstd_level", "RESILIENT_ZSTD_LEVEL", zstd_level, 0, 22);
+  if (copy_threads < 1 || copy_threads > 256)
+    return outside("copy_threads", "RESILIENT_COPY_THREADS", copy_threads, 1, 256);
   if (restore_threads < 0 || restore_threads > 256)
-    return bad("restore_threads must be in [0, 256] (0: automatic)");
-  if (files_per_rank < 1 || files_per_rank > 64) return bad("files_per_rank must be in [1, 64]");
-  if (background_nice < 0 || background_nice > 19) return bad("background_nice must be in [0, 19]");
+    return outside("restore_threads (0: automatic)", "RESILIENT_RESTORE_THREADS", restore_threads,
+                   0, 256);
+  if (files_per_rank < 1 || files_per_rank > 64)
+    return outside("files_per_rank", "RESILIENT_FILES_PER_RANK", files_per_rank, 1, 64);
+  if (background_nice < 0 || background_nice > 19)
+    return outside("background_nice", "RESILIENT_BACKGROUND_NICE", background_nice, 0, 19);
   if (auto cpus = parse_cpu_list(background_cpus); !cpus.ok()) {
     return bad("background_cpus (RESILIENT_BACKGROUND_CPUS): " + cpus.status().message());
   }
-  if (timeout <= Duration::zero()) return bad("timeout must be positive");
+  if (timeout <= Duration::zero())
+    return bad("timeout (RESILIENT_CKPT_TIMEOUT_S) must be > 0, got " +
+               std::to_string(to_seconds(timeout)));
   // A slab holds whole chunks (create() rounds it up); a budget below one slab fails every save.
   const uint64_t slab = io::align_up(std::max(pool.slab_bytes, chunk_bytes), chunk_bytes);
   if (pool.budget_bytes != 0 && pool.budget_bytes < slab) {  // 0: half of physical memory
@@ -130,6 +145,12 @@ Checkpointer::Checkpointer(CheckpointOptions options) : options_(std::move(optio
 Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions options,
                                                            std::shared_ptr<memory::HostPool> pool) {
   RESILIENT_RETURN_IF_ERROR(options.validate());
+  RESILIENT_ASSIGN_OR_RETURN(int64_t streams,
+                             env_value<int64_t>("RESILIENT_COPY_STREAMS", 4, parse_int));
+  if (streams < 1 || streams > 64) {
+    return Status(StatusCode::kInvalidArgument,
+                  "RESILIENT_COPY_STREAMS must be in [1, 64], got " + std::to_string(streams));
+  }
   // The root is created by the first save (prepare_tmp_dir), never by opening: a reader that
   // mistyped the root must not leave an empty one behind.
   std::unique_ptr<Checkpointer> c(new Checkpointer(std::move(options)));
@@ -152,8 +173,7 @@ Result<std::unique_ptr<Checkpointer>> Checkpointer::create(CheckpointOptions opt
   c->hashers_ = std::make_unique<ThreadPool>(
       copy_threads, ThreadSetup{"rs-ckpt-hash", c->options_.background_nice, cpus});
   c->streams_ = std::make_unique<DeviceStreams>(
-      c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(),
-      static_cast<int>(env_int("RESILIENT_COPY_STREAMS", 4)));
+      c->options_.cuda ? c->options_.cuda : memory::CudaRuntime::get(), static_cast<int>(streams));
   RESILIENT_ASSIGN_OR_RETURN(c->engine_, io::IoEngine::create(c->options_.io));
   c->writer_ = std::thread([p = c.get(), cpus] {
     // io-wq workers that io_uring creates for the writer's submissions inherit its CPUs.

@@ -1,6 +1,7 @@
 #include "resilient/common/logging.hpp"
 
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -10,12 +11,21 @@
 namespace resilient {
 namespace {
 
+// RESILIENT_LOG_LEVEL (any case), else warn. Read by a static initialiser, which cannot fail:
+// a value that names no level says so on stderr once and logs at warn.
 LogLevel initial_level() {
   auto v = env_string("RESILIENT_LOG_LEVEL");
   if (!v) return LogLevel::kWarn;
-  if (*v == "debug") return LogLevel::kDebug;
-  if (*v == "info") return LogLevel::kInfo;
-  if (*v == "error") return LogLevel::kError;
+  std::string level;
+  for (char c : *v) level += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (level == "debug") return LogLevel::kDebug;
+  if (level == "info") return LogLevel::kInfo;
+  if (level == "warn") return LogLevel::kWarn;
+  if (level == "error") return LogLevel::kError;
+  std::fprintf(stderr,
+               "resilient: RESILIENT_LOG_LEVEL='%s' is not debug, info, warn or error; logging "
+               "at warn\n",
+               v->c_str());
   return LogLevel::kWarn;
 }
 

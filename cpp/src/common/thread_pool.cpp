@@ -9,8 +9,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <string>
 #include <exception>
+#include <stdexcept>
+#include <string>
 
 #include "resilient/common/config.hpp"
 #include "resilient/common/logging.hpp"
@@ -149,8 +150,22 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn) {
   if (error) std::rethrow_exception(error);
 }
 
+namespace {
+
+// RESILIENT_THREADS, or 4; a malformed value or one outside [1, 1024] throws
+// std::invalid_argument naming the variable (0 or a negative count is not "automatic").
+size_t default_pool_threads() {
+  const int64_t n = env_int("RESILIENT_THREADS", 4);
+  if (n < 1 || n > 1024) {
+    throw std::invalid_argument("RESILIENT_THREADS must be in [1, 1024], got " + std::to_string(n));
+  }
+  return static_cast<size_t>(n);
+}
+
+}  // namespace
+
 ThreadPool& default_thread_pool() {
-  static ThreadPool* pool = new ThreadPool(static_cast<size_t>(env_int("RESILIENT_THREADS", 4)));
+  static ThreadPool* pool = new ThreadPool(default_pool_threads());
   return *pool;
 }
 

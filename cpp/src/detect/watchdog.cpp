@@ -36,11 +36,18 @@ Status WatchdogOptions::validate() const {
   if (!(safety_factor >= 1.0)) {
     return invalid("safety_factor (RESILIENT_DETECT_HANG_SAFETY_FACTOR) must be >= 1");
   }
-  if (min_step_limit < Duration::zero()) return invalid("min_step_limit must be >= 0");
-  if (step_limit_override < Duration::zero()) return invalid("step_limit_override must be >= 0");
-  if (startup_limit < Duration::zero()) return invalid("startup_limit must be >= 0");
+  if (min_step_limit < Duration::zero())
+    return invalid("min_step_limit (RESILIENT_DETECT_HANG_MIN_STEP_S) must be >= 0");
+  if (step_limit_override < Duration::zero())
+    return invalid("step_limit_override (RESILIENT_DETECT_HANG_STEP_S) must be >= 0");
+  if (startup_limit < Duration::zero())
+    return invalid("startup_limit (RESILIENT_DETECT_HANG_STARTUP_S) must be >= 0");
   for (const auto& [name, limit] : section_limits) {
-    if (limit < Duration::zero()) return invalid("limit of section '" + name + "' must be >= 0");
+    if (limit < Duration::zero()) {
+      return invalid("limit of section '" + name + "'" +
+                     (name == "checkpoint" ? " (RESILIENT_DETECT_HANG_CHECKPOINT_S)" : "") +
+                     " must be >= 0");
+    }
   }
   if (warmup_steps < 0) return invalid("warmup_steps must be >= 0");
   if (window < 1) return invalid("window must be >= 1");
