@@ -1,10 +1,16 @@
-"""resilient.settings: one table, parsed like the C++ core parses it, documented from itself."""
+"""resilient.settings: one table, parsed like the C++ core parses it, documented from itself;
+lists parsed as lists, every number checked against its range naming the variable."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
 import os
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,6 +110,205 @@ def test_a_checkpointer_refuses_a_malformed_setting(tmp_path, monkeypatch):
         Checkpointer(tmp_path / "c", create=True)
 
 
+# -- lists (issue 50 item 5) ---------------------------------------------------------------
+LISTS = sorted(name for name, s in settings.SETTINGS.items() if s.kind == "list")
+_ITEM = {"RESILIENT_TIERS": ["/mnt/shared/ckpt", "s3://bucket/run42", "/tmp/t"],
+         "RESILIENT_FAULT_OPS": ["write", "fsync", "rename"]}
+
+
+def test_every_list_setting_has_examples_here():
+    assert LISTS == sorted(_ITEM), "a new list setting: add its items to _ITEM"
+
+
+@pytest.mark.parametrize("name", LISTS)
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_a_list_setting_is_its_items_with_one_or_several(monkeypatch, name, count):
+    items = _ITEM[name][:count]
+    monkeypatch.setenv(name, " , ".join(items))
+    assert settings.get(name) == items
+    with settings.set({name: items}):
+        assert settings.get(name) == items
+
+
+@pytest.mark.parametrize("name", LISTS)
+@pytest.mark.parametrize("text", [",", "a,,b", "a,", ",a"])
+def test_a_list_with_an_empty_item_is_refused(monkeypatch, name, text):
+    first = _ITEM[name][0]
+    monkeypatch.setenv(name, text.replace("a", first).replace("b", first))
+    with pytest.raises(ValueError, match=f"{name}=.*empty item"):
+        settings.get(name)
+
+
+def test_fault_ops_items_are_checked():
+    with pytest.raises(ValueError, match="RESILIENT_FAULT_OPS='write,fsnyc': unknown item 'fsnyc'"):
+        settings.lookup("fault_ops").parse("write,fsnyc")
+
+
+def test_tiers_from_the_environment_are_two_tiers_not_one_per_character(tmp_path, monkeypatch):
+    """RESILIENT_TIERS=a,b: each step reaches both tiers; nothing lands in the working
+    directory (it used to become one file tier per character of the value)."""
+    import torch
+
+    from resilient import Checkpointer
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    a, b = tmp_path / "tier-a", tmp_path / "tier-b"
+    monkeypatch.setenv("RESILIENT_TIERS", f"{a},{b}")
+    with Checkpointer(tmp_path / "local", create=True, distributed=False) as ck:
+        assert [t.path for t in ck._tiers] == [str(a), str(b)]
+        ck.save(1, {"w": torch.arange(4.0)}).wait()
+    for tier in (a, b):
+        assert _C.committed_steps(str(tier)) == [1], tier
+    assert os.listdir(cwd) == []
+
+
+# -- ranges (issue 50 item 13, issue 44 item 10) --------------------------------------------
+NUMBERS = sorted(n for n, s in settings.SETTINGS.items() if s.kind in ("int", "float", "bytes"))
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+def test_every_number_has_a_range_its_default_is_in(name):
+    s = settings.SETTINGS[name]
+    assert s.range is not None, f"{name}: give it a range in settings.toml"
+    if s.default is not None:
+        s.parse(s.default)  # raises if the default is outside
+
+
+def _edges(s: settings.Setting) -> list[tuple[str, bool]]:
+    """(text, inside the range) just inside and just outside each finite bound."""
+    r, out = s.range, []
+    step = 1 if s.kind in ("int", "bytes") else 1e-3
+    for bound, closed, outward in ((r.low, r.low_closed, -1), (r.high, r.high_closed, 1)):
+        if bound in (math.inf, -math.inf):
+            continue
+        inside = bound if closed else bound - outward * step
+        outside = bound + outward * step if closed else bound
+        for value, ok in ((inside, True), (outside, False)):
+            if s.kind == "bytes" and value < 0:
+                continue  # not a size at all
+            if s.multiple and value % s.multiple:
+                value = value - value % s.multiple + (s.multiple if outward > 0 and not ok
+                                                      else 0)
+            out.append((repr(int(value)) if step == 1 else repr(value), ok))
+    return out
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+def test_values_outside_the_range_are_refused_naming_the_variable(name, monkeypatch):
+    s = settings.SETTINGS[name]
+    for text, ok in _edges(s):
+        monkeypatch.setenv(name, text)
+        if ok:
+            settings.get(name)
+        else:
+            with pytest.raises(ValueError, match=f"^{name}='{re.escape(text)}': must be"):
+                settings.get(name)
+
+
+@pytest.mark.parametrize("name,text,reason", [
+    ("RESILIENT_CHUNK_BYTES", "5k", "must be a multiple of 4KiB"),
+    ("RESILIENT_ZSTD_LEVEL", "23", r"must be in \[0, 22\]"),
+    ("RESILIENT_FILES_PER_RANK", "0", r"must be in \[1, 64\]"),
+    ("RESILIENT_THREADS", "0", r"must be in \[1, 1024\]"),
+    ("RESILIENT_THREADS", "-3", r"must be in \[1, 1024\]"),
+    ("RESILIENT_CKPT_TIMEOUT_S", "0", "must be > 0"),
+    ("RESILIENT_DIST_TIMEOUT_S", "-1", "must be > 0"),
+    ("RESILIENT_COLLECTIVE_TIMEOUT_S", "0", "must be > 0"),
+    ("RESILIENT_RECOVERY_GROUP_TIMEOUT_S", "-1", "must be > 0"),
+    ("RESILIENT_LOG_LEVEL", "verbose", "expected one of debug, info, warn, error"),
+    ("RESILIENT_FAULT_ERRNO", "EBOGUS", "unknown errno"),
+    ("RESILIENT_FAULT_ERRNO", "-5", "unknown errno"),
+    ("RESILIENT_BACKGROUND_CPUS", "4-2", "bad part '4-2'"),
+    ("RESILIENT_BACKGROUND_CPUS", "0,", "bad part ''"),
+    ("RESILIENT_DETECT_HOST", "10.0.0", "expected an IPv4 address"),
+])
+def test_the_issues_examples_are_refused_naming_the_variable(monkeypatch, name, text, reason):
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ValueError, match=f"^{name}='{re.escape(text)}': {reason}"):
+        settings.get(name)
+
+
+def test_errno_names_and_numbers():
+    s = settings.lookup("fault_errno")
+    assert (s.parse("ENOSPC"), s.parse("28"), s.parse("0")) == (errno.ENOSPC, 28, 0)
+
+
+def test_settings_current_refuses_what_the_checkpointer_would(tmp_path):
+    """`resilient settings --current` reports RESILIENT_CHUNK_BYTES=5k as an error naming it,
+    and a Checkpointer made in that environment fails naming the same variable."""
+    env = dict(os.environ, RESILIENT_CHUNK_BYTES="5k")
+    cli = [sys.executable, "-m", "resilient", "settings", "--current"]
+    p = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p
+    assert "error: RESILIENT_CHUNK_BYTES='5k': must be a multiple of 4KiB" in p.stdout
+    code = ("import resilient\n"
+            f"resilient.Checkpointer({str(tmp_path / 'c')!r}, create=True, distributed=False)")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and "RESILIENT_CHUNK_BYTES" in p.stderr, p.stderr
+
+
+# Native readers of the environment (from_env, then validate), by variable.
+def _checkpoint_engine() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        opts = _C.CheckpointOptions(d)
+        opts.keep = 0
+        _C.Checkpointer(opts).close(None)
+
+
+def _straggler() -> None:
+    _C.straggler.StragglerOptions.from_env().validate()
+
+
+_NATIVE = {
+    **dict.fromkeys(["CHUNK_BYTES", "ZSTD_LEVEL", "COPY_THREADS", "RESTORE_THREADS",
+                     "FILES_PER_RANK", "COPY_STREAMS", "BACKGROUND_NICE", "CKPT_TIMEOUT_S",
+                     "IO_REQUEST_BYTES", "IO_QUEUE_DEPTH", "IO_THREADS", "POOL_SLAB_BYTES",
+                     "POOL_BYTES"], _checkpoint_engine),
+    **dict.fromkeys(["COMM_INIT_TIMEOUT_S", "COMM_COLLECTIVE_TIMEOUT_S",
+                     "COMM_QUIESCE_TIMEOUT_S", "COMM_STORE_TIMEOUT_S", "COMM_POLL_INTERVAL_US"],
+                    lambda: _C.comm.CommOptions.from_env()),
+    **dict.fromkeys([n[len("RESILIENT_"):] for n in NUMBERS if "_STRAGGLER_" in n
+                     and not n.endswith("EXCHANGE_TIMEOUT_S")], _straggler),
+    **dict.fromkeys(["DETECT_HEARTBEAT_MS", "DETECT_WATCH_COUNT", "DETECT_PHI_THRESHOLD",
+                     "DETECT_ACCEPTABLE_PAUSE_MS", "DETECT_MIN_STDDEV_MS",
+                     "DETECT_MAX_SILENCE_MS", "DETECT_REFUSED_SILENCE_MS", "DETECT_FRESHNESS_MS",
+                     "DETECT_GOSSIP_FANOUT"], lambda: _C.detect.CoreOptions.from_env(0, 1)),
+    **dict.fromkeys(["DETECT_HANG_SAFETY_FACTOR", "DETECT_HANG_MIN_STEP_S", "DETECT_HANG_STEP_S",
+                     "DETECT_HANG_STARTUP_S", "DETECT_HANG_CHECKPOINT_S"],
+                    lambda: _C.detect.WatchdogOptions.from_env()),
+}
+# The native check also compares with another setting (at its default here).
+_CROSS = {"STRAGGLER_SLOW_RATIO", "STRAGGLER_CUSUM_CLIP", "STRAGGLER_CUSUM_CAP"}
+# Python refuses more than the native check: a value the component would take but that means
+# nothing useful (a negative pause, no deviation, a limit of 0 that reports every step a hang).
+_STRICTER = {"DETECT_ACCEPTABLE_PAUSE_MS", "DETECT_MIN_STDDEV_MS", "DETECT_HANG_STARTUP_S",
+             "DETECT_HANG_CHECKPOINT_S"}
+
+
+@pytest.mark.parametrize("short", sorted(_NATIVE))
+def test_python_and_the_native_reader_agree_at_the_range_edges(short, monkeypatch):
+    """At each edge of the table's range the native options reader agrees with settings.get,
+    and where it refuses, its message names the variable."""
+    name = "RESILIENT_" + short
+    for text, inside in _edges(settings.SETTINGS[name]):
+        monkeypatch.setenv(name, text)
+        try:
+            _NATIVE[short]()
+            native = None
+        except ValueError as e:
+            native = str(e)
+        if native is not None:
+            assert name in native, (text, native)
+        if short in _CROSS and inside:
+            continue
+        if short in _STRICTER and not inside:
+            continue
+        assert (native is None) == inside, (text, native)
+
+
 _WORDS = st.text(alphabet="0123456789.-+eEkKmMgGiIbBxnoftrueyasl ", max_size=8)
 
 
@@ -113,7 +318,7 @@ def test_python_and_cpp_accept_the_same_spellings(text):
     """The same text through settings.get and through a C++ options struct's from_env: both
     accept it with the same value, or both refuse it."""
     cases = [("RESILIENT_STRAGGLER_INTERVAL", "interval"),
-             ("RESILIENT_STRAGGLER_SLOW_RATIO", "slow_ratio")]
+             ("RESILIENT_STRAGGLER_Z_THRESHOLD", "z_threshold")]
     for name, attr in cases:
         old = os.environ.get(name)
         os.environ[name] = text
@@ -123,7 +328,9 @@ def test_python_and_cpp_accept_the_same_spellings(text):
             except ValueError:
                 py = ("error", None)
             try:
-                native = ("ok", getattr(_C.straggler.StragglerOptions.from_env(), attr))
+                options = _C.straggler.StragglerOptions.from_env()
+                options.validate()
+                native = ("ok", getattr(options, attr))
             except ValueError:
                 native = ("error", None)
         finally:
