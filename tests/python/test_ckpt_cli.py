@@ -7,12 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from damage import flip_byte
-from resilient.checkpoint import Checkpointer
+from resilient.checkpoint import Checkpointer, verify
 from resilient.cli import main
 
 STEP1 = "step-000000000001"
@@ -132,6 +136,43 @@ def test_verify_finds_damaged_lineage(root, capsys):
     rc, doc = run_json(capsys, "ckpt", "verify", root)
     assert rc == 1
     assert doc["problems"][0]["file"].endswith("lineage.json")
+
+
+def test_verify_of_a_damaged_manifest_is_linear_in_its_tensors(tmp_path):
+    """16384 tensors, a byte of the merged manifest flipped: the damage is located (file,
+    offset, JSON path) in seconds; it took 166-268 s when each step rescanned the manifest."""
+    root = str(tmp_path / "r")
+    with Checkpointer(root, keep=0, create=True, distributed=False) as ck:
+        ck.save(1, {"w": {f"t{i}": torch.full((4,), float(i)) for i in range(16384)}}).wait()
+    path, offset = _flip_in_manifest(root, b'"off":', 6)
+    start = time.monotonic()
+    (p,) = verify.verify_step(root, 1)
+    assert time.monotonic() - start < 60
+    assert p.file == path and p.offset is not None and abs(p.offset - offset) <= 20
+    assert "first difference from the rank manifests at tensors[0]" in p.message
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet="aé€😀\"\\ x"),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(alphabet="ké€", max_size=3), inner, max_size=4),
+    max_leaves=20)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(_JSON, st.sampled_from([None, 1, 2]))
+def test_positions_are_the_byte_offsets_of_every_value(doc, indent):
+    """verify's one-pass parser: each value's byte offset, with any non-ASCII text before it."""
+    text = json.dumps(doc, indent=indent, ensure_ascii=False)
+    parsed, where = verify._positions(text)
+    assert parsed == doc
+    raw = text.encode()
+    for path, offset in where.items():
+        value = doc
+        for key in path:
+            value = value[key]
+        got, _ = json.JSONDecoder().raw_decode(raw[offset:].decode())
+        assert got == value, path
 
 
 def test_diff_reports_which_tensors_and_by_how_much(tmp_path, capsys):

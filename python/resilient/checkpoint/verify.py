@@ -120,10 +120,10 @@ def locate_manifest_damage(step_path: str) -> tuple[int, str] | None:
             continue
         found = _first_difference(ranks[r], rank_doc.get("values"), ("values", "ranks", r))
         if found is None:
+            theirs = {x.get("name"): x for x in rank_doc.get("tensors", [])
+                      if isinstance(x, dict)}
             mine = [(i, t) for i, t in enumerate(tensors)
-                    if isinstance(t, dict) and t.get("name") in
-                    {x.get("name") for x in rank_doc.get("tensors", [])}]
-            theirs = {x.get("name"): x for x in rank_doc.get("tensors", [])}
+                    if isinstance(t, dict) and t.get("name") in theirs]
             for i, t in mine:
                 other = dict(theirs[t["name"]])
                 other["shard"] = t.get("shard")  # renumbered by the merge
@@ -158,9 +158,19 @@ def _path_str(path: tuple) -> str:
 
 
 def _positions(text: str) -> tuple[Any, dict[tuple, int]]:
-    """Parses JSON `text`, recording the byte offset at which each value starts by its path."""
+    """Parses JSON `text`, recording the byte offset at which each value starts by its path
+    (in one pass: values are met in file order, so each offset extends the previous one)."""
     where: dict[tuple, int] = {}
     decoder = json.JSONDecoder()
+    ascii_only = text.isascii()
+    last = [0, 0]  # a character index and its byte offset
+
+    def byte_offset(i: int) -> int:
+        if ascii_only:
+            return i
+        last[1] += len(text[last[0]:i].encode())
+        last[0] = i
+        return last[1]
 
     def skip(i: int) -> int:
         while i < len(text) and text[i] in " \t\r\n":
@@ -169,7 +179,7 @@ def _positions(text: str) -> tuple[Any, dict[tuple, int]]:
 
     def value(i: int, path: tuple) -> tuple[Any, int]:
         i = skip(i)
-        where[path] = len(text[:i].encode())
+        where[path] = byte_offset(i)
         if text[i] == "{":
             out, i = {}, skip(i + 1)
             if text[i] == "}":
