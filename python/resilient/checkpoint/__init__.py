@@ -13,26 +13,54 @@ state against the live one), plan (which rank writes and reads which piece), rea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from resilient import _follow_store_setting
-from resilient.checkpoint.checkpointer import (
-    CheckpointCommitError,
-    Checkpointer,
-    LoadReport,
-    SaveHandle,
-    tensor_descriptor,
-)
 from resilient.checkpoint.plan import ShardSpec
-from resilient.checkpoint.ranks import default_store
+
+# The torch side is imported on first use, so that the modules that only read a root's files
+# (catalog, verify, root, tiers: `resilient ckpt ls`) are imported without torch (seconds).
+_LAZY = {
+    "CheckpointCommitError": "resilient.checkpoint.checkpointer",
+    "Checkpointer": "resilient.checkpoint.checkpointer",
+    "LoadReport": "resilient.checkpoint.checkpointer",
+    "SaveHandle": "resilient.checkpoint.checkpointer",
+    "tensor_descriptor": "resilient.checkpoint.checkpointer",
+    "default_store": "resilient.checkpoint.ranks",
+}
+
+if TYPE_CHECKING:
+    from resilient.checkpoint.checkpointer import (
+        CheckpointCommitError,
+        Checkpointer,
+        LoadReport,
+        SaveHandle,
+        tensor_descriptor,
+    )
+    from resilient.checkpoint.ranks import default_store
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient.checkpoint' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def read_global(root: str, step: int | None = None) -> dict:
     """This process alone: the tensors of `step` (default: newest of the lineage) assembled to
     their global shapes by logical name; per-rank tensors as "R<rank>/<name>"."""
+    from resilient.checkpoint.checkpointer import Checkpointer
+
     with Checkpointer(root, keep=0, distributed=False, tiers=[]) as ck:
         return ck.read_global(step)
 
 
-_follow_store_setting()  # RESILIENT_STORE=etcd:// (torch is imported now)
+_follow_store_setting()  # RESILIENT_STORE=etcd:// when torch is imported (checkpointer.py: too)
 
 __all__ = [
     "CheckpointCommitError",

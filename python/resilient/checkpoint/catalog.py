@@ -5,7 +5,8 @@ StepReader, which assembles each logical tensor to its global shape, a batch at 
 
 Everything here reads through the native engine (manifest parsing with its seal check, chunk
 checksums, O_NOFOLLOW below the root) and never takes the writer lock, so it is safe to run
-while a job is saving to the root.
+while a job is saving to the root. Listing, describing and verifying never import torch (it
+takes seconds to import): only reading tensors (StepReader.read) does.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from resilient import _C
 from resilient.checkpoint import codec, tiers
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.plan import Saved, split_piece_name
-from resilient.checkpoint.reader import Reader
 from resilient.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Callback for long work: (done, total, what) -> None.
 Progress = Callable[[int, int, str], None]
@@ -54,11 +55,11 @@ class Logical:
     shape: tuple[int, ...]
     pieces: list[Saved]
     ranks: list[int]
+    itemsize: int = 0  # bytes per element, from the manifest (0 when every piece is empty)
 
     @property
     def nbytes(self) -> int:
-        size = codec.dtype_from_name(self.dtype).itemsize
-        return math.prod(self.shape) * size
+        return math.prod(self.shape) * self.itemsize
 
     @property
     def grid(self) -> list[int]:
@@ -121,6 +122,8 @@ class StepReader:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The logical tensors `names`, assembled to their global shapes."""
+        from resilient.checkpoint.reader import Reader
+
         reader = Reader(self._engine, self.manifest, self.entries)
         wanted = {}
         for n in names:
@@ -172,26 +175,37 @@ def _values(manifest: Any, step_path: str) -> dict:
                                      path=os.path.join(step_path, "manifest.json")) from None
 
 
+class _Unread:
+    """What placeholder() gives for a tensor or array: nothing (no torch needed)."""
+
+    def numpy(self) -> None:
+        return None
+
+
 def placeholder(kind: str, name: str) -> Any:
     """A codec.decode tensor source that checks names and reads nothing."""
     if not isinstance(name, str):
         raise ValueError("a tensor name is not a string")
-    return torch.empty(0)
+    return _Unread()
 
 
 def _logical(entries: dict[str, dict]) -> dict[str, Logical]:
     out: dict[str, Logical] = {}
     for e in entries.values():
         shape = tuple(e["shape"])
+        numel = math.prod(shape)
+        itemsize = e["nbytes"] // numel if numel else 0
         split = split_piece_name(e["name"][2:]) if e["name"].startswith("S/") else None
         if split is None:  # a per-rank tensor: stored whole
             saved = Saved(e["name"], e["dtype"], shape, shape, tuple(0 for _ in shape))
-            out[e["name"]] = Logical(e["name"], e["dtype"], shape, [saved], [e["rank"]])
+            out[e["name"]] = Logical(e["name"], e["dtype"], shape, [saved], [e["rank"]],
+                                     itemsize)
             continue
         name, offset = split
         gshape = tuple(e.get("global_shape", shape))
         saved = Saved(e["name"], e["dtype"], shape, gshape, offset)
         lg = out.setdefault(name, Logical(name, e["dtype"], gshape, [], []))
+        lg.itemsize = lg.itemsize or itemsize
         lg.pieces.append(saved)
         if e["rank"] not in lg.ranks:
             lg.ranks.append(e["rank"])

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import orjson
 import torch
 
-from resilient import _C, settings
+from resilient import _C, _follow_store_setting, settings
 from resilient.checkpoint import codec, contract, views
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.dtensor import is_dtensor, local_chunk, local_chunk_info
@@ -1713,3 +1713,7 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+
+# RESILIENT_STORE=etcd://: env:// follows it now that torch is imported (resilient.checkpoint
+# imports this module on first use, so its own call may come before torch).
+_follow_store_setting()

@@ -16,12 +16,15 @@ import base64
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from resilient import _C
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and numpy are imported where a function needs them, so that reading a checkpoint's
+# documents (`resilient ckpt ls`, `show`, `verify`) does not import torch (2.5-10 s).
 
 TENSOR, NDARRAY, TUPLE, DICT, ODICT, NAMEDTUPLE = (
     "$tensor", "$ndarray", "$tuple", "$dict", "$odict", "$namedtuple")
@@ -44,6 +47,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    import torch
+
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in checkpoint")
@@ -76,6 +81,9 @@ def encode(state: Any, state_of: Callable[[Any], Any] | None = None,
     the walk carries its path as one string and tests the common exact types first, and with
     `native` the dicts, lists, plain scalars and tensors are walked by ``_C.codec_walk`` (the
     same walk in C++, which hands every other object to this one; the same result)."""
+    import numpy as np
+    import torch
+
     out = Encoded(doc=None)
     tensors = out.tensors
     state_of = state_of or (lambda obj: obj.state_dict())
@@ -316,6 +324,8 @@ def decode(doc: Any, tensor_for: Callable[[str, str], torch.Tensor]) -> Any:
         if tag == BYTES:
             return base64.b64decode(value, validate=True)
         if tag == NPSCALAR:
+            import numpy as np
+
             return np.dtype(value).type(dec(obj.get("value"), depth + 1))
         if tag == STATEFUL:
             return dec(value, depth + 1)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient import _C
-from resilient.checkpoint import dcp_metadata
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.catalog import (
     Progress,
@@ -24,6 +23,9 @@ from resilient.checkpoint.catalog import (
     step_list,
 )
 from resilient.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+#: dcp_metadata.FILE, named here because that module imports torch (a test holds them equal).
+DCP_METADATA = "dcp-metadata.json"
 
 
 @dataclass
@@ -84,8 +86,10 @@ def verify_step(path: str, step: int, engine: Any = None) -> list[Problem]:
         problems.append(Problem(step, file, offset, msg))
     except OSError as e:
         problems.append(Problem(step, getattr(e, "filename", None) or sdir, None, str(e)))
-    meta = os.path.join(sdir, dcp_metadata.FILE)  # a step written through resilient.dcp
+    meta = os.path.join(sdir, DCP_METADATA)  # a step written through resilient.dcp
     if os.path.lexists(meta):
+        from resilient.checkpoint import dcp_metadata  # imports torch: only for such a step
+
         try:
             with open(meta, encoding="utf-8", errors="surrogateescape") as f:
                 dcp_metadata.decode(f.read(), meta)
