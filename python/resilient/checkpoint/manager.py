@@ -152,14 +152,16 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 -- the store is gone: the timeouts end the waits
             log.warning("cannot abort the checkpoint's collectives: %s", e)
 
-    def regroup(self, lost_rank: bool, timeout: float | None = None) -> list[int]:
+    def regroup(self, lost_rank: bool, timeout: float | None = None, *,
+                group: Any = None) -> list[int]:
         """Collective over the new group. Moves the manager onto the current default process
         group after in-process recovery rebuilt it (resilient.recovery.Recovery calls this;
         users do not): with ``lost_rank`` the saves in flight are abandoned, since the lost
         rank's shard will never arrive (Checkpointer.abandon); without (a rank joined), they are
         first waited for (up to ``timeout``, default the checkpointer's). The root keeps every
         committed checkpoint; the next save is written by the new group's ranks. Returns the
-        steps whose saves did not commit.
+        steps whose saves did not commit. ``group``: a gloo group over the new group's ranks
+        for the checkpointer's collectives (default: one of its own, created here).
 
         Raises:
             TimeoutError: a save still running after ``timeout`` (the old checkpointer keeps
@@ -179,7 +181,7 @@ class CheckpointManager:
                 log.error("a save before the group grew did not commit: %s", e)
             lost = [h.step for h in handles if h._error is not None]
         root, kwargs = self._args
-        self._ckpt = Checkpointer(root, **{**kwargs, "create": True})
+        self._ckpt = Checkpointer(root, **{**kwargs, "create": True, "group": group})
         self.distributed = self._ckpt.world_size > 1
         if lost:
             log.warning("checkpoint saves of steps %s were not committed (the group changed); "
