@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from resilient.checkpoint import Checkpointer
+from resilient.checkpoint import Checkpointer, catalog
 from resilient.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +69,7 @@ def test_save_pretrained_directory_imports_and_loads_strictly(tmp_path, capsys, 
     assert main(["ckpt", "import", str(src), root, "--key", "model", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tied"] == ["lm_head.weight"]
+    assert summary["tensors"] == catalog.describe_step(root)["tensor_count"]  # written ones
     torch.manual_seed(1)
     fresh = transformers.GPT2LMHeadModel(model.config)
     with Checkpointer(root, distributed=False) as ck:

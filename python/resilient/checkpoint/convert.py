@@ -10,8 +10,11 @@ structure included. A *key* export (key="model") writes only that entry's state 
 own key names ("transformer.h.0.attn.c_attn.weight"): what `model.load_state_dict()` or, with
 a Hugging Face config, `from_pretrained()` reads.
 
-Import writes a one-rank checkpoint (any world size loads it: docs/STATE.md). Nothing is
-unpickled beyond torch.load(weights_only=True) and DCP's own reader.
+Import writes a one-rank checkpoint (any world size loads it: docs/STATE.md) holding exactly
+what the source holds: sources.py reads it without running code from it (no pickle beyond
+torch.load(weights_only=True) and two restricted unpicklers for DCP) and refuses, rather than
+picks from, a source whose files disagree; a resilient export whose files hold a tensor its
+record does not reference is refused too. The summary counts the tensors written.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from typing import Any
 
 import torch
 
-from resilient.checkpoint import codec, hf
+from resilient.checkpoint import codec, hf, sources
 from resilient.checkpoint import root as roots
 from resilient.checkpoint.catalog import Progress, StepReader, no_progress
+from resilient.checkpoint.sources import META_KEY
 from resilient.errors import CheckpointNotFoundError
 
 EXPORT_FORMAT = "resilient-export/1"
-META_KEY = "_resilient"  # the record's key in torch / DCP exports, and in safetensors metadata
 FORMATS = ("safetensors", "torch", "dcp")
 DEFAULT_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -298,29 +301,40 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
     export is rebuilt exactly (its step unless `step` is given); anything else becomes the
     state as loaded, under `key` when given (key="model": load({"model": model}) restores it),
     at `step` (default 0); a Hugging Face model directory, or a safetensors file with the
-    directory's config.json beside it, gets back the tied weights its files leave out (hf.py)."""
+    directory's config.json beside it, gets back the tied weights its files leave out (hf.py).
+    ValueError for a source that is malformed or whose files disagree (sources.py)."""
     from resilient.checkpoint.checkpointer import Checkpointer
 
     fmt = fmt or detect_format(src)
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a whole number >= 0, not {step!r}")
     progress(0, 2, "reading")
-    record, tensors, loaded = _load_source(src, fmt)
+    source = sources.read(src, fmt)
     progress(1, 2, "reading")
     rank_state = None
     dropped = 0
     tied: list[str] = []
-    if record is not None:
-        if record.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"{src}: export record of format {record.get('format')!r}, this "
-                             f"version reads {EXPORT_FORMAT!r}")
-        state = _rebuild(record["state"], tensors, "")
-        rank_docs = record.get("rank_state") or []
+    if source.record is not None:
+        record = _check_record(src, source.record)
+        used: set[str] = set()
+        state = _rebuild(src, record["state"], source.tensors, "", used)
+        rank_docs = record["rank_state"]
         if rank_docs and rank_docs[0] is not None:
-            rank_state = _rebuild(rank_docs[0], tensors, "R0/")
-        dropped = sum(1 for d in rank_docs[1:] if d is not None)
+            rank_state = _rebuild(src, rank_docs[0], source.tensors, "R0/", used)
+        beyond = tuple(f"R{i}/" for i, d in enumerate(rank_docs) if i > 0 and d is not None)
+        dropped = len(beyond)
+        unused = [n for n in source.tensors if n not in used and not n.startswith(beyond)]
+        if unused:
+            raise ValueError(
+                f"{src} holds {len(unused)} tensor(s) that its export record does not reference "
+                f"({', '.join(map(repr, unused[:3]))}{', ...' if len(unused) > 3 else ''}): the "
+                "files were changed after the export; refusing to drop them (export again, or "
+                "remove them)")
         step = record["step"] if step is None else step
     else:
+        loaded = source.loaded
         if fmt == "safetensors":  # a model directory, or a file of one (config.json beside it)
             tied = hf.add_tied_weights(
                 src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src)), loaded)
@@ -337,70 +351,37 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
             raise FileExistsError(f"{root} already has step {step}; pass another --step")
         ck.save(step, state, rank_state).wait()
     progress(2, 2, "written")
+    count = len(codec.encode(state).tensors) + (  # as written: a tied tensor once
+        0 if rank_state is None else len(codec.encode(rank_state).tensors))
     return {"src": os.path.abspath(src), "format": fmt, "root": os.path.abspath(root),
-            "step": step, "exact": record is not None, "tensors": len(tensors),
+            "step": step, "exact": source.record is not None, "tensors": count,
             "tied": tied, "dropped_rank_states": dropped}
 
 
-def _load_source(src: str, fmt: str) -> tuple[dict | None, dict[str, torch.Tensor], Any]:
-    """(export record or None, tensors by logical name, the loaded object)."""
-    if fmt == "safetensors":
-        return _load_safetensors(src)
-    if fmt == "torch":
-        try:
-            loaded = torch.load(src, map_location="cpu", weights_only=True)
-        except Exception as e:  # an unpickling refusal or a damaged file: say which
-            raise ValueError(f"{src}: cannot be read as a torch.save file with "
-                             f"weights_only=True ({type(e).__name__}: {e})") from None
-    else:
-        loaded = _dcp_load(src)
-    record = None
-    if isinstance(loaded, dict) and isinstance(loaded.get(META_KEY), dict):
-        meta = loaded.pop(META_KEY)
-        record = json.loads(meta["record"])
-        state = loaded["state"] if loaded.get("wrapped") is True else loaded
-        tensors = dict(codec.encode(state).tensors)
-        for r, rank in (meta.get("rank_state") or {}).items():
-            tensors.update({f"R{r}/{n}": t for n, t in codec.encode(rank).tensors.items()})
-        return record, tensors, loaded
-    return None, dict(codec.encode(loaded).tensors), loaded
+def _check_record(src: str, record: dict) -> dict:
+    """The export record with its fields checked (ValueError naming `src` otherwise)."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{src}: export record: {what}")
+
+    if record.get("format") != EXPORT_FORMAT:
+        raise bad(f"format {record.get('format')!r}; this version reads {EXPORT_FORMAT!r}")
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise bad(f"step {step!r} is not a whole number >= 0")
+    if "state" not in record:
+        raise bad("no state")
+    rank_docs = [] if record.get("rank_state") is None else record["rank_state"]
+    if not isinstance(rank_docs, list):
+        raise bad("rank_state is not a list")
+    return {**record, "rank_state": rank_docs}
 
 
-def _load_safetensors(src: str) -> tuple[dict | None, dict[str, torch.Tensor], Any]:
-    from safetensors import safe_open
-
-    if os.path.isdir(src):
-        files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
-        index = os.path.join(src, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        paths = [os.path.join(src, n) for n in files]
-    else:
-        paths = [src]
-    tensors: dict[str, torch.Tensor] = OrderedDict()
-    record = None
-    for p in paths:
-        with safe_open(p, framework="pt") as f:
-            meta = f.metadata() or {}
-            if META_KEY in meta:
-                record = json.loads(meta[META_KEY])
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
-    return record, tensors, tensors
-
-
-def _dcp_load(src: str) -> dict:
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process")
-        return _load_state_dict_from_keys(checkpoint_id=src)
-
-
-def _rebuild(doc: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+def _rebuild(src: str, doc: Any, tensors: dict[str, torch.Tensor], prefix: str,
+             used: set[str]) -> Any:
     """The state a document describes, with Stateful entries as SavedState (so saving it
-    writes the same document) and tensors from `tensors` ("<prefix><name>")."""
+    writes the same document) and tensors from `tensors` ("<prefix><name>"), whose names are
+    added to `used`. ValueError naming `src` for a malformed document."""
     inner: list[Any] = []
 
     def mark(d: Any) -> Any:
@@ -415,11 +396,15 @@ def _rebuild(doc: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
 
     def tensor_for(kind: str, name: Any) -> Any:
         if isinstance(name, tuple):
-            return SavedState(_rebuild(inner[name[1]], tensors, prefix))
-        t = tensors.get(prefix + name)
+            return SavedState(_rebuild(src, inner[name[1]], tensors, prefix, used))
+        t = tensors.get(prefix + name) if isinstance(name, str) else None
         if t is None:
-            raise ValueError(f"the export record references tensor {prefix + name!r}, which "
-                             "the files do not hold")
+            raise ValueError(f"{src}: the export record references tensor {prefix}{name!r}, "
+                             "which the files do not hold")
+        used.add(prefix + name)
         return t
 
-    return codec.decode(mark(doc), tensor_for)
+    try:
+        return codec.decode(mark(doc), tensor_for)
+    except (TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise ValueError(f"{src}: malformed export record ({type(e).__name__}: {e})") from None

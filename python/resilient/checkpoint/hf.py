@@ -27,8 +27,14 @@ def copy_files(source: str, out: str) -> list[str]:
     """Copies a config (a config.json, or the known files of a model directory) into `out`,
     so that `from_pretrained(out)` finds them. Returns the names copied."""
     if os.path.isfile(source):
-        with open(source) as f:
-            json.load(f)  # a config must at least be JSON
+        try:
+            with open(source, "rb") as f:
+                doc = json.loads(f.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"Hugging Face config {source}: not JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"Hugging Face config {source}: a {type(doc).__name__}, not an "
+                             "object")
         shutil.copyfile(source, os.path.join(out, "config.json"))
         return ["config.json"]
     if not os.path.isdir(source):
@@ -63,17 +69,32 @@ def add_tied_weights(directory: str, tensors: dict[str, torch.Tensor]) -> list[s
 
 
 def _meta_model(config_path: str) -> Any:
+    """The model config.json describes, built on the meta device; None without a config, without
+    transformers, or for an architecture transformers does not know. ValueError naming the file
+    for a config that is not what from_pretrained reads."""
     if not os.path.isfile(config_path):
         return None
     try:
         import transformers
     except ImportError:
         return None
-    with open(config_path) as f:
-        archs = json.load(f).get("architectures") or []
+    try:
+        with open(config_path, "rb") as f:
+            doc = json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: not JSON ({e})") from None
+    archs = doc.get("architectures") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not (archs is None or isinstance(archs, list) and all(
+            isinstance(a, str) for a in archs)):
+        raise ValueError(f"{config_path}: not a Hugging Face config (an object whose "
+                         "\"architectures\" is a list of class names)")
     cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         return None
-    config = transformers.AutoConfig.from_pretrained(os.path.dirname(config_path))
-    with torch.device("meta"):
-        return cls(config)
+    try:
+        config = transformers.AutoConfig.from_pretrained(os.path.dirname(config_path))
+        with torch.device("meta"):
+            return cls(config)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise ValueError(f"{config_path}: transformers cannot build {archs[0]} from it "
+                         f"({type(e).__name__}: {e})") from None

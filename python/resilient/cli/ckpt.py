@@ -1,9 +1,11 @@
 """`resilient ckpt`: list, inspect, verify, compare and convert checkpoints (docs/ckpt.md).
 
 Exit status: 0 success; 1 the check found something (verify: corruption; diff: the steps
-differ); 2 a usage error (a missing or foreign root, an unknown step, a bad option). The work
-is done by resilient.checkpoint's catalog, verify, diff and convert modules; this one parses
-arguments and prints.
+differ); 2 bad input, said in one line (a missing or foreign root, an unknown step, a bad
+option, a source to import that is malformed or unsafe); 3 an internal error (a bug in
+resilient: the traceback is printed). The work is done by resilient.checkpoint's catalog,
+verify, diff and convert modules, imported when a command runs (ls, show and verify never
+import torch); this one parses arguments and prints.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import shutil
 import sys
+import traceback
 from typing import Any, Callable
 
 from resilient.errors import CorruptCheckpointError, ResilientError
@@ -83,7 +86,8 @@ def add_parser(sub: Any) -> None:
 # -- plumbing ------------------------------------------------------------------------------
 def _guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Runs a command; user errors become one line on stderr and exit status 2 (1 for a
-    corrupt checkpoint), never a traceback."""
+    corrupt checkpoint), never a traceback; anything else is a bug: its traceback and 3, so
+    that 1 always means "corruption found"."""
     try:
         return run(args)
     except CorruptCheckpointError as e:
@@ -98,6 +102,11 @@ def _guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - the last resort: say it is ours, with the trace
+        traceback.print_exc()
+        _error(args, f"internal error ({type(e).__name__}: {e}); please report it with the "
+               "traceback above")
+        return 3
 
 
 def _error(args: argparse.Namespace, message: str) -> None:
