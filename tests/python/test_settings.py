@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CHAOS_STORE",
             # resilient run -> its workers
             "RESILIENT_LAUNCHER", "RESILIENT_JOIN", "RESILIENT_JOIN_FOR_RANK",
-            "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE",
+            "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE", "RESILIENT_RUN_STATE",
             # testing: stops a tier copy at a stage (test_tiers kills it there)
             "RESILIENT_TIER_PAUSE_AT"}
 
