@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,6 +185,31 @@ def test_the_users_dataloader_is_resplit_and_no_sample_is_lost_or_repeated(tmp_p
     assert sorted(per_step) == list(range(steps))
     assert set(per_step.values()) == {48}  # the global batch kept on 3 ranks
     assert seen == Counter({i: 3 for i in range(240)})
+
+
+@pytest.mark.timeout(150)
+def test_a_script_without_recovery_is_stopped_at_once_and_named(tmp_path: Path) -> None:
+    """The README's plain DDP quick start (examples/quickstart_ddp.py: a CheckpointManager, no
+    Recovery) under ``resilient run``, a rank SIGKILLed mid-run: nobody can recover in process,
+    so the agent stops the others at once, as torchrun does, instead of waiting while each
+    survivor fails on its own (its exit waited 60 s for a save that needed the lost rank: the
+    job took 242 s to end here, 39 s on the reviewer's machine; torchrun's 1.6 s). The bound is
+    on the launcher's own record of how long the stop took, from when it saw the loss. The
+    failure banner names the script, as torchrun's does (it read "-u FAILED")."""
+    from test_quickstart_recovery import PLAIN, _launch, kill_rank1_after
+
+    (tmp_path / "samples").mkdir()
+    p = _launch(tmp_path, PLAIN, ["-m", "resilient.run", "--standalone", "--nproc-per-node",
+                                  "3"], 100_000)
+    try:
+        kill_rank1_after(tmp_path, 6)
+    finally:
+        code, log = finish(p, tmp_path, timeout=100)
+    assert code == 1, log
+    assert "no worker recovers in process" in log, log
+    stopped = re.search(r"the workers stopped ([0-9.]+) s after rank 1 was lost", log)
+    assert stopped and float(stopped.group(1)) < 20, log
+    assert "quickstart_ddp.py FAILED" in log and "-u FAILED" not in log, log
 
 
 @pytest.mark.timeout(150)

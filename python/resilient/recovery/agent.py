@@ -39,6 +39,12 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   resilient.recovery.device) is restarted alone, on the same join path, paid from
   ``--max-restarts`` when no ``--replacements`` are left (torchrun would restart every worker
   for it).
+* A worker tells the agent about itself through a file in the launch's directory
+  (``RESILIENT_RUN_STATE``, resilient.recovery.environment.tell_launcher). Survivors are kept
+  only when some worker of the node started a Recovery (``recovers``): when a worker is lost
+  and none did, the script cannot recover in process and the agent stops the group at once,
+  as torchrun does (SIGTERM, then SIGKILL), instead of letting the survivors fail on their own
+  (their exit waits for checkpoints that need the lost rank: minutes).
 * Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
   not counted as failures: ranks finish together, so these are ranks the survivors removed (a
   frozen, SIGSTOPped rank stays a live process) or ranks stuck on the way out.
@@ -60,9 +66,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +87,16 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 
 from resilient.ports import free_port
 from resilient.recovery.device import EXIT_DEVICE_LOST
-from resilient.recovery.environment import IN_PROCESS_ENV, JOIN_ENV, JOIN_STORE_ENV, LAUNCHER_ENV
+from resilient.recovery.environment import (
+    IN_PROCESS_ENV,
+    JOIN_ENV,
+    JOIN_STORE_ENV,
+    LAUNCHER_ENV,
+    RUN_STATE_ENV,
+    read_launcher_record,
+)
 
 log = logging.getLogger("resilient.recovery")
-
 
 @dataclass
 class Verdict:
@@ -152,6 +167,9 @@ class ResilientAgent(LocalElasticAgent):
         self._reaped: set[int] = set()  # pids the agent killed after the others finished
         self._finished_at: float | None = None
         self._restart_refused = False
+        #: where workers tell the agent about themselves (environment.tell_launcher)
+        self.state_dir = tempfile.mkdtemp(prefix="resilient-run-")
+        self._lost_at: tuple[float, int] | None = None  # (when, rank): the first lost worker
 
     # ---- overrides ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -176,6 +194,11 @@ class ResilientAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._stop_spares()
         super()._stop_workers(worker_group)
+        if self._lost_at is not None:  # the launcher's own record of how long an end took
+            when, rank = self._lost_at
+            log.warning("resilient run: the workers stopped %.2f s after rank %d was lost",
+                        time.monotonic() - when, rank)
+            self._lost_at = None
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM) -> None:
         self._stop_spares()
@@ -223,7 +246,18 @@ class ResilientAgent(LocalElasticAgent):
                     failure = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid,
                                              exitcode=code, error_file=pc.error_files[local_rank])
                     self.lost.setdefault(worker.global_rank, failure)
+                    if self._lost_at is None:
+                        self._lost_at = (time.monotonic(), worker.global_rank)
                     others = sum(h.proc.poll() is None for h in handlers.values())
+                    if others and not self._recovers(handlers):
+                        log.warning(
+                            "resilient run: rank %d (pid %d) exited with %d and no worker "
+                            "recovers in process (none started a resilient.Recovery): "
+                            "stopping the other %d, as torchrun does", worker.global_rank,
+                            handler.proc.pid, code, others)
+                        self._stop_spares()
+                        return RunResult(state=WorkerState.FAILED, failures={
+                            worker.global_rank: failure})
                     log.warning("resilient run: rank %d (pid %d) exited with %d; %d local "
                                 "workers keep running (in-process recovery)",
                                 worker.global_rank, handler.proc.pid, code, others)
@@ -271,6 +305,11 @@ class ResilientAgent(LocalElasticAgent):
                 w.global_rank: None for w in worker_group.workers})
         log.error("resilient run: recovery impossible (%s)", verdict.reason)
         return RunResult(state=WorkerState.FAILED, failures=failures or dict(self.lost))
+
+    def _recovers(self, handlers: dict[int, Any]) -> bool:
+        """Whether a live worker (or spare) started a Recovery (environment.tell_launcher)."""
+        return any(read_launcher_record(self.state_dir, h.proc.pid).get("recovers")
+                   for h in [*handlers.values(), *self._spares] if h.proc.poll() is None)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         if self.in_process and worker_group.state == WorkerState.HEALTHY:
@@ -388,13 +427,14 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
                            log_line_prefix_template=config.log_line_prefix_template,
                            in_process=in_process, replacements=replacements, spares=spares,
                            finish_grace_s=finish_grace_s)
+    os.environ[RUN_STATE_ENV] = agent.state_dir
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
-            raise ChildFailedError(name=os.path.basename(str(args[0]) if args else entrypoint),
+            raise ChildFailedError(name=entrypoint_name(entrypoint, args),
                                    failures=result.failures)
         return result.return_values
     except ChildFailedError:
@@ -407,6 +447,18 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        shutil.rmtree(agent.state_dir, ignore_errors=True)
 
 
-__all__ = ["JOIN_ENV", "ResilientAgent", "Verdict", "judge", "launch"]
+def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
+    """The name torchrun's failure banner gives the job: the script (the first argument that
+    is not an option when the entrypoint is the Python interpreter: ``python -u train.py``),
+    else the entrypoint (``--no-python``)."""
+    import sys
+
+    if entrypoint == sys.executable:
+        return next((str(a) for a in args if not str(a).startswith("-")), entrypoint)
+    return entrypoint
+
+
+__all__ = ["JOIN_ENV", "ResilientAgent", "Verdict", "entrypoint_name", "judge", "launch"]

@@ -13,6 +13,10 @@ questions that depend on the launcher:
   under torchrun/``resilient run`` (``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives any rank.
   Recovery's keys go under ``resilient/run/<run id>/`` so that a later attempt of the same job
   (``--max-restarts``), which reuses the agent's store, never reads an earlier attempt's keys.
+* **Telling the launcher** (:func:`tell_launcher`): ``resilient run``'s agent gives each
+  launch a directory (``RESILIENT_RUN_STATE``) where a worker keeps one small record,
+  ``<pid>.json``: ``recovers`` once a Recovery started in it (the agent then keeps the survivors
+  of a lost rank; without one it stops the group at once, as torchrun does).
 * **Slurm** (:func:`slurm_env`, :func:`init_env`): under ``srun`` (one task per rank) nothing
   sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; they are derived from ``SLURM_PROCID``,
   ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the first host of ``SLURM_NODELIST``. With
@@ -22,9 +26,11 @@ questions that depend on the launcher:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +49,47 @@ JOIN_ENV = "RESILIENT_JOIN"
 STORE_ENV = "RESILIENT_STORE"
 #: host:port of the job's TCPStore for a spare whose own one-rank group has a private store
 JOIN_STORE_ENV = "RESILIENT_JOIN_STORE"
+#: the directory where ``resilient run``'s workers tell the agent about themselves
+#: (:func:`tell_launcher`)
+RUN_STATE_ENV = "RESILIENT_RUN_STATE"
 DEFAULT_SLURM_PORT = 29500
 
 _warned: set[str] = set()
+_record: dict[str, Any] = {}
+_record_lock = threading.Lock()
+
+
+def tell_launcher(**fields: Any) -> bool:
+    """Merges ``fields`` into this worker's record for ``resilient run``'s agent
+    (``$RESILIENT_RUN_STATE/<pid>.json``, replaced atomically); a no-op (False) under any other
+    launcher or when the directory cannot be written. Times are ``time.monotonic()`` values
+    (CLOCK_MONOTONIC, shared by the processes of a host). Thread-safe."""
+    where = os.environ.get(RUN_STATE_ENV, "")
+    if not where:
+        return False
+    with _record_lock:
+        _record.update(fields)
+        path = os.path.join(where, f"{os.getpid()}.json")
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(_record, f)
+            os.replace(tmp, path)
+        except OSError as e:  # the agent then treats this worker as it would any other
+            log.debug("cannot tell the launcher %s: %s", fields, e)
+            return False
+    return True
+
+
+def read_launcher_record(directory: str, pid: int) -> dict[str, Any]:
+    """The record worker ``pid`` keeps in ``directory`` (:func:`tell_launcher`); empty when it
+    wrote none (or it cannot be read)."""
+    try:
+        with open(os.path.join(directory, f"{pid}.json")) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def joining() -> bool:
@@ -108,9 +152,12 @@ def launcher_warnings(environ: Mapping[str, str] | None = None, *,
 
 def warn_about_launcher(environ: Mapping[str, str] | None = None, *,
                         adopted: bool = False) -> list[str]:
-    """Logs :func:`launcher_warnings` as warnings, once per node (on local rank 0) and once per
-    process; returns those logged now."""
+    """Called as a Recovery starts: tells ``resilient run`` that this worker recovers in process
+    (:func:`tell_launcher`), and logs :func:`launcher_warnings` as warnings, once per node (on
+    local rank 0) and once per process; returns those logged now."""
     env = os.environ if environ is None else environ
+    if environ is None:
+        tell_launcher(recovers=True)
     if env.get("LOCAL_RANK", "0") != "0":
         return []
     said = []
@@ -224,8 +271,9 @@ def init_env() -> dict[str, str]:
     return values
 
 
-__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "STORE_ENV",
-           "default_group_store", "joining",
+__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "RUN_STATE_ENV",
+           "STORE_ENV", "default_group_store", "joining", "read_launcher_record",
+           "tell_launcher",
            "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
            "run_id", "slurm_env", "store_outside_ranks",
            "warn_about_launcher"]
