@@ -122,6 +122,15 @@ def test_a_foreign_dcp_checkpoint_reads_as_torchs_reader_reads_it(tmp_path):
     assert main(["ckpt", "import", src, str(tmp_path / "root"), "--key", "train"]) == 0
 
 
+@pytest.mark.parametrize("value,needle", [
+    (frozenset([1]), "cannot save a frozenset without pickle"),  # plain, but not storable
+    (1 + 2j, "refusing the value of 'v': it names builtins.complex"),
+])
+def test_a_dcp_value_the_import_cannot_take_is_one_line_and_exit_2(tmp_path, value, needle):
+    src = _dcp_save({"w": torch.ones(2), "v": value}, str(tmp_path / "dcp"))
+    assert_refused(run_import(src, str(tmp_path / "root"), "--key", "m"), needle)
+
+
 def _assert_same(a, b, path: str) -> None:
     assert type(a) is type(b), (path, type(a), type(b))
     if isinstance(a, torch.Tensor):

@@ -78,7 +78,7 @@ def _split_record(src: str, loaded: Any) -> Source:
     "rank_state": {rank: state}}; the state itself is `loaded` or, when the export had to
     wrap it, loaded["state"]."""
     if not (isinstance(loaded, dict) and META_KEY in loaded):
-        return Source(None, dict(codec.encode(loaded).tensors), loaded)
+        return Source(None, _tensors(src, loaded), loaded)
     meta = loaded.pop(META_KEY)
     rank_state = meta.get("rank_state") if isinstance(meta, dict) else None
     if not (isinstance(meta, dict) and isinstance(meta.get("record"), str)
@@ -87,10 +87,19 @@ def _split_record(src: str, loaded: Any) -> Source:
                          "'record': JSON text and 'rank_state')")
     record = _json_record(src, meta["record"])
     state = loaded["state"] if loaded.get("wrapped") is True else loaded
-    tensors = dict(codec.encode(state).tensors)
+    tensors = _tensors(src, state)
     for r, rank in (rank_state or {}).items():
-        tensors.update({f"R{r}/{n}": t for n, t in codec.encode(rank).tensors.items()})
+        tensors.update({f"R{r}/{n}": t for n, t in _tensors(src, rank).items()})
     return Source(record, tensors, loaded)
+
+
+def _tensors(src: str, state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of `state` by key path; ValueError for a value a checkpoint cannot hold
+    without pickle (a set, a complex number: docs/STATE.md)."""
+    try:
+        return dict(codec.encode(state).tensors)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{src}: {e}") from None
 
 
 def _json_record(where: str, text: str) -> dict:
@@ -278,6 +287,8 @@ class _PlainUnpickler(pickle.Unpickler):
                 ("_codecs", "encode"): _latin1}
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol 2 (torch.save's) names builtins as Python 2 did
+            module = "builtins"
         found = self._ALLOWED.get((module, name))
         if found is None:
             raise pickle.UnpicklingError(f"it names {module}.{name}")
