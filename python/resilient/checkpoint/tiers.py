@@ -310,7 +310,11 @@ class Drainer:
     def close(self, timeout: float | None) -> None:
         """Waits (bounded) for the copies in flight, except to tiers that are failing, then
         stops the threads; what is left is copied by the next run with these tiers."""
-        self.wait(timeout, failing_too=False)
+        from resilient.recovery.environment import busy  # `resilient run`'s finish grace waits
+
+        with busy("copying the newest checkpoint to its tiers",
+                  float("inf") if timeout is None else timeout):
+            self.wait(timeout, failing_too=False)
         for st in self.status():
             if st["pending"] is not None or st["copying"] is not None:
                 log.warning(

@@ -13,10 +13,12 @@ questions that depend on the launcher:
   under torchrun/``resilient run`` (``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives any rank.
   Recovery's keys go under ``resilient/run/<run id>/`` so that a later attempt of the same job
   (``--max-restarts``), which reuses the agent's store, never reads an earlier attempt's keys.
-* **Telling the launcher** (:func:`tell_launcher`): ``resilient run``'s agent gives each
-  launch a directory (``RESILIENT_RUN_STATE``) where a worker keeps one small record,
+* **Telling the launcher** (:func:`tell_launcher`, :func:`busy`): ``resilient run``'s agent
+  gives each launch a directory (``RESILIENT_RUN_STATE``) where a worker keeps one small record,
   ``<pid>.json``: ``recovers`` once a Recovery started in it (the agent then keeps the survivors
-  of a lost rank; without one it stops the group at once, as torchrun does).
+  of a lost rank; without one it stops the group at once, as torchrun does), ``busy_until`` and
+  ``busy`` while it does work the job's end must wait for (the tiers' drain in ``close()``: the
+  agent's finish grace counts from its end, see resilient.recovery.agent).
 * **Slurm** (:func:`slurm_env`, :func:`init_env`): under ``srun`` (one task per rank) nothing
   sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; they are derived from ``SLURM_PROCID``,
   ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the first host of ``SLURM_NODELIST``. With
@@ -26,12 +28,14 @@ questions that depend on the launcher:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger("resilient.recovery")
@@ -79,6 +83,19 @@ def tell_launcher(**fields: Any) -> bool:
             log.debug("cannot tell the launcher %s: %s", fields, e)
             return False
     return True
+
+
+@contextlib.contextmanager
+def busy(what: str, seconds: float) -> Iterator[None]:
+    """Tells ``resilient run`` that this worker does ``what`` for at most ``seconds`` (e.g.
+    copying the newest checkpoint to its tiers in ``close()``): the agent does not count the
+    time until then, or until the block ends, against the worker's finish grace."""
+    now = time.monotonic()
+    tell_launcher(busy=what, busy_since=now, busy_until=now + max(0.0, seconds))
+    try:
+        yield
+    finally:
+        tell_launcher(busy="", busy_until=time.monotonic())
 
 
 def read_launcher_record(directory: str, pid: int) -> dict[str, Any]:
@@ -272,7 +289,7 @@ def init_env() -> dict[str, str]:
 
 
 __all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "RUN_STATE_ENV",
-           "STORE_ENV", "default_group_store", "joining", "read_launcher_record",
+           "STORE_ENV", "busy", "default_group_store", "joining", "read_launcher_record",
            "tell_launcher",
            "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
            "run_id", "slurm_env", "store_outside_ranks",
