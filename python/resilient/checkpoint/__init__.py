@@ -1,8 +1,9 @@
 """Checkpoints: one Checkpointer for one process or every rank of a job (docs/STATE.md).
 
     ckpt = Checkpointer("/ckpt/run42", keep=3, create=True)
-    start = ckpt.load({"model": model, "optim": opt}) or 0   # None: a fresh run
-    ...
+    step = ckpt.load({"model": model, "optim": opt}) or 0    # steps done; None: a fresh run
+    ...                                                      # train one step, then
+    step += 1
     ckpt.save(step, {"model": model, "optim": opt})          # returns while it is written
     ckpt.close()
 

@@ -317,6 +317,21 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
     return held, alone, now
 
 
+def _optimizers_in(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in a state (containers walked; a few levels deep)."""
+    if isinstance(state, torch.optim.Optimizer):
+        return [state]
+    if depth > 4:
+        return []
+    if isinstance(state, dict):
+        items: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        items = state
+    else:
+        return []
+    return [o for x in items for o in _optimizers_in(x, depth + 1)]
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Garbage collection off for a stretch of a save's Python work on the caller's thread:
@@ -544,6 +559,8 @@ class Checkpointer:
         weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
         self._dirty: int | None = None  # a skipped step whose failed read wrote into the target
+        # (step loaded, [optimizer steps since], hooks): _check_step_number's evidence
+        self._after_load: tuple[int, list[int], list[Any]] | None = None
         self._find_s = 0.0  # the load in progress: seconds until the steps to try were known
         self.last_load = LoadReport()
         _OPEN.add(self)
@@ -591,6 +608,7 @@ class Checkpointer:
         collective_s = reading - entered
         problem = None
         try:
+            self._check_step_number(step)
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
@@ -630,6 +648,7 @@ class Checkpointer:
             raise CheckpointCommitError(
                 f"a previous checkpoint was not committed (step {'; step '.join(errors)}); "
                 f"step {step} was not saved")
+        self._stop_watching_steps()
         keys = [g[0] for g in gathered]
         if keys != self._plan_key:
             entered = time.monotonic()
@@ -961,10 +980,12 @@ class Checkpointer:
         """Collective. Restores `state` (and this rank's `rank_state`) in place from `step`, or
         from the newest step of the current lineage that verifies on every rank.
 
-        Returns the step restored, or None for a root with no committed step yet (only when
-        the root exists and resilient initialised it, or with create=True). Strict by default:
-        every tensor and value of the target is restored, or IncompatibleCheckpointError names
-        each missing, unexpected or mismatched key and nothing was modified. strict=False
+        Returns the step restored (a step number counts the optimizer steps done when it was
+        saved, so it is the next step to run), or None for a root with no committed step yet
+        (only when the root exists and resilient initialised it, or with create=True). Strict
+        by default: every tensor and value of the target is restored, or
+        IncompatibleCheckpointError names each missing, unexpected or mismatched key and nothing
+        was modified. strict=False
         restores what matches and lists the rest in ``last_load``. A step that fails
         verification is skipped (``last_load.skipped``); CorruptCheckpointError when none
         verifies. CheckpointNotFoundError for a missing or foreign root or an unknown step.
@@ -1022,6 +1043,7 @@ class Checkpointer:
                     continue
             if why is None:
                 self.last_load.skipped = skipped
+                self._watch_steps_after_load(s, state)
                 if self.rank == 0:
                     self._head = (s, seqs.get(s))
                     self._start_drainer()
@@ -1039,6 +1061,40 @@ class Checkpointer:
         self.last_load = LoadReport(skipped=skipped)
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped)
         raise CorruptCheckpointError(f"no checkpoint in {self.root} verifies: {detail}")
+
+    def _watch_steps_after_load(self, step: int, state: Any) -> None:
+        """Counts the optimizer steps the loaded state takes until the next save (a hook on each
+        optimizer in `state`), so that save() can refuse to label a state trained past `step`
+        with `step`: step numbers count the steps done (save(step + 1) after the step)."""
+        self._stop_watching_steps()
+        counter = [0]
+
+        def count(*_: Any) -> None:
+            counter[0] += 1
+
+        hooks = [o.register_step_post_hook(count) for o in _optimizers_in(state)]
+        self._after_load = (step, counter, hooks)
+
+    def _stop_watching_steps(self) -> None:
+        loaded, self._after_load = self._after_load, None
+        for h in loaded[2] if loaded is not None else ():
+            h.remove()
+
+    def _check_step_number(self, step: int) -> None:
+        """Raises ValueError for save(k) right after load() returned k and the optimizer took
+        steps since: that save would label the state after k + n steps as step k (a loop that
+        runs `for step in range(start, ...)` and saves `step` after `opt.step()`)."""
+        loaded = self._after_load
+        if loaded is None or loaded[0] != step or loaded[1][0] == 0:
+            return
+        n = loaded[1][0]
+        raise ValueError(
+            f"save({step}): the state was loaded from step {step} and the optimizer has taken "
+            f"{n} step{'s' if n != 1 else ''} since, so this is the state after step "
+            f"{step + n}, not {step}. A step number counts the steps done: load() returns the "
+            f"number of the next step to run, and a loop that increments its counter after "
+            f"opt.step() saves that counter (README, 'Quick start: checkpoints'). Nothing was "
+            f"saved.")
 
     def _fetch_newer(self, step: int | None) -> None:
         """Rank 0, before a load: with tiers, fetch into the root the step to load when only a
@@ -1303,6 +1359,7 @@ class Checkpointer:
 
     def _shutdown(self, timeout: float | None) -> None:
         self._closed = True
+        self._stop_watching_steps()
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
