@@ -66,9 +66,22 @@ class RNGState:
 
 
 def forever(loader: Any) -> Iterator[Any]:
-    """Yields batches from `loader` epoch after epoch (pair with ResumableSampler)."""
+    """Yields batches from `loader` epoch after epoch (pair with ResumableSampler).
+
+    Raises ValueError when a whole epoch yields no batch (fewer samples than one batch with
+    drop_last=True, an empty dataset), instead of looping forever."""
+    empty = 0
     while True:
-        yield from loader
+        got = False
+        for batch in loader:
+            got = True
+            yield batch
+        empty = 0 if got else empty + 1
+        if empty >= 2:  # a resumed epoch may have had nothing left; a whole one may not
+            raise ValueError(
+                f"{type(loader).__name__} yielded no batch in a whole epoch (a dataset smaller "
+                "than one batch with drop_last=True, or an empty one): forever() would never "
+                "yield")
 
 
 def require_live(state: Any, what: str) -> None:

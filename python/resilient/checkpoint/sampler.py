@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 
 class ResumableSampler(Sampler):
     """Wraps a sampler (e.g. DistributedSampler) and remembers the epoch and how many indices of
     it were consumed, so that a resumed run continues mid-epoch with the same order. The epoch
     advances by itself when an epoch is exhausted: do not call set_epoch() in the loop. Exact with
-    DataLoader(num_workers=0); with workers, prefetched indices count as consumed. A sampler with
+    a DataLoader with or without workers: with workers, the position is that of the batches the
+    loop received (the DataLoader's count of batches it yielded, times the batch size), not of
+    the indices its workers prefetched. A sampler with
     its own ``generator`` (RandomSampler(generator=...)) has that generator saved too; one that
     draws from the global RNG at each epoch's start is not exactly resumable.
 
@@ -45,6 +49,13 @@ class ResumableSampler(Sampler):
         self.restored = False  # set by load_state_dict (CheckpointManager syncs fresh ranks)
         self._split = 0  # bumped by reshard(): an iterator in progress re-splits
         self._gen_state: torch.Tensor | None = None  # the inner generator at this epoch's start
+        # The DataLoader iterator that drives the current iteration (a weak reference), and
+        # (epoch, consumed, offset, split) when that iteration began, and how many indices it
+        # has drawn: with workers, the loop is behind the indices drawn (prefetching).
+        self._driver: Any = None
+        self._began: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._drawn = 0
+        self._exhausted = False
 
     def __len__(self) -> int:
         if self.offset == 0:
@@ -66,8 +77,51 @@ class ResumableSampler(Sampler):
         return 1 if d is None else d.num_replicas
 
     def position(self) -> tuple[int, int]:
-        """(epoch, global position): how many of the epoch's global order are consumed."""
-        return self.epoch, self.offset + self.consumed * self._world()
+        """(epoch, global position): how many of the epoch's global order are consumed (by the
+        loop: indices that DataLoader workers prefetched are not)."""
+        epoch, consumed, offset, _ = self._received()
+        return epoch, offset + consumed * self._world()
+
+    def _received(self) -> tuple[int, int, int, bool]:
+        """(epoch, consumed, offset, mid_iteration) as far as the training loop received
+        batches. Without a DataLoader with workers, the sampler's own counters; with one, the
+        iteration's start plus the batches the DataLoader yielded times its batch size
+        (mid_iteration: True, the iteration's permutation is drawn).
+
+        Raises ValueError where that count cannot be exact: batches out of order
+        (DataLoader(in_order=False)), a batch sampler other than torch's BatchSampler, or a
+        re-split (reshard) while workers still hold batches of the old split."""
+        d = self._driver() if self._driver is not None else None
+        if d is None or getattr(d, "_num_workers", 0) == 0:
+            return self.epoch, self.consumed, self.offset, False
+        epoch, consumed, offset, split = self._began
+        if not getattr(d, "_in_order", True):
+            raise ValueError(
+                "ResumableSampler under DataLoader(num_workers>0, in_order=False): batches come "
+                "back out of order, so which indices the loop received is unknown and a resume "
+                "could not be exact; use in_order=True (the default) or "
+                "torchdata's StatefulDataLoader saved in rank_state")
+        index_sampler = getattr(d, "_index_sampler", None)
+        if index_sampler is self:
+            batch = 1
+        elif isinstance(index_sampler, BatchSampler) and index_sampler.sampler is self:
+            batch = index_sampler.batch_size
+        else:
+            raise ValueError(
+                f"ResumableSampler under DataLoader(num_workers>0) with a batch sampler of type "
+                f"{type(index_sampler).__name__}: the indices of the batches the loop received "
+                "cannot be counted, so a resume could not be exact; use num_workers=0, torch's "
+                "BatchSampler (DataLoader(batch_size=...)), or torchdata's StatefulDataLoader "
+                "saved in rank_state")
+        if split != self._split:
+            raise ValueError(
+                "ResumableSampler was re-split (reshard/set_position/load_state_dict) while a "
+                "DataLoader's workers still hold batches of the old split; start a new iterator "
+                "of the DataLoader (iter(loader)) after re-splitting, or use num_workers=0")
+        received = min(int(d._num_yielded) * batch, self._drawn)
+        if self._exhausted and received == self._drawn:
+            return self.epoch, self.consumed, self.offset, False  # the loop finished the epoch
+        return epoch, consumed + received, offset, True
 
     def set_position(self, epoch: int, position: int) -> None:
         """Continues from global `position` of `epoch` on this rank's current split."""
@@ -137,18 +191,24 @@ class ResumableSampler(Sampler):
         return iter(self.sampler)
 
     def __iter__(self) -> Iterator[int]:
+        driver = _loader_iterator()
+        self._driver = weakref.ref(driver) if driver is not None else None
+        self._began = (self.epoch, self.consumed, self.offset, self._split)
+        self._drawn, self._exhausted = 0, False
         while True:
             split = self._split
             for index in itertools.islice(self._indices(), self.consumed, None):
                 if self._split != split:
                     break
                 self.consumed += 1
+                self._drawn += 1
                 yield index
                 if self._split != split:
                     break
             if self._split == split:
                 break
         self.epoch, self.consumed, self.offset = self.epoch + 1, 0, 0
+        self._exhausted = True
 
     def _generator(self) -> torch.Generator | None:
         gen = getattr(self.sampler, "generator", None)
@@ -156,14 +216,16 @@ class ResumableSampler(Sampler):
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed}
+        epoch, consumed, offset, mid_iteration = self._received()
+        state: dict[str, Any] = {"epoch": epoch, "consumed": consumed}
         if self.distributed is not None:
-            state["world"], state["offset"] = self._world(), self.offset
+            state["world"], state["offset"] = self._world(), offset
         gen = self._generator()
         if gen is not None:
             # A sampler with its own generator (RandomSampler) draws each epoch's order from it:
             # keep its state at the start of the current epoch (or now, between epochs).
-            state["generator"] = self._gen_state if self.consumed else gen.get_state()
+            started = consumed or mid_iteration
+            state["generator"] = self._gen_state if started else gen.get_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +244,22 @@ class ResumableSampler(Sampler):
             else:
                 gen.set_state(state["generator"])
         self.restored = True
+
+
+def _loader_iterator() -> Any:
+    """The DataLoader iterator whose pull runs the calling generator (a frame up the stack whose
+    ``self`` is one), or None when the sampler is iterated otherwise."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        me = frame.f_locals.get("self")
+        if isinstance(me, _BaseDataLoaderIter):
+            return me
+        frame = frame.f_back
+    return None
 
 
 def samplers_in(state: Any) -> list[ResumableSampler]:
