@@ -312,22 +312,22 @@ class Drainer:
         stops the threads; what is left is copied by the next run with these tiers."""
         from resilient.recovery.environment import busy  # `resilient run`'s finish grace waits
 
-        with busy("copying the newest checkpoint to its tiers",
-                  float("inf") if timeout is None else timeout):
+        bound = (float("inf") if timeout is None else timeout) + 1.0 * len(self._states)
+        with busy("copying the newest checkpoint to its tiers", bound):  # + the joins below
             self.wait(timeout, failing_too=False)
-        for st in self.status():
-            if st["pending"] is not None or st["copying"] is not None:
-                log.warning(
-                    "tier %s: step %s is not copied (%s); it stays committed in %s and the "
-                    "next run with this tier copies it", st["url"],
-                    st["copying"] if st["copying"] is not None else st["pending"],
-                    st["error"] or "still copying at close", self.root)
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        for st in self._states:
-            if st.thread is not threading.current_thread():
-                st.thread.join(1.0)  # type: ignore[union-attr]
+            for st in self.status():
+                if st["pending"] is not None or st["copying"] is not None:
+                    log.warning(
+                        "tier %s: step %s is not copied (%s); it stays committed in %s and the "
+                        "next run with this tier copies it", st["url"],
+                        st["copying"] if st["copying"] is not None else st["pending"],
+                        st["error"] or "still copying at close", self.root)
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            for st in self._states:
+                if st.thread is not threading.current_thread():
+                    st.thread.join(1.0)  # type: ignore[union-attr]
 
     # -- the drain threads ----------------------------------------------------------------
     def _run(self, st: _State) -> None:
