@@ -57,6 +57,21 @@ def test_judge_reaps_a_rank_left_running_after_the_others_finished() -> None:
     assert judge([*done, Exit(2, -9, reaped=True)], 0).state == "succeeded"
 
 
+def test_judge_gives_a_busy_worker_its_grace_after_its_work() -> None:
+    """Rank 0 said it copies to its tiers until t=160 (environment.busy): the 10 s grace counts
+    from then for it, from the first clean exit (t=100) for a worker that said nothing."""
+    from resilient.recovery.agent import reap_at
+
+    done = [Exit(1, 0), Exit(2, 0)]
+    assert reap_at(100.0, 10.0) == 110.0 and reap_at(100.0, 10.0, 160.0) == 170.0
+    assert reap_at(100.0, 10.0, 50.0) == 110.0  # work that ended before the others finished
+    kw = {"finished_at": 100.0, "grace_s": 10.0}
+    assert judge(done, 1, now=150.0, busy_until=[160.0], **kw).state == "healthy"
+    assert judge(done, 1, now=170.0, busy_until=[160.0], **kw).state == "reap"
+    v = judge(done, 2, now=111.0, busy_until=[160.0], **kw)  # one busy, one frozen
+    assert v.state == "reap" and v.reason.startswith("1 worker(s)"), v
+
+
 def test_parser_is_torchruns_plus_ours() -> None:
     from resilient.cli.run import build_parser
 

@@ -53,7 +53,10 @@ def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
     parser.add_argument(
         "--finish-grace-s", type=float, default=30.0,
         help="kill workers still running this long after another finished cleanly (ranks "
-             "the survivors removed, e.g. frozen ones) without failing the job (default 30)")
+             "the survivors removed, e.g. frozen ones) without failing the job (default 30); "
+             "a worker busy with the job's work (copying the newest checkpoint to its tiers in "
+             "close()) gets it after that work, and killing one makes the launcher exit with "
+             "4 (docs/operations.md)")
     return parser
 
 
@@ -62,7 +65,7 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args
 
-    from resilient.recovery.agent import launch
+    from resilient.recovery.agent import EXIT_WORKER_KILLED, WorkerKilledError, launch
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -98,6 +101,9 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1
+    except WorkerKilledError as e:
+        print(f"resilient run: {e}", file=sys.stderr)
+        return EXIT_WORKER_KILLED
     return 0
 
 

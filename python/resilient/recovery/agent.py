@@ -45,9 +45,14 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   and none did, the script cannot recover in process and the agent stops the group at once,
   as torchrun does (SIGTERM, then SIGKILL), instead of letting the survivors fail on their own
   (their exit waits for checkpoints that need the lost rank: minutes).
-* Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed and
-  not counted as failures: ranks finish together, so these are ranks the survivors removed (a
-  frozen, SIGSTOPped rank stays a live process) or ranks stuck on the way out.
+* Workers still running ``--finish-grace-s`` (30) after the first clean exit are killed: ranks
+  finish together, so these are ranks the survivors removed (a frozen, SIGSTOPped rank stays a
+  live process) or ranks stuck on the way out. A worker that told the agent it is busy (the
+  tiers' drain in ``close()``, resilient.recovery.environment.busy) gets its grace from the end
+  of that work instead, however long it said it takes (capped by
+  ``RESILIENT_TIER_CLOSE_TIMEOUT_S``). Killing a busy worker cuts its work short: the launcher
+  then exits with :data:`EXIT_WORKER_KILLED` (4) even though the job finished; killing the
+  others is not a failure (exit 0).
 * ``_restart_workers`` does not restart a healthy group because new nodes wait at the rendezvous
   (torch's elastic scale-up would kill the survivors); they wait for the next real restart.
 
@@ -98,6 +103,24 @@ from resilient.recovery.environment import (
 
 log = logging.getLogger("resilient.recovery")
 
+#: ``resilient run``'s exit code when the job finished but the agent killed a worker that was
+#: still busy with the job's work (e.g. copying the newest checkpoint to its tiers) after its
+#: finish grace: that work may be incomplete. 1 is a failed job, as with torchrun.
+EXIT_WORKER_KILLED = 4
+
+
+class WorkerKilledError(RuntimeError):
+    """The job finished, but the agent killed workers that were still busy (:data:`EXIT_WORKER_
+    KILLED`); ``killed`` lists (global rank, what it was doing)."""
+
+    def __init__(self, killed: list[tuple[int, str]]) -> None:
+        self.killed = killed
+        what = "; ".join(f"rank {r} while {b}" for r, b in killed)
+        super().__init__(f"the job finished, but the launcher killed {len(killed)} worker(s) "
+                         f"still busy after the finish grace ({what}): that work may be "
+                         "incomplete")
+
+
 @dataclass
 class Verdict:
     """What the agent does with its group after one poll (see :func:`judge`)."""
@@ -115,19 +138,31 @@ class Exit:
     reaped: bool = False  #: killed by the agent after the others finished (see judge)
 
 
+def reap_at(finished_at: float, grace_s: float, busy_until: float | None = None) -> float:
+    """When a worker still running after the first clean exit (``finished_at``) is killed:
+    ``grace_s`` later, or ``grace_s`` after the end of the work it said it is busy with
+    (``busy_until``: its announced deadline while busy, the time it ended once done), whichever
+    is later (pure)."""
+    return max(finished_at, busy_until if busy_until is not None else finished_at) + grace_s
+
+
 def judge(exits: list[Exit], running: int, *, now: float = 0.0,
-          finished_at: float | None = None, grace_s: float = float("inf")) -> Verdict:
+          finished_at: float | None = None, grace_s: float = float("inf"),
+          busy_until: Sequence[float] = ()) -> Verdict:
     """The group's state from its workers' exits, in the order they were seen (pure).
 
     A worker that dies while others run is lost, not fatal. The group succeeded when none runs
     and the workers that finished did so with 0; it failed when every worker died, or one failed
     (not reaped) after another finished. Workers still running ``grace_s`` after the first clean
     exit (``finished_at``; ``now`` on the same clock) are to be reaped: ranks finish together, so
-    those are ranks the survivors removed (frozen, SIGSTOP) or stuck on the way out.
+    those are ranks the survivors removed (frozen, SIGSTOP) or stuck on the way out; a worker
+    busy with the job's work (``busy_until``) gets its grace after that work (:func:`reap_at`).
 
     Args:
         exits: every worker that exited (replaced ones included).
         running: how many workers still run.
+        busy_until: the busy deadlines of those running workers that announced one (at most
+            ``running``).
     """
     finished = [i for i, e in enumerate(exits) if e.code == 0]
     if finished:
@@ -136,9 +171,15 @@ def judge(exits: list[Exit], running: int, *, now: float = 0.0,
             return Verdict("failed", f"local rank {late[0].local_rank} exited with "
                                      f"{late[0].code} after another worker finished")
     if running:
-        if finished and finished_at is not None and now - finished_at >= grace_s:
-            return Verdict("reap", f"{running} worker(s) still running {grace_s:g}s after "
-                                   "the others finished")
+        if finished and finished_at is not None:
+            due = [reap_at(finished_at, grace_s, b) for b in busy_until]
+            due += [reap_at(finished_at, grace_s)] * (running - len(due))
+            late_ones = sum(now >= d for d in due)
+            if late_ones:
+                return Verdict("reap", f"{late_ones} worker(s) still running {grace_s:g}s after "
+                                       "the others finished" + (
+                                           " (or after the work they said they were busy with)"
+                                           if busy_until else ""))
         return Verdict("healthy")
     if not finished:
         return Verdict("failed", "every worker died")
@@ -169,11 +210,14 @@ class ResilientAgent(LocalElasticAgent):
         self._restart_refused = False
         #: where workers tell the agent about themselves (environment.tell_launcher)
         self.state_dir = tempfile.mkdtemp(prefix="resilient-run-")
+        self.killed_busy: list[tuple[int, str]] = []  #: (global rank, its work) killed busy
+        self._busy_seen: dict[int, float] = {}  # pid -> when it was first seen busy
         self._lost_at: tuple[float, int] | None = None  # (when, rank): the first lost worker
 
     # ---- overrides ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.exits, self._seen, self._reaped, self._finished_at = [], set(), set(), None
+        self._busy_seen = {}
         self._stop_spares()
         ids = super()._start_workers(worker_group)
         if self.in_process:
@@ -287,15 +331,27 @@ class ResilientAgent(LocalElasticAgent):
             # the members finish. With every worker dead and none finished they do not: this
             # node's part of the job failed.
             running += sum(h.proc.poll() is None for h in self._spares)
-        verdict = judge(self.exits, running, now=time.monotonic(),
-                        finished_at=self._finished_at, grace_s=self.finish_grace_s)
+        busy = self._busy(handlers) if self._finished_at is not None else {}
+        now = time.monotonic()
+        verdict = judge(self.exits, running, now=now, finished_at=self._finished_at,
+                        grace_s=self.finish_grace_s, busy_until=[b for b, _ in busy.values()])
         if verdict.state == "reap":
+            assert self._finished_at is not None
             log.warning("resilient run: %s; killing them (removed by the survivors, or stuck "
                         "on the way out)", verdict.reason)
+            ranks = {h.proc.pid: w.global_rank for w, h in
+                     ((worker_group.workers[lr], h) for lr, h in handlers.items())}
             for handler in [*handlers.values(), *self._spares]:
-                if handler.proc.poll() is None:
-                    self._reaped.add(handler.proc.pid)
-                    os.killpg(handler.proc.pid, signal.SIGKILL)
+                pid = handler.proc.pid
+                until, what = busy.get(pid, (None, ""))
+                if handler.proc.poll() is None and \
+                        now >= reap_at(self._finished_at, self.finish_grace_s, until):
+                    if what:
+                        log.error("resilient run: killing rank %s (pid %d) while it was %s",
+                                  ranks.get(pid, "?"), pid, what)
+                        self.killed_busy.append((ranks.get(pid, -1), what))
+                    self._reaped.add(pid)
+                    os.killpg(pid, signal.SIGKILL)
             return RunResult(state=WorkerState.HEALTHY)  # their exits are seen next time
         if verdict.state == "healthy":
             return RunResult(state=WorkerState.HEALTHY)
@@ -310,6 +366,36 @@ class ResilientAgent(LocalElasticAgent):
         """Whether a live worker (or spare) started a Recovery (environment.tell_launcher)."""
         return any(read_launcher_record(self.state_dir, h.proc.pid).get("recovers")
                    for h in [*handlers.values(), *self._spares] if h.proc.poll() is None)
+
+    def _busy(self, handlers: dict[int, Any]) -> dict[int, tuple[float, str]]:
+        """pid -> (until when, what) of the running workers that said they are busy (or were:
+        then until when they ended), each deadline capped at the time such work may take
+        (:meth:`_busy_cap_s` from when it began)."""
+        out = {}
+        for handler in handlers.values():
+            pid = handler.proc.pid
+            if handler.proc.poll() is not None:
+                continue
+            record = read_launcher_record(self.state_dir, pid)
+            until = record.get("busy_until")
+            if not isinstance(until, (int, float)):
+                continue
+            since = record.get("busy_since")
+            if not isinstance(since, (int, float)):
+                since = self._busy_seen.setdefault(pid, time.monotonic())
+            out[pid] = (min(float(until), float(since) + self._busy_cap_s()),
+                        str(record.get("busy", "")))
+        return out
+
+    def _busy_cap_s(self) -> float:
+        """The longest a worker may say it is busy: the tiers' close timeout, plus 10 s for
+        their threads' ends (resilient.checkpoint.tiers.Drainer.close)."""
+        from resilient import settings
+
+        try:
+            return float(settings.get("RESILIENT_TIER_CLOSE_TIMEOUT_S")) + 10.0
+        except ValueError:  # the workers refuse it too; the setting's default then
+            return 310.0
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         if self.in_process and worker_group.state == WorkerState.HEALTHY:
@@ -436,8 +522,10 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
         if result.is_failed():
             raise ChildFailedError(name=entrypoint_name(entrypoint, args),
                                    failures=result.failures)
+        if agent.killed_busy:
+            raise WorkerKilledError(agent.killed_busy)
         return result.return_values
-    except ChildFailedError:
+    except (ChildFailedError, WorkerKilledError):
         raise
     except Exception as exc:
         if type(exc).__name__ == "SignalException":
@@ -461,4 +549,5 @@ def entrypoint_name(entrypoint: str, args: Sequence[str]) -> str:
     return entrypoint
 
 
-__all__ = ["JOIN_ENV", "ResilientAgent", "Verdict", "entrypoint_name", "judge", "launch"]
+__all__ = ["EXIT_WORKER_KILLED", "JOIN_ENV", "ResilientAgent", "Verdict", "WorkerKilledError",
+           "entrypoint_name", "judge", "launch", "reap_at"]
