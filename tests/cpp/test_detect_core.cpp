@@ -32,6 +32,9 @@ class Cluster {
   void stop(int r) { stopped_.insert(r); }
   /// Drops everything to and from r.
   void isolate(int r) { isolated_.insert(r); }
+  /// Drops every datagram to and from r; its store calls still go through (a partition
+  /// between the ranks, not from the store).
+  void cut(int r) { cut_.insert(r); }
   bool down(int r) const { return crashed_.count(r) || stopped_.count(r); }
 
   void step(Duration dt = milliseconds(10)) {
@@ -94,7 +97,9 @@ class Cluster {
   void drain(int r) {
     for (auto& o : cores_[r]->take_outbox()) {
       sent_[r].push_back(o.msg);
-      if (isolated_.count(r) || isolated_.count(o.to)) continue;
+      if (isolated_.count(r) || isolated_.count(o.to) || cut_.count(r) || cut_.count(o.to)) {
+        continue;
+      }
       int to = o.to;
       if (crashed_.count(to)) {
         if (o.msg.type == MsgType::kPing) {
@@ -132,7 +137,7 @@ class Cluster {
   InMemoryStore store_;
   std::vector<std::unique_ptr<DetectorCore>> cores_;
   std::multimap<TimePoint, std::function<void()>> queue_;
-  std::set<int> crashed_, stopped_, isolated_;
+  std::set<int> crashed_, stopped_, isolated_, cut_;
   std::map<int, std::vector<Event>> events_;
   std::map<int, std::vector<Message>> sent_;
 };
@@ -198,6 +203,58 @@ TEST(DetectCore, RankZeroAndTwoAtOnce) {
       std::chrono::seconds(3));
   ASSERT_GE(t, 0);
   EXPECT_LE(t, 0.5);
+}
+
+// Ranks lost together: with 3 ranks, each dead rank's other watcher is the other dead rank, so
+// no suspicion is ever seconded. The survivor confirms both alone once neither has been heard
+// from for max_silence beyond its suspicion.
+TEST(DetectCore, TwoOfThreeLostAtOnceAreRemoved) {
+  for (bool frozen : {false, true}) {
+    Cluster c(3);
+    c.run_until([] { return false; }, std::chrono::seconds(2));
+    for (int r : {1, 2}) frozen ? c.stop(r) : c.crash(r);
+    double t = c.run_until([&] { return c.core(0).generation()->live == std::vector<int32_t>{0}; },
+                           std::chrono::seconds(10));
+    ASSERT_GE(t, 0) << frozen;
+    std::printf("[detect] 2 of 3 %s: rank 0 alone after %.2f s\n", frozen ? "frozen" : "killed", t);
+    EXPECT_LE(t, frozen ? 6.0 : 3.5);
+    EXPECT_GE(t, 2.5);  // max_silence beyond the suspicion: alone is the weakest evidence
+  }
+}
+
+// A host's ranks lost at once (4 consecutive of 8, more than watch_count): every one is
+// removed, the last ones after the ring re-forms over the survivors.
+TEST(DetectCore, ConsecutiveRanksLostAtOnceAreAllRemoved) {
+  Cluster c(8);
+  c.run_until([] { return false; }, std::chrono::seconds(2));
+  for (int r : {4, 5, 6, 7}) c.crash(r);
+  double t = c.run_until(
+      [&] {
+        for (int r = 0; r < 4; ++r) {
+          if (c.core(r).generation()->live != std::vector<int32_t>{0, 1, 2, 3}) return false;
+        }
+        return true;
+      },
+      std::chrono::seconds(10));
+  ASSERT_GE(t, 0);
+  EXPECT_LE(t, 4.0);
+}
+
+// Cut off from its peers but not from the store, the rank of 3 suspects both others, and nobody
+// seconds it: it would confirm them alone, but they confirm it first (two watchers, within the
+// suspicion time) and its late proposal returns their generation: it is evicted, not them.
+TEST(DetectCore, ACutOffRankOfThreeIsEvictedNotItsPeers) {
+  Cluster c(3);
+  c.run_until([] { return false; }, std::chrono::seconds(2));
+  c.cut(0);
+  ASSERT_GE(c.run_until([&] { return c.all_agree(1, {0}); }, std::chrono::seconds(5)), 0);
+  ASSERT_GE(c.run_until([&] { return c.core(0).evicted(); }, std::chrono::seconds(10)), 0);
+  c.run_until([] { return false; }, std::chrono::seconds(5));
+  for (int r : {1, 2}) {
+    EXPECT_EQ(c.core(r).generation()->number, 1u) << r;
+    EXPECT_EQ(c.core(r).generation()->live, (std::vector<int32_t>{1, 2})) << r;
+  }
+  EXPECT_EQ(c.core(0).generation()->live, (std::vector<int32_t>{1, 2}));
 }
 
 TEST(DetectCore, IsolatedRankIsRemovedNotItsPeers) {

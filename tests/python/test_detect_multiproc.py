@@ -202,6 +202,27 @@ def test_kill_two_at_once(cluster):
     _fault(cluster, [1, 6], signal.SIGKILL, 1.5, "kill -9 ranks 1 and 6")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_two_of_three_lost_at_once(tmp_path: Path, sig: int) -> None:
+    """With 3 ranks each dead rank's second watcher is the other dead one, so no suspicion is
+    ever seconded: the survivor confirms both alone once neither has been heard from for
+    max_silence (2.5 s) beyond its suspicion."""
+    pytest.importorskip("torch.distributed")
+    c = Cluster(tmp_path, 3)
+    try:
+        c.wait_started()
+        time.sleep(1.5)
+        t0 = time.time()
+        for r in (1, 2):
+            os.kill(c.procs[r].pid, sig)
+        dt, seen = c.wait_verdict([0], {1, 2}, t0, timeout=20)
+        print(f"\n[detect] 2 of 3 ({signal.Signals(sig).name}): rank 0 alone after {dt:.2f} s")
+        assert seen[0][1] == {1, 2}
+        assert dt <= (8.0 if sig == signal.SIGSTOP else 6.0), dt
+    finally:
+        c.close()
+
+
 def test_counters_and_no_false_removals(cluster):
     # Survivors 2, 4, 7 saw no unexpected removal and never dropped a packet of their own job.
     for r in sorted(cluster.alive):

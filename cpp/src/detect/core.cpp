@@ -287,7 +287,9 @@ void DetectorCore::report_self(Verdict v, TimePoint now) {
 }
 
 void DetectorCore::maybe_propose(TimePoint now) {
-  if (confirmed_.empty() || proposing_ != 0 || now < store_retry_at_) return;
+  // An evicted rank proposes nothing: the verdicts it still held (a partition's other side,
+  // which evicted it first) would remove the very ranks that decided.
+  if (evicted_ || confirmed_.empty() || proposing_ != 0 || now < store_retry_at_) return;
   std::vector<Verdict> failed;
   for (const auto& [r, v] : confirmed_) failed.push_back(v);
   StoreRequest req{StoreRequest::Kind::kPropose, gen_->number + 1, gen_->next(failed), gen_};
@@ -342,6 +344,8 @@ void DetectorCore::adopt(GenerationPtr g, TimePoint now) {
   events_.push_back(std::move(ev));
   if (!gen_->contains(opt_.rank) && !evicted_) {
     evicted_ = true;
+    confirmed_.clear();
+    reports_.clear();
     events_.push_back({Event::Kind::kEvicted, now, opt_.rank, gen_->number, {}, ""});
   }
   rewatch(now);
@@ -380,6 +384,7 @@ void DetectorCore::tick(TimePoint now) {
                    (p.refusals >= 2 && silence >= opt_.refused_silence);
     if (suspect && !p.suspected) {
       p.suspected = true;
+      p.suspected_since = now;
       ++counters_.suspicions;
       events_.push_back({Event::Kind::kSuspect, now, r, gen_->number, {}, ""});
     } else if (!suspect && p.suspected) {
@@ -402,9 +407,35 @@ void DetectorCore::tick(TimePoint now) {
     }
     // The reason is informational (the quorum is the same): "crash" when the port refused.
     Reason why = p.refusals >= 2 ? Reason::kCrash : Reason::kUnresponsive;
-    if (others.empty() || agree >= 1) confirm(Verdict{r, why, ""}, now);
+    if (others.empty() || agree >= 1 || seconded_by_none(r, others, now)) {
+      confirm(Verdict{r, why, ""}, now);
+    }
   }
   maybe_propose(now);
+}
+
+// The other watchers of `peer` cannot second a suspicion when they are gone too (several ranks
+// lost at once: with 3 ranks, each dead rank's second watcher is the other dead one). A
+// watcher then confirms alone, once it has suspected `peer` and heard from none of those
+// watchers (each suspected by it, or confirmed) for max_silence beyond the suspicion. A watcher
+// that is itself cut off (a partition) sees the same from its side; but its own watchers
+// evict it within the suspicion time while it waits max_silence longer, and its late proposal
+// then returns their decided generation (it is evicted, not them).
+bool DetectorCore::seconded_by_none(int32_t peer, const std::vector<int32_t>& others,
+                                    TimePoint now) const {
+  auto silent_since = [&](int32_t r, TimePoint* since) {
+    auto it = peers_.find(r);
+    if (it == peers_.end() || !it->second.suspected) return false;
+    *since = it->second.suspected_since;
+    return true;
+  };
+  TimePoint since{};
+  if (!silent_since(peer, &since) || now - since < opt_.max_silence) return false;
+  for (int32_t w : others) {
+    if (confirmed_.count(w)) continue;
+    if (!silent_since(w, &since) || now - since < opt_.max_silence) return false;
+  }
+  return true;
 }
 
 std::vector<PeerStats> DetectorCore::peer_stats(TimePoint now) const {

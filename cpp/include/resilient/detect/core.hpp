@@ -6,8 +6,10 @@
 // Each rank watches the `watch_count` live ranks after it on a ring (so load does not grow with
 // world size): it pings them every heartbeat interval and feeds the acks into a phi-accrual
 // estimator. A watcher that suspects a peer tells the peer's other watchers; a peer is confirmed
-// failed when two watchers suspect it (one if it has only one), or at once when the peer itself
-// announces its failure (an authenticated, fresh kSuspect with kFlagHard about its sender).
+// failed when two watchers suspect it (one if it has only one, or if every other watcher is
+// silent to this one too, suspected or confirmed, for max_silence beyond the suspicion: ranks
+// lost together), or at once when the peer itself announces its failure (an authenticated,
+// fresh kSuspect with kFlagHard about its sender).
 // Nothing unauthenticated confirms anything: a refusal (ICMP port unreachable, which anyone can
 // spoof) only makes the watcher probe faster and, if no authenticated ack follows for
 // `refused_silence`, suspect; the second watcher is still needed. Claims about other ranks count
@@ -152,6 +154,7 @@ class DetectorCore {
     uint64_t last_echo = 0;  // seq of the newest ping answered
     double rtt_ms = -1;
     bool suspected = false;
+    TimePoint suspected_since{};  // when `suspected` last became true
     TimePoint last_suspect_sent{};
     uint32_t refusals = 0;   // since the last ack
     TimePoint next_probe{};  // fast probing while refusals > 0
@@ -167,6 +170,7 @@ class DetectorCore {
   void maybe_propose(TimePoint now);
   void request_read(uint64_t number, TimePoint now);
   std::vector<int32_t> watchers_of(int32_t peer) const;
+  bool seconded_by_none(int32_t peer, const std::vector<int32_t>& others, TimePoint now) const;
 
   CoreOptions opt_;
   GenerationPtr gen_;
