@@ -40,6 +40,19 @@ bool is_torch_store_error(const pyb::error_already_set& error) {
   return pyb::hasattr(dist, "DistStoreError") && error.matches(dist.attr("DistStoreError"));
 }
 
+/// An I/O error's text for OSError(errno, text, path): the message without the path, which
+/// OSError prints once itself, and where in the file it happened.
+std::string os_message(const Status& s) {
+  std::string msg = s.message();
+  const std::string in_path = " (" + s.path() + ")";
+  if (!s.path().empty() && msg.size() >= in_path.size() &&
+      msg.compare(msg.size() - in_path.size(), in_path.size(), in_path) == 0) {
+    msg.resize(msg.size() - in_path.size());
+  }
+  if (s.offset()) msg += " at offset " + std::to_string(*s.offset());
+  return msg;
+}
+
 }  // namespace
 
 bool python_alive() {
@@ -75,7 +88,7 @@ void throw_if_error(const Status& s) {
     case StatusCode::kIoError:
     case StatusCode::kNoSpace: {
       int err = s.sys_errno() ? s.sys_errno() : (s.code() == StatusCode::kNoSpace ? ENOSPC : EIO);
-      raise(builtins.attr("OSError")(err, msg, path));
+      raise(builtins.attr("OSError")(err, os_message(s), path));
     }
     case StatusCode::kNotFound:
       if (!s.path().empty()) raise(builtins.attr("FileNotFoundError")(ENOENT, msg, path));

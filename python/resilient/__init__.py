@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from resilient.errors import (
     CancelledError,
+    CheckpointCommitError,
+    CheckpointIOError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CollectiveError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -20,7 +23,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CancelledError",
+    "CheckpointCommitError",
+    "CheckpointIOError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "CollectiveError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
@@ -70,7 +76,6 @@ _LAZY = {
     "forever": "resilient.checkpoint.manager",
     "DistributedCheckpointer": "resilient.distributed",
     "ShardSpec": "resilient.checkpoint",
-    "CheckpointCommitError": "resilient.checkpoint",
 }
 __all__ += list(_LAZY)
 __all__ += ["install_crash_handler", "settings"]

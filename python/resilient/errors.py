@@ -73,6 +73,54 @@ class ReplicaMismatchError(ResilientError, ValueError):
     ranks at a save; per-rank values (RNG state, running statistics) belong in ``rank_state``."""
 
 
+class CheckpointCommitError(ResilientError):
+    """A save was not committed: a rank failed, or did not report in time. Raised, the same on
+    every rank, by the save's ``handle.wait()`` and by the next ``save()``, ``wait()`` or
+    ``close()``. Its type also says the cause, in every mode: an I/O error is a
+    :class:`CheckpointIOError`, an ``OSError`` with the failing rank's errno (a full disk is
+    ``ENOSPC`` with one process or many), a deadline a :class:`CheckpointTimeoutError`, a
+    ``TimeoutError``. On the rank where it happened it is chained to the original error
+    (``__cause__``)."""
+
+
+class CheckpointIOError(CheckpointCommitError, OSError):
+    """A save not committed because of an I/O error (``errno``: ENOSPC, EIO, EDQUOT...)."""
+
+    def __init__(self, errno: int, message: str, filename: str | None = None):
+        RuntimeError.__init__(self, message)
+        self.errno = errno
+        self.strerror = message
+        self.filename = filename
+
+    def __str__(self) -> str:
+        where = f": {self.filename!r}" if self.filename else ""
+        return f"[Errno {self.errno}] {self.strerror}{where}"
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.errno, self.strerror, self.filename))
+
+
+class CheckpointTimeoutError(CheckpointCommitError, TimeoutError):
+    """A save not committed because a rank or a step of the commit ran out of time."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def commit_error(message: str, errno: int | None = None, timeout: bool = False,
+                 filename: str | None = None) -> CheckpointCommitError:
+    """The CheckpointCommitError for a cause: with an errno a CheckpointIOError, for a deadline
+    a CheckpointTimeoutError, otherwise the plain class."""
+    if errno:
+        return CheckpointIOError(errno, message, filename)
+    if timeout:
+        return CheckpointTimeoutError(message)
+    return CheckpointCommitError(message)
+
+
 class UnavailableError(ResilientError):
     """A peer or platform feature (CUDA, NCCL, io_uring) is absent or gone."""
 

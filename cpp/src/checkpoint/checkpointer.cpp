@@ -315,7 +315,8 @@ void Checkpointer::writer_loop() {
     Status s = write_job(job, stats);
     if (!s.ok()) {
       s.prepend("saving step " + std::to_string(job.step));
-      RESILIENT_LOG(kError, s.to_string());
+      // Returned through the save's handle and raised by Python: not printed here too.
+      RESILIENT_LOG(kDebug, s.to_string());
       job.staging.release_slabs();  // those with copies still pending stay out of the pool
       if (job.commit) (void)io::remove_tree(tmp_dir_path(options_.root, job.step));
     }

@@ -75,6 +75,7 @@ from resilient.checkpoint.tiers import (
 )
 from resilient.checkpoint.tiers import close_timeout as tiers_close_timeout
 from resilient.errors import (
+    CheckpointCommitError,
     CheckpointNotFoundError,
     CollectiveError,
     CorruptCheckpointError,
@@ -83,6 +84,7 @@ from resilient.errors import (
     ResilientError,
     RootInUseError,
     VersionMismatchError,
+    commit_error,
 )
 
 log = logging.getLogger("resilient.checkpoint")
@@ -96,10 +98,6 @@ _POLL_S = 0.2  # waits are sliced so that Ctrl-C (KeyboardInterrupt) gets throug
 # is raised: skipping a good step would make the next save branch off its parent and
 # retention delete it.
 _SKIPPABLE = (CorruptCheckpointError, VersionMismatchError, FileNotFoundError)
-
-
-class CheckpointCommitError(ResilientError):
-    """A save was not committed: a rank failed, or did not report in time."""
 
 
 class SaveHandle:
@@ -126,8 +124,10 @@ class SaveHandle:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks until committed; raises CheckpointCommitError (the same on every rank), or
-        TimeoutError. Interruptible (Ctrl-C); the save goes on in the background."""
+        """Blocks until committed; raises CheckpointCommitError (the same on every rank; an
+        OSError with errno for an I/O error: errors.CheckpointCommitError), or TimeoutError
+        when `timeout` passes first. Interruptible (Ctrl-C); the save goes on in the
+        background."""
         if not _wait_event(self._event, timeout):
             raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
         if self._error is not None:
@@ -624,7 +624,7 @@ class Checkpointer:
             key = hash((tuple(held), self.split_bytes))
             self._key_of = (held, self.split_bytes, key)
         failed = [h for h in self._failed if not h._observed]
-        report = [(h.save_id, f"{h.step}: {h._error}") for h in failed]
+        report = [(h.save_id, _failure_text(h._error), _cause_of(h._error)) for h in failed]
         why = None if problem is None else (type(problem).__name__, f"rank {self.rank}: {problem}")
         entered = time.monotonic()
         prepare_s += entered - reading
@@ -635,7 +635,7 @@ class Checkpointer:
         with self._lock_ids:
             for h in failed:
                 h._observed = True
-            self._raised_ids.update(i for g in gathered for i, _ in g[2])
+            self._raised_ids.update(i for g in gathered for i, *_ in g[2])
         if problem is not None:
             raise problem
         whys = [g[3] for g in gathered if g[3] is not None]
@@ -643,11 +643,13 @@ class Checkpointer:
         if whys:
             kind = RootInUseError if whys[0][0] == "RootInUseError" else ResilientError
             raise kind(f"step {step} was not saved: {whys[0][1]}")
-        errors = sorted({e for g in gathered for _, e in g[2]})
-        if errors:
-            raise CheckpointCommitError(
-                f"a previous checkpoint was not committed (step {'; step '.join(errors)}); "
-                f"step {step} was not saved")
+        reports = sorted({(e, c) for g in gathered for _, e, c in g[2]})
+        if reports:
+            exc = _commit_failure(f"step {step} was not saved: "
+                                  + "; ".join(e for e, _ in reports), reports[0][1])
+            ids = {i for g in gathered for i, *_ in g[2]}
+            local = [h._local_error for h in failed if h.save_id in ids and h._local_error]
+            raise exc from (local[0] if local else None)
         self._stop_watching_steps()
         keys = [g[0] for g in gathered]
         if keys != self._plan_key:
@@ -790,17 +792,20 @@ class Checkpointer:
             error = self._commit(handle)
         except Exception as e:  # the store itself failed (a peer or rank 0 is gone)
             error = f"coordination failed: {type(e).__name__}: {e}"
-        # One process: the failure keeps its type (OSError with errno, TimeoutError...).
-        # Several: every rank raises the same CheckpointCommitError (caused by its own).
+        # Every rank raises the same exception, of the cause's type in every mode (an OSError
+        # with errno, a TimeoutError: errors.CheckpointCommitError), chained to its own error.
         exc: BaseException | None = None
-        if error is not None and self.world_size == 1 and handle._local_error is not None:
-            exc = handle._local_error
-        elif error is not None:
-            exc = CheckpointCommitError(
-                f"checkpoint of step {handle.step} was not committed: {error}")
+        if error is not None:
+            if self.world_size == 1:
+                error = error.removeprefix("rank 0: ")
+            error, cause = _parse_cause(error)
+            exc = _commit_failure(f"checkpoint of step {handle.step} was not committed: {error}",
+                                  cause)
             exc.__cause__ = handle._local_error
         if exc is not None:
-            log.error("%s", exc)
+            # Raised by the next call (save, wait, close); logged here at info only, so that
+            # it is printed once.
+            log.info("%s (the next save(), wait() or close() raises it)", exc)
             with self._lock_ids:
                 handle._observed = handle.save_id in self._raised_ids  # raised by save()
                 self._failed.append(handle)
@@ -818,7 +823,7 @@ class Checkpointer:
             handle._native.wait(self.timeout)
             report = "ok"
         except Exception as e:
-            report = f"error: rank {self.rank}: {type(e).__name__}: {e}"
+            report = f"error: rank {self.rank}: {_cause_text(e)}"
             handle._local_error = e
         store.set(f"{prefix}/rank{self.rank}", report)
         if self.rank == 0:
@@ -884,9 +889,8 @@ class Checkpointer:
             except CollectiveError as e:  # abandon(): the group lost a rank
                 report = f"error: abandoned: {e}"
             except Exception as e:
-                report = (
-                    f"error: rank {r} did not report within {self.timeout} s ({type(e).__name__})"
-                )
+                report = (f"error: rank {r}: TimeoutError: did not report within {self.timeout} s "
+                          f"({type(e).__name__})")
             if report != "ok":
                 errors.append(report.removeprefix("error: "))
             try:  # keep the job's store small over thousands of saves
@@ -1348,31 +1352,38 @@ class Checkpointer:
         handler closes it (bounded by RESILIENT_EXIT_TIMEOUT_S)."""
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.wait(timeout)
         except KeyboardInterrupt:
             raise
         except BaseException:
-            self._shutdown(timeout)
+            self._shutdown(deadline)
             raise
-        self._shutdown(timeout)
+        self._shutdown(deadline)
 
-    def _shutdown(self, timeout: float | None) -> None:
+    def _shutdown(self, deadline: float | None) -> None:
+        """Stops the threads and the engine; every wait shares `deadline` (monotonic), so a
+        close(timeout) takes at most `timeout` in all."""
+
+        def left(cap: float | None = None) -> float | None:
+            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return cap if rest is None else (rest if cap is None else min(cap, rest))
+
         self._closed = True
         self._stop_watching_steps()
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            self._thread.join(left())
         if self.rank == 0 and self.world_size > 1:
-            self._wait_outcomes_read(30.0 if timeout is None else min(timeout, 30.0))
+            self._wait_outcomes_read(left(30.0))  # type: ignore[arg-type]
         if self._drainer is not None:  # abandon() (a lost rank): the copies are not waited for
-            limit = 0.0 if self._no_tier_wait else tiers_close_timeout()
-            self._drainer.close(limit if timeout is None else min(limit, timeout))
+            self._drainer.close(left(0.0 if self._no_tier_wait else tiers_close_timeout()))
         self._purge.put(None)  # deleted steps' space is freed before close() returns
         if threading.current_thread() is not self._thread:
-            self._purger.join(timeout)
+            self._purger.join(left())
         try:
-            self._native.close(timeout)
+            self._native.close(left())
         finally:
             self._lock.release()
             _OPEN.discard(self)
@@ -1729,6 +1740,49 @@ def _check_replicas(held_by_rank: list[list[Held]], prints_by_rank: list[Any]) -
 
 _OPTIM_STATE = re.compile(r"^.+/state/(?P<param>[^/]+)/[^/]+$")
 
+# How a rank's failure travels in its report (the job's store) so that every rank raises the
+# same exception type: "OSError[28]: ..." or "TimeoutError: ...".
+_CAUSE = re.compile(r"\b(?:OSError\[(?P<errno>\d+)\]|(?P<timeout>TimeoutError)): ")
+
+
+def _cause_text(e: BaseException) -> str:
+    """A rank's own save failure as its report's text (cause tag, message, file)."""
+    if isinstance(e, OSError) and e.errno and not isinstance(e, TimeoutError):
+        what = re.sub(r"^saving step \d+: ", "", str(e.strerror or e))
+        return f"OSError[{e.errno}]: {what}" + (f" ({e.filename})" if e.filename else "")
+    if isinstance(e, TimeoutError):
+        return f"TimeoutError: {e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _parse_cause(text: str) -> tuple[str, Any]:
+    """(text without its first cause tag, the cause: an errno, "timeout" or None)."""
+    m = _CAUSE.search(text)
+    if m is None:
+        return text, None
+    cause = int(m["errno"]) if m["errno"] else "timeout"
+    return text[: m.start()] + text[m.end():], cause
+
+
+def _commit_failure(message: str, cause: Any) -> CheckpointCommitError:
+    if isinstance(cause, int):
+        return commit_error(message, errno=cause)
+    return commit_error(message, timeout=cause == "timeout")
+
+
+def _cause_of(e: BaseException | None) -> Any:
+    """The cause of a CheckpointCommitError, as _parse_cause gives it."""
+    if isinstance(e, OSError) and e.errno and not isinstance(e, TimeoutError):
+        return e.errno
+    return "timeout" if isinstance(e, TimeoutError) else None
+
+
+def _failure_text(e: BaseException | None) -> str:
+    """A failed save's error as save() repeats it: its message, without an errno prefix."""
+    if isinstance(e, OSError) and e.strerror:
+        return str(e.strerror) + (f" ({e.filename})" if e.filename else "")
+    return str(e)
+
 
 def _wait_event(event: threading.Event, timeout: float | None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -1755,18 +1809,33 @@ def _wait_native(wait: Any, timeout: float | None, done: Any) -> None:
 
 
 def _close_at_exit() -> None:
-    """Process exit waits for saves in flight, bounded (RESILIENT_EXIT_TIMEOUT_S, default
-    60 s); a second Ctrl-C ends the wait."""
+    """Process exit waits for saves in flight, RESILIENT_EXIT_TIMEOUT_S (default 60 s) in all,
+    saying what it waits for; a second Ctrl-C ends the wait (the last committed checkpoint
+    stays intact, the unfinished save is never committed)."""
     try:
         limit = settings.get("RESILIENT_EXIT_TIMEOUT_S")
     except ValueError as e:
         log.error("%s; waiting 60 s", e)
         limit = 60.0
-    for ck in list(_OPEN):
-        try:
-            ck.close(limit)
-        except BaseException as e:  # noqa: BLE001 - exiting anyway
-            log.error("checkpoint saves not finished at exit: %s", e)
+    open_ = list(_OPEN)
+    pending = {ck.root: [h.step for h in ck._in_flight if not h.done()] for ck in open_}
+    pending = {root: steps for root, steps in pending.items() if steps}
+    if pending:
+        what = "; ".join(f"step{'s' if len(v) > 1 else ''} {', '.join(map(str, v))} in {r}"
+                         for r, v in pending.items())
+        log.warning("exiting: waiting up to %g s (RESILIENT_EXIT_TIMEOUT_S) for the checkpoint "
+                    "save of %s to commit; press Ctrl-C again to abandon it (the last "
+                    "committed checkpoint stays intact)", limit, what)
+    try:
+        deadline = time.monotonic() + limit
+        for ck in open_:
+            try:
+                ck.close(max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - exiting anyway
+                log.error("checkpoint saves not finished at exit: %s", e)
+    except KeyboardInterrupt:
+        log.warning("exiting: checkpoint saves abandoned (a second Ctrl-C); they are not "
+                    "committed, and the last committed checkpoint stays intact")
 
 
 atexit.register(_close_at_exit)
