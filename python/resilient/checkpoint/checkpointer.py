@@ -164,6 +164,15 @@ class SaveHandle:
 
 
 @dataclass
+class _LoadArgs:
+    """How load() matches: strict, world_change and subset as load() documents them."""
+
+    strict: bool
+    world_change: str
+    subset: bool
+
+
+@dataclass
 class LoadReport:
     """What the last load() did: the step restored, the newer steps skipped (with why), and,
     for strict=False, what was left as it was (paths in the state)."""
@@ -315,6 +324,19 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
             if mesh is not last_mesh:
                 meshes[id(mesh)] = last_mesh = mesh
     return held, alone, now
+
+
+def _mark_target(e: BaseException, touched: bool) -> None:
+    """Says on an error raised by load() whether the target was partly overwritten."""
+    try:
+        e.target_modified = touched  # type: ignore[attr-defined]
+    except AttributeError:
+        return
+    if touched and hasattr(e, "add_note"):
+        e.add_note("resilient: this failed load already wrote part of a checkpoint into the "
+                   "target state (target_modified=True): it is neither the state it was nor a "
+                   "checkpoint's. Load again, or rebuild the model and optimizer, before "
+                   "training.")
 
 
 def _optimizers_in(state: Any, depth: int = 0) -> list[torch.optim.Optimizer]:
@@ -562,6 +584,7 @@ class Checkpointer:
         # (step loaded, [optimizer steps since], hooks): _check_step_number's evidence
         self._after_load: tuple[int, list[int], list[Any]] | None = None
         self._find_s = 0.0  # the load in progress: seconds until the steps to try were known
+        self._touched = False  # the load in progress began writing into the target
         self.last_load = LoadReport()
         _OPEN.add(self)
 
@@ -980,7 +1003,8 @@ class Checkpointer:
         return chain[0] if chain else None
 
     def load(self, state: Any, rank_state: Any = None, step: int | None = None, *,
-             strict: bool = True, world_change: str = "warn") -> int | None:
+             strict: bool = True, subset: bool = False,
+             world_change: str = "warn") -> int | None:
         """Collective. Restores `state` (and this rank's `rank_state`) in place from `step`, or
         from the newest step of the current lineage that verifies on every rank.
 
@@ -989,17 +1013,35 @@ class Checkpointer:
         (only when the root exists and resilient initialised it, or with create=True). Strict
         by default: every tensor and value of the target is restored, or
         IncompatibleCheckpointError names each missing, unexpected or mismatched key and nothing
-        was modified. strict=False
+        was modified. subset=True loads only the top-level entries the target (a dict) has,
+        strictly: the model of a {model, optim} checkpoint for evaluation. strict=False
         restores what matches and lists the rest in ``last_load``. A step that fails
         verification is skipped (``last_load.skipped``); CorruptCheckpointError when none
         verifies. CheckpointNotFoundError for a missing or foreign root or an unknown step.
         Per-rank state of a different world size: ranks that were not saved start fresh and
         saved ranks that no longer exist are dropped, with a warning (world_change="raise":
         IncompatibleCheckpointError).
+
+        An error raised after reading began says whether the target was partly overwritten: its
+        ``target_modified`` attribute (and a note on the exception); the target is then not
+        the state it was, nor a checkpoint's: load again, or rebuild it, before training.
         """
         self._check_open()
         if world_change not in ("warn", "raise"):
             raise ValueError("world_change must be 'warn' or 'raise'")
+        if subset and not isinstance(state, dict):
+            raise TypeError("load(subset=True) takes a dict of top-level entries as the target "
+                            f"state, not {type(state).__name__}")
+        args = _LoadArgs(strict=strict, world_change=world_change, subset=subset)
+        self._touched = False
+        try:
+            return self._load(state, rank_state, step, args)
+        except BaseException as e:
+            _mark_target(e, self._touched)
+            raise
+
+    def _load(self, state: Any, rank_state: Any, step: int | None,
+              args: _LoadArgs) -> int | None:
         self.wait_snapshot()
         self._wait_in_flight()
         started = time.perf_counter()
@@ -1032,7 +1074,7 @@ class Checkpointer:
         queue_ = list(steps)
         while queue_:
             s = queue_.pop(0)
-            why = self._try_load(s, state, rank_state, strict, world_change)
+            why = self._try_load(s, state, rank_state, args)
             if why is not None and tiered:
                 got = None
                 if self.rank == 0:  # the root's copy fails: a tier's may verify
@@ -1169,25 +1211,24 @@ class Checkpointer:
                         newer, self.root, candidates[0])
         return candidates, seqs
 
-    def _try_load(self, step: int, state: Any, rank_state: Any, strict: bool,
-                  world_change: str) -> str | None:
+    def _try_load(self, step: int, state: Any, rank_state: Any, args: _LoadArgs) -> str | None:
         try:
-            return self._try_load_step(step, state, rank_state, strict, world_change)
+            return self._try_load_step(step, state, rank_state, args)
         except IncompatibleCheckpointError as e:
             if self._dirty is not None:  # "nothing was modified" is no longer true
                 e.args = (f"{e.args[0]} (but a failed read of step {self._dirty}, skipped "
                           "before this one, already wrote part of its data into the target)",)
             raise
 
-    def _try_load_step(self, step: int, state: Any, rank_state: Any, strict: bool,
-                       world_change: str) -> str | None:
+    def _try_load_step(self, step: int, state: Any, rank_state: Any,
+                       args: _LoadArgs) -> str | None:
         """Loads `step` on every rank, or returns why it was skipped (the same on every rank).
         Raises on every rank when the state does not fit or an unexpected error occurs."""
         prepared: Any = None
         self._skip_error = None
         stamps = [time.perf_counter()]
         try:
-            prepared = self._prepare(step, state, rank_state, world_change)
+            prepared = self._prepare(step, state, rank_state, args)
             outcome: Any = ("ok", prepared.issues if prepared.issues else None)
         except _SKIPPABLE as e:
             outcome = ("skip", f"rank {self.rank}: {type(e).__name__}: {e}")
@@ -1199,11 +1240,12 @@ class Checkpointer:
             prepared = e
         outcomes = self._ranks.gather(outcome)
         stamps.append(time.perf_counter())
-        _raise_agreed(outcomes, outcome, prepared, strict, step)
+        _raise_agreed(outcomes, outcome, prepared, args.strict, step)
         skips = [o[1] for o in outcomes if o[0] == "skip"]
         if skips:
             return "; ".join(skips)
         read_error: BaseException | None = None
+        self._touched = True  # from here on the target may hold bytes of this step
         try:
             prepared.read()
             read_outcome: Any = None
@@ -1256,7 +1298,7 @@ class Checkpointer:
                         "; ".join(issues.missing + issues.unexpected + issues.mismatched)[:2000])
         return None
 
-    def _prepare(self, step: int, state: Any, rank_state: Any, world_change: str) -> _Prepared:
+    def _prepare(self, step: int, state: Any, rank_state: Any, args: _LoadArgs) -> _Prepared:
         manifest = self._native.manifest(step)
         try:
             values = json.loads(manifest.values_json)
@@ -1284,10 +1326,13 @@ class Checkpointer:
                 codec.decode(r.get("state"), _placeholder)
                 codec.decode(r.get("rank_state"), _placeholder)
             prep = _Prepared(self, step, manifest, entries)
-            prep.plan_state(ranks[0].get("state"), state, saved)
+            doc = ranks[0].get("state")
+            prep.plan_state(contract.entries(doc, list(state)) if args.subset else doc, state,
+                            saved)
             if rank_state is not None:
-                prep.plan_rank_state(ranks, rank_state, world_change)
-            elif self.rank == 0 and len(ranks) > self.world_size and world_change == "raise":
+                prep.plan_rank_state(ranks, rank_state, args.world_change)
+            elif (self.rank == 0 and len(ranks) > self.world_size
+                  and args.world_change == "raise"):
                 raise IncompatibleCheckpointError(
                     f"step {step} was saved by {len(ranks)} ranks, this job has "
                     f"{self.world_size}")

@@ -283,6 +283,11 @@ def dict_items(doc: dict) -> list[tuple[Any, Any]] | None:
     return None
 
 
+def decode_key(key_doc: Any) -> Any:
+    """A saved dict key (of a $dict or $odict pair) as the hashable key it was."""
+    return hashable(decode(key_doc, _no_tensors))
+
+
 def _no_tensors(kind: str, name: str) -> Any:
     raise ValueError("malformed checkpoint values: a tensor used as a dict key")
 

@@ -74,7 +74,13 @@ class Issues:
                                                  else "")
                 parts.append(f"{label}: {shown}")
         hint = ""
-        if self.unexpected and not self.missing:
+        top = [k for k in self.unexpected if "/" not in k]
+        if top and not self.missing and not self.mismatched and len(top) == len(self.unexpected):
+            hint = (f" (the checkpoint also holds the top-level entries {', '.join(top)}: to "
+                    "load only the entries the target has, e.g. the model for evaluation, pass "
+                    "subset=True, which stays strict within them; strict=False would also let "
+                    "keys inside them go missing or mismatched)")
+        elif self.unexpected and not self.missing:
             hint = (" (pass strict=False to load what matches; a fresh optimizer's state_dict() "
                     "has no state yet: pass the optimizer object itself)")
         elif self.missing and _same_but_wrappers(self.missing, self.unexpected):
@@ -126,6 +132,24 @@ class LoadPlan:
         Returns the restored state (the target itself where it could be updated in place)."""
         self._tensors = tensors
         return self._finish() if self._finish is not None else None
+
+
+def entries(doc: Any, keys: list[Any]) -> Any:
+    """The saved document restricted to the top-level entries `keys` (load(subset=True)):
+    what is not in `keys` is neither read nor reported as unexpected; a key of `keys` that was
+    not saved stays, so that the match reports it missing."""
+    doc = codec.unwrap(doc)
+    if not isinstance(doc, dict):
+        raise IncompatibleCheckpointError(
+            "load(subset=True): the checkpoint's state is not a dict of entries, so it has no "
+            "top-level entries to choose from; load it whole")
+    tag = codec.tag_of(doc)
+    wanted = {codec.hashable(k) for k in keys}
+    if tag is None:
+        return {k: v for k, v in doc.items() if k in wanted}
+    codec.dict_items(doc)  # well-formed pairs
+    return {tag: [[k, v] for k, v in doc[tag]
+                  if codec.decode_key(k) in wanted]}
 
 
 def plan_load(doc: Any, target: Any, check: Check, root_path: str = "") -> LoadPlan:
