@@ -435,7 +435,12 @@ class Checkpointer:
         create: the run may start fresh: create the root now if it does not exist, and let
             load() return None for a root with no committed step. Without it, load() raises
             CheckpointNotFoundError for a missing root (a mistyped path); the first save still
-            creates it.
+            creates it. "created a new checkpoint root at ..." is logged at info, and a warning
+            when directories above it had to be created too.
+        writer: this checkpointer saves: take the root's writer lock now (RootInUseError at
+            once while another job writes there, before this one resumes from that job's live
+            step) rather than at the first save. Default: with create=True (CheckpointManager
+            always).
         distributed: None (default): every rank of the default process group takes part when
             torch.distributed is initialized with more than one rank; False: this process alone
             (a rank-0-only checkpoint); True: require a process group.
@@ -479,6 +484,7 @@ class Checkpointer:
         keep: int = 3,
         *,
         create: bool = False,
+        writer: bool | None = None,
         distributed: bool | None = None,
         specs: dict[str, ShardSpec] | None = None,
         group: Any = None,
@@ -520,15 +526,6 @@ class Checkpointer:
         self._no_tier_wait = False
         self._ranks = Ranks(distributed, group, store, self.timeout, collective_timeout)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
-        error = None
-        if self.create and self.rank == 0:
-            try:
-                roots.ensure_root(self.root)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        error = self._ranks.broadcast(error)
-        if error is not None:
-            raise CheckpointNotFoundError(f"cannot create checkpoint root: {error}", self.root)
         opts = _C.CheckpointOptions(self.root)
         opts.keep = 0  # retention follows the lineage (roots.apply_retention), on rank 0
         opts.rank, opts.world_size = self.rank, self.world_size
@@ -541,6 +538,36 @@ class Checkpointer:
             setattr(opts, key, value)
         self.options = opts
         self._native = _C.Checkpointer(opts)
+        self._lock = roots.WriterLock(self.root)
+        weakref.finalize(self, self._lock.release)
+        error = None
+        if writer is None:
+            writer = self.create
+        if (self.create or writer) and self.rank == 0:
+            # A run that saves takes its writer lock now, so a second job on a root in use
+            # stops here, not at its first save after resuming from the other job's live step.
+            try:
+                created, missing = (roots.ensure_root(self.root) if self.create
+                                    else (False, None))
+                if writer and roots.is_root(self.root):
+                    self._lock.acquire()
+                if created:
+                    log.info("created a new checkpoint root at %s", os.path.abspath(self.root))
+                if missing:
+                    log.warning("created a new checkpoint root at %s, and the directory %s "
+                                "above it, which did not exist either: is the path mistyped?",
+                                os.path.abspath(self.root), missing)
+            except RootInUseError as e:
+                error = ("in use", str(e))
+            except Exception as e:
+                error = ("create", f"{type(e).__name__}: {e}")
+        error = self._ranks.broadcast(error)
+        if error is not None:
+            self._lock.release()
+            if error[0] == "in use":
+                raise RootInUseError(error[1])
+            raise CheckpointNotFoundError(f"cannot create checkpoint root: {error[1]}",
+                                          self.root)
         self._plan_key: Any = None
         self._key_of: tuple[list, Any, int] = ([], None, 0)  # save(): held, split_bytes, key
         self._plan: list = []  # (piece, stored name, global shape, global offset)
@@ -576,9 +603,7 @@ class Checkpointer:
         weakref.finalize(self, self._purge.put, None)
         self._published: list[str] = []  # rank 0: outcomes not yet known read by every rank
         self._closed = False
-        self._lock = roots.WriterLock(self.root)
         self._created = time.time() - 1.0  # older leftovers are a crashed writer's (mtime slack)
-        weakref.finalize(self, self._lock.release)
         self._skip_error: BaseException | None = None
         self._dirty: int | None = None  # a skipped step whose failed read wrote into the target
         # (step loaded, [optimizer steps since], hooks): _check_step_number's evidence

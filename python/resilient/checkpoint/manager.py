@@ -150,7 +150,7 @@ class CheckpointManager:
         if rng:
             self.rank_state.setdefault("rng", RNGState())
         self.every = every
-        self._args = (root, dict(keep=keep, create=create, specs=specs, **options))
+        self._args = (root, dict(keep=keep, create=create, specs=specs, writer=True, **options))
         self._ckpt = Checkpointer(root, **self._args[1])
         self.distributed = self._ckpt.world_size > 1
 

@@ -90,23 +90,29 @@ def why_not_root(path: str) -> str:
             f"it holds {', '.join(sorted(names)[:3])}{'...' if len(names) > 3 else ''})")
 
 
-def ensure_root(path: str) -> None:
+def ensure_root(path: str) -> tuple[bool, str | None]:
     """Makes `path` a checkpoint root: creates it (and its parents) and the marker, made
     durable. A directory holding anything that is not a resilient root is refused. Safe
     when several processes create the same root at once (one listing decides: a marker that
-    another process is writing makes it a root)."""
+    another process is writing makes it a root). Returns (whether this call made a new root,
+    the highest directory it had to create above the root, if any: a mistyped path?)."""
     names = _names(path)
     if _holds_root(names):
         if not os.path.exists(os.path.join(path, MARKER)):
             _write_marker(path)
-        return
+        return False, None
     if os.path.isdir(path) and names:
         raise CheckpointNotFoundError(
             why_not_root(path) + "; refusing to create a checkpoint root there", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    missing = None
+    p = parent
+    while p and not os.path.isdir(p) and p != os.path.dirname(p):
+        missing, p = p, os.path.dirname(p)
     os.makedirs(path, exist_ok=True)
     _write_marker(path)
-    parent = os.path.dirname(os.path.abspath(path))
     _fsync_dir(parent)
+    return True, missing
 
 
 def _write_marker(path: str) -> None:
@@ -236,8 +242,20 @@ def write_lineage(directory: str, step: int, seq: int,
 def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | str | None]]:
     """The current lineage (newest first) among committed `steps`, and each step's record. A
     DAMAGED record ends the walk (its parent is unknown); it is never chosen as the head."""
-    info = {s: read_lineage(root, s) for s in steps}
+    info = missing_as_damaged({s: read_lineage(root, s) for s in steps})
     return chain_of(info), info
+
+
+def missing_as_damaged(info: dict[int, Lineage | str | None]) -> dict[int, Lineage | str | None]:
+    """A step without a lineage record that is newer than a step with one lost its record
+    (roots written before lineage records existed have none up to some step, then all have
+    one): DAMAGED, not an older root's step, so that it is never taken for an ancestor, the
+    head is not decided without it, and retention deletes nothing until it is repaired."""
+    recorded = [s for s, li in info.items() if isinstance(li, Lineage)]
+    if not recorded:
+        return info
+    first = min(recorded)
+    return {s: (DAMAGED if li is None and s > first else li) for s, li in info.items()}
 
 
 def chain_of(info: dict[int, Lineage | str | None]) -> list[int]:
@@ -312,7 +330,9 @@ def apply_retention(root: str, steps: list[int], keep: int,
         import logging
 
         logging.getLogger("resilient.checkpoint").warning(
-            "retention skipped in %s: the lineage records of steps %s are damaged", root, damaged)
+            "retention skipped in %s: the lineage records (lineage.json) of steps %s are "
+            "damaged or missing, so which steps the current run still needs is unknown; "
+            "nothing is deleted until they are repaired or those steps removed", root, damaged)
         return []
     deleted = []
     for s in steps:

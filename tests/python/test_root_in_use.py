@@ -1,0 +1,88 @@
+"""A second job on a root in use stops when it starts, and a new root says it was created
+(issue 44, item 9)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import resilient
+
+HOLDER = textwrap.dedent("""
+    import sys, torch, resilient
+    model = torch.nn.Linear(2, 2)
+    m = resilient.CheckpointManager(sys.argv[1], {"model": model}, every=1, create=True)
+    m.restore()
+    m.save(1)
+    m.wait()
+    print("training", flush=True)
+    sys.stdin.readline()          # until the test is done
+    m.close()
+""")
+
+
+@pytest.fixture
+def busy_root(tmp_path):
+    root = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "training"
+        yield root
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+
+
+def test_a_second_manager_on_a_root_in_use_stops_before_it_resumes(busy_root):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(resilient.RootInUseError, match="being written by another process"):
+        resilient.CheckpointManager(str(busy_root), {"model": model}, every=1, create=True)
+    with pytest.raises(resilient.RootInUseError):  # without create too: a manager saves
+        resilient.CheckpointManager(str(busy_root), {"model": model}, every=1)
+
+
+def test_a_second_checkpointer_that_may_start_fresh_stops_at_once(busy_root):
+    with pytest.raises(resilient.RootInUseError):
+        resilient.Checkpointer(busy_root, create=True)
+    with pytest.raises(resilient.RootInUseError):
+        resilient.Checkpointer(busy_root, writer=True)
+
+
+def test_a_reader_of_a_root_in_use_still_loads(busy_root):
+    state = {"model": torch.nn.Linear(2, 2)}
+    with resilient.Checkpointer(busy_root) as ck:  # evaluation while the job trains
+        assert ck.load(state) == 1
+        with pytest.raises(resilient.RootInUseError):
+            ck.save(2, state)
+
+
+def test_the_lock_is_free_again_after_a_failed_construction(tmp_path):
+    with pytest.raises(ValueError):
+        resilient.Checkpointer(tmp_path / "c", create=True, chunk_bytes=1000)
+    with resilient.Checkpointer(tmp_path / "c", create=True) as ck:
+        ck.save(1, {"w": torch.ones(2)}).wait()
+
+
+def test_a_new_root_is_logged_and_a_new_parent_warned(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="resilient.checkpoint")
+    with resilient.Checkpointer(tmp_path / "c", create=True):
+        pass
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(f"created a new checkpoint root at {tmp_path / 'c'}" in m for m in infos)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    with resilient.Checkpointer(tmp_path / "c", create=True):  # exists: nothing to say
+        pass
+    assert not any("created" in r.getMessage() for r in caplog.records)
+    typo = tmp_path / "chekpoints" / "run1" / "c"
+    with resilient.Checkpointer(typo, create=True):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path / "chekpoints") in warnings[0], warnings
+    assert "mistyped" in warnings[0]
