@@ -151,3 +151,32 @@ def test_lineage_after_any_mix_of_saves_resaves_and_rollbacks(tmp_path_factory, 
             assert _loaded(ck) == (chain[-1], values[chain[-1]])
     finally:
         ck.close()
+
+
+# A lost lineage.json on the newest step (issue 50, item 7) -----------------------------------
+def test_a_lost_lineage_record_is_treated_as_damaged_and_deletes_nothing(tmp_path, caplog):
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=2, create=True) as ck:
+        for s in (100, 200, 300):
+            ck.save(s, _w(s)).wait()
+        ck.wait_cleanup()
+        assert ck.steps() == [200, 300]
+    os.remove(root / "step-000000000300" / "lineage.json")
+    with resilient.Checkpointer(root, keep=2) as ck:
+        got = _loaded(ck)  # the parent, with a warning naming the step it did not take
+        assert got == (200, 200.0)
+        assert any("300" in r.getMessage() and "damaged" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        ck.save(400, _w(400)).wait()
+        ck.wait_cleanup()
+        assert 300 in ck.steps()  # the intact newest step is not deleted by retention
+        assert any("retention skipped" in r.getMessage() for r in caplog.records)
+    cli = [sys.executable, "-m", "resilient", "ckpt", "verify", str(root), "--step", "300"]
+    p = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "lineage record is missing" in p.stdout + p.stderr, p
+    with resilient.Checkpointer(root) as ck:  # it can still be loaded by name
+        assert _loaded(ck, 300) == (300, 300.0)

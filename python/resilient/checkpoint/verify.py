@@ -66,9 +66,14 @@ def verify_step(path: str, step: int, engine: Any = None) -> list[Problem]:
     sdir = roots.step_dir(path, step)
     problems = []
     try:
-        if roots.read_lineage(path, step) is roots.DAMAGED:
+        li = roots.read_lineage(path, step)
+        if li is roots.DAMAGED:
             problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None,
                                     "lineage record fails its checksum or does not parse"))
+        elif li is None and roots.history(path, list(_C.committed_steps(path)))[1].get(
+                step) is roots.DAMAGED:
+            problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None,
+                                    "lineage record is missing (older steps have one)"))
     except OSError as e:
         problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None, str(e)))
     try:
