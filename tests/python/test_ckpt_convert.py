@@ -179,4 +179,4 @@ def test_import_refuses_what_it_cannot_read(tmp_path, trained, capsys):
     convert.export_checkpoint(trained, dst, "torch")
     convert.import_checkpoint(dst, str(tmp_path / "r"))
     assert main(["ckpt", "import", dst, str(tmp_path / "r")]) == 2  # step 5 exists
-    assert "already has step 5" in capsys.readouterr().err
+    assert "already holds committed steps [5]" in capsys.readouterr().err

@@ -295,14 +295,21 @@ def detect_format(src: str) -> str:
 
 
 def import_checkpoint(src: str, root: str, step: int | None = None, key: str | None = None,
-                      fmt: str | None = None, progress: Progress = no_progress) -> dict:
+                      fmt: str | None = None, progress: Progress = no_progress,
+                      as_head: bool = False) -> dict:
     """Writes the checkpoint at `src` (a torch.save file, a safetensors file or directory, a DCP
     directory) as a committed step of resilient root `root` (created if needed). A resilient
     export is rebuilt exactly (its step unless `step` is given); anything else becomes the
     state as loaded, under `key` when given (key="model": load({"model": model}) restores it),
     at `step` (default 0); a Hugging Face model directory, or a safetensors file with the
     directory's config.json beside it, gets back the tied weights its files leave out (hf.py).
-    ValueError for a source that is malformed or whose files disagree (sources.py)."""
+    ValueError for a source that is malformed or whose files disagree (sources.py).
+
+    A root that already has committed steps (a training run's) is refused: the imported step
+    would become the newest, which the run's next load() resumes from and after which its
+    retention deletes training steps. With `as_head` the import is meant to be the new head:
+    `step` must then be greater than the root's newest step, and the imported step continues
+    the lineage after it (RootInUseError while a job writes there)."""
     from resilient.checkpoint.checkpointer import Checkpointer
 
     fmt = fmt or detect_format(src)
@@ -347,8 +354,18 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
         raise CheckpointNotFoundError(roots.why_not_root(root).split(" (pass")[0] +
                                       "; refusing to import into it", root)
     with Checkpointer(root, keep=0, create=True, distributed=False, tiers=[]) as ck:
-        if step in ck.steps():
-            raise FileExistsError(f"{root} already has step {step}; pass another --step")
+        have = ck.steps()
+        head = ck.latest_step()
+        if have and not as_head:
+            raise FileExistsError(
+                f"{root} already holds committed steps {have[:5]}{' ...' if len(have) > 5 else ''}"
+                f" (the newest: {head}): importing there would make the imported step the "
+                "newest, which a job on that root resumes from, and its retention would then "
+                "delete training steps. Import into a new root, or pass --as-head with a --step "
+                "greater than the newest to make the import the head on purpose")
+        if have and (head is None or step <= head):
+            raise ValueError(f"--as-head needs a --step greater than the newest step of {root} "
+                             f"({head}), not {step}")
         ck.save(step, state, rank_state).wait()
     progress(2, 2, "written")
     count = len(codec.encode(state).tensors) + (  # as written: a tied tensor once

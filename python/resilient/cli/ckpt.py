@@ -81,6 +81,10 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--step", type=int, help="step to write (default: the exported step, or 0)")
     c.add_argument("--key", help="store what SRC holds under this state entry (e.g. model, so "
                    "that load({'model': model}) restores it); resilient exports ignore it")
+    c.add_argument("--as-head", action="store_true",
+                   help="into a root that already has steps: make the imported step the newest "
+                   "of its lineage (a job on that root then resumes from it); --step must be "
+                   "greater than the root's newest step. Without it such a root is refused")
 
 
 # -- plumbing ------------------------------------------------------------------------------
@@ -334,7 +338,7 @@ def _import(args: argparse.Namespace) -> int:
     from resilient.checkpoint import convert
 
     s = convert.import_checkpoint(args.src, args.root, args.step, args.key, args.format,
-                                  _progress(args))
+                                  _progress(args), as_head=args.as_head)
     if args.json:
         _print_json(s)
         return 0
