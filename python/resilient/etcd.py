@@ -15,6 +15,13 @@ the Checkpointer and the detector use, is etcd. Why etcd and how to run it: docs
   (``timeout``): then ``TimeoutError`` (some member was reached but did not answer) or
   ``ConnectionError`` (none could be reached). etcd answers only with a quorum, so a member cut
   off with a minority times out instead of answering: the minority side cannot decide.
+- Waiting for a key may take up to ``timeout`` (the process group's 30 min under
+  ``init_process_group``), but no single request waits longer than ``reach_timeout`` (15 s)
+  for the cluster to answer: a cluster without a quorum (a majority of its members down, or
+  this host cut off from them) fails every call within that bound, as
+  :class:`StoreUnreachableError` (a ``TimeoutError`` or ``ConnectionError`` as above, and a
+  ``torch.distributed.DistError``, so Recovery treats it as the store's failure and stops with
+  "the job's store is unreachable" instead of hanging in a checkpoint's store call).
 - Reads are linearizable (etcd's default); ``compare_set`` is one transaction; ``add`` is a
   compare-and-swap loop on the key's revision; ``wait`` polls (10 ms, then backing off to 100 ms).
 - Keys live under ``prefix`` (one run's keys apart from another's); TLS (``ca``, ``cert``,
@@ -48,6 +55,27 @@ _AUTH_ERRORS = ("invalid auth token", "user name is empty", "permission denied",
 _RETRYABLE = (ConnectionError, TimeoutError, OSError, http.client.HTTPException)
 
 
+#: how long one request may wait for the cluster to answer at all (no quorum, no member)
+DEFAULT_REACH_TIMEOUT = timedelta(seconds=15)
+_RETRY_WHILE_DOWN_S = 2.0  # a request's bound after one found the cluster unreachable
+
+
+class StoreUnreachableError(dist.DistError):
+    """The etcd cluster did not answer a request within the store's ``reach_timeout`` (or the
+    call's own deadline). One of the two below, which torch and Recovery take as the store's
+    failure (``torch.distributed.DistError``)."""
+
+
+class StoreTimeoutError(StoreUnreachableError, dist.DistStoreError, TimeoutError):
+    """A member was reached but no answer came in time: no quorum, an election, overload (the
+    native adapter's kTimeout)."""
+
+
+class StoreConnectionError(StoreUnreachableError, dist.DistNetworkError, ConnectionError):
+    """No member of the cluster could be reached: all refused or reset the connection (the
+    native adapter's kUnavailable)."""
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -66,18 +94,25 @@ class EtcdStore(dist.Store):
         ca, cert, key: TLS: the CA file that signed the members' certificates, and this
             client's certificate and key (https when ``ca`` is given).
         user, password: etcd authentication.
+        reach_timeout: bound of each request, however long the call may wait for a key: a
+            cluster that does not answer for this long (no quorum) fails the call with
+            :class:`StoreUnreachableError` (at most ``timeout``).
     """
 
     def __init__(self, endpoints: list[str], prefix: str = "", *,
                  timeout: timedelta = timedelta(seconds=30), ca: str | None = None,
                  cert: str | None = None, key: str | None = None, user: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None,
+                 reach_timeout: timedelta = DEFAULT_REACH_TIMEOUT) -> None:
         super().__init__()
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host:port)")
         self.endpoints = [self._split(e) for e in endpoints]
         self.prefix = prefix.encode()
         self._timeout = timeout.total_seconds()
+        self._reach = reach_timeout.total_seconds()
+        if self._reach <= 0:
+            raise ValueError(f"reach_timeout must be > 0 s, not {self._reach:g}")
         self._ssl = None
         if ca or cert:
             self._ssl = ssl.create_default_context(cafile=ca)
@@ -86,6 +121,7 @@ class EtcdStore(dist.Store):
         self._user, self._password = user, password
         self._token: str | None = None
         self._next = 0  # the member that answered last
+        self._down = False  # the last request found the cluster unreachable
         self._lock = threading.Lock()
         self._clones: list[EtcdStore] = []
 
@@ -98,8 +134,17 @@ class EtcdStore(dist.Store):
 
     # -- transport --------------------------------------------------------------------------
     def _post(self, path: str, body: dict, deadline: float | None = None) -> dict:
-        """One request to the first member that answers before `deadline`."""
-        deadline = deadline if deadline is not None else time.monotonic() + self._timeout
+        """One request to the first member that answers before `deadline` (default: the
+        store's timeout), and within the store's reach timeout."""
+        now = time.monotonic()
+        # Once a request found the cluster unreachable, the next ones try for a short while
+        # only (what the job does next is stop: its exit's store calls must not each take
+        # the reach timeout); the first answer restores the full bound.
+        reach = min(self._reach, _RETRY_WHILE_DOWN_S) if self._down else self._reach
+        deadline = now + self._timeout if deadline is None else deadline
+        reach_bound = now + reach <= deadline  # a failure then is the cluster's, not the call's
+        deadline = min(deadline, now + reach)
+        bound = max(0.0, deadline - now)
         errors: list[str] = []
         answered = False
         with self._lock:
@@ -126,11 +171,15 @@ class EtcdStore(dist.Store):
                 continue
             with self._lock:
                 self._next = i
+            self._down = False
             return reply
+        self._down = reach_bound
         why = "; ".join(errors[-len(self.endpoints):]) or "no time left"
+        members = ",".join(f"{h}:{p}" for h, p in self.endpoints)
         if answered or not errors:
-            raise TimeoutError(f"etcd did not answer {path} within {self._timeout:g} s ({why})")
-        raise ConnectionError(f"no etcd member reachable for {path} ({why})")
+            raise StoreTimeoutError(f"etcd ({members}) did not answer {path} within {bound:.3g} s "
+                                    f"(no quorum?): {why}")
+        raise StoreConnectionError(f"no etcd member ({members}) reachable for {path}: {why}")
 
     def _request(self, host: str, port: int, path: str, body: dict, left: float) -> dict:
         if self._ssl is not None:
@@ -172,6 +221,17 @@ class EtcdStore(dist.Store):
             raise PermissionError(f"etcd authentication of user {self._user!r} failed: "
                                   f"{resp.status}")  # never the password
         return json.loads(data)["token"]
+
+    def probe(self, within_s: float) -> str | None:
+        """Why the cluster did not answer one linearizable read within ``within_s`` seconds;
+        None when it answered. On the caller's thread (each request is bounded), so no thread
+        is left waiting on an unreachable cluster (resilient.store.unreachable)."""
+        try:
+            self._post("/v3/kv/range", {"key": self._key("__resilient_probe"),
+                                        "count_only": True}, time.monotonic() + within_s)
+        except StoreUnreachableError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
     # -- key/value ----------------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -249,7 +309,8 @@ class EtcdStore(dist.Store):
                     pass  # a leftover receipt is harmless
                 return int(total)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"etcd add to {key!r} kept conflicting for {self._timeout:g} s")
+                raise TimeoutError(f"etcd add to {key!r} kept conflicting for "
+                                   f"{self._timeout:g} s")
 
     def check(self, keys: list[str]) -> bool:
         return all(self._range(k) is not None for k in keys)
@@ -302,8 +363,9 @@ class EtcdStore(dist.Store):
 
 def from_url(url: str, *, timeout: timedelta = timedelta(seconds=30)) -> EtcdStore:
     """``etcd://h1:2379,h2:2379/prefix`` (``etcds://`` for TLS) with options in the query
-    (``ca``, ``cert``, ``key``) and the user from the URL (``etcd://user@h1:2379``); the
-    password comes from ``RESILIENT_ETCD_PASSWORD`` (never from the URL, which gets logged)."""
+    (``ca``, ``cert``, ``key``, ``reach_timeout`` in seconds) and the user from the URL
+    (``etcd://user@h1:2379``); the password comes from ``RESILIENT_ETCD_PASSWORD`` (never from
+    the URL, which gets logged)."""
     parts = urlsplit(url)
     if parts.scheme not in ("etcd", "etcds"):
         raise ValueError(f"not an etcd URL: {url!r} (etcd://host:port,host:port/prefix)")
@@ -311,14 +373,24 @@ def from_url(url: str, *, timeout: timedelta = timedelta(seconds=30)) -> EtcdSto
     if ":" in userinfo:
         raise ValueError("put the etcd password in RESILIENT_ETCD_PASSWORD, not in the URL")
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(query) - {"ca", "cert", "key"}
+    unknown = set(query) - {"ca", "cert", "key", "reach_timeout"}
     if unknown:
-        raise ValueError(f"unknown etcd URL options {sorted(unknown)} (ca, cert, key)")
+        raise ValueError(f"unknown etcd URL options {sorted(unknown)} (ca, cert, key, "
+                         "reach_timeout)")
+    reach = DEFAULT_REACH_TIMEOUT
+    if "reach_timeout" in query:
+        try:
+            reach = timedelta(seconds=float(query["reach_timeout"]))
+        except ValueError:
+            raise ValueError(f"etcd URL option reach_timeout={query['reach_timeout']!r} is "
+                             "not a number of seconds") from None
+        if not reach.total_seconds() > 0:
+            raise ValueError("etcd URL option reach_timeout must be > 0 seconds")
     if parts.scheme == "etcds" and "ca" not in query:
         raise ValueError("etcds:// needs ?ca=<CA file>")
     return EtcdStore([h for h in hosts.split(",") if h], parts.path.lstrip("/"), timeout=timeout,
                      ca=query.get("ca"), cert=query.get("cert"), key=query.get("key"),
-                     user=userinfo or None,
+                     user=userinfo or None, reach_timeout=reach,
                      password=settings.get("RESILIENT_ETCD_PASSWORD") or None if userinfo else None)
 
 
@@ -395,4 +467,5 @@ for _scheme in ("etcd", "etcds"):
     except RuntimeError:  # registered already (a reload)
         pass
 
-__all__ = ["EtcdStore", "from_url", "install_env_rendezvous"]
+__all__ = ["DEFAULT_REACH_TIMEOUT", "EtcdStore", "StoreConnectionError", "StoreTimeoutError",
+           "StoreUnreachableError", "from_url", "install_env_rendezvous"]

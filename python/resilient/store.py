@@ -43,7 +43,14 @@ def unreachable(store: Any, key: str, within_s: float = 5.0) -> str | None:
     that is frozen or cut off, a torch store waits out its own timeout (30 s for a TCPStore by
     default, the group's under init_process_group) or longer (a TCPStore's check() on a stopped
     server did not return within 60 s at a 5 s timeout), and only the caller's bound may
-    count. A thread left waiting ends when the store answers or fails."""
+    count. A thread left waiting ends when the store answers or fails. A store that bounds its
+    own requests (resilient.etcd.EtcdStore's ``probe``) is asked on the caller's thread: a
+    thread that returns into Python while the interpreter exits can crash it."""
+    base = store
+    while hasattr(base, "underlying_store"):  # torch PrefixStores
+        base = base.underlying_store
+    if hasattr(base, "probe"):
+        return base.probe(within_s)
     native = as_store(store)
     answer: list[str | None] = []
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from etcd_cluster import EtcdCluster
-from resilient.etcd import EtcdStore, from_url
+from resilient.etcd import EtcdStore, StoreUnreachableError, from_url
 from resilient.store import as_store
 
 
@@ -159,6 +159,44 @@ def test_three_members_survive_the_leaders_death_and_a_minority_does_not_decide(
         alone = EtcdStore([c.endpoints[survivors[1]]], "ha/", timeout=timedelta(seconds=1.5))
         with pytest.raises((TimeoutError, ConnectionError)):
             alone.compare_set("split", b"", b"minority")  # it cannot decide alone
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_without_quorum_fails_each_call_within_the_reach_timeout(tmp_path):
+    """The process group's 30 min is the bound of waiting for a key, not of reaching the
+    cluster: with 2 of 3 members killed every call fails within reach_timeout, as a torch store
+    error (Recovery stops on it), the next ones faster; a missing key on a healthy cluster is
+    still waited for up to the call's own timeout."""
+    with EtcdCluster(tmp_path, 3) as c:
+        s = EtcdStore(c.endpoints, "q/", timeout=timedelta(minutes=30),
+                      reach_timeout=timedelta(seconds=2))
+        s.set("a", b"1")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            s.wait(["never"], timedelta(seconds=4))  # waited for, not unreachable
+        assert time.monotonic() - t0 > 3.5  # longer than reach_timeout
+        assert s.probe(5.0) is None
+        leader = c.leader()
+        c.kill(leader)
+        c.kill(next(i for i in range(3) if i != leader))
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachableError) as err:
+            s.add("n", 1)
+        took = time.monotonic() - t0
+        assert 1.5 < took < 10, took
+        assert isinstance(err.value, (TimeoutError, ConnectionError))
+        assert isinstance(err.value, dist.DistError)  # what torch's stores raise, and Recovery
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnreachableError):
+            s.get("a")
+        why = s.probe(1.0)
+        assert why and "did not answer" in why, why
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(TimeoutError):  # the native adapter: a timeout
+            as_store(s).set("c", b"1")
+    assert from_url("etcd://h1:1/j?reach_timeout=2.5")._reach == 2.5
+    with pytest.raises(ValueError, match="reach_timeout"):
+        from_url("etcd://h1:1/j?reach_timeout=0")
 
 
 def test_urls():

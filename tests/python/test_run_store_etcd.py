@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 
 from etcd_cluster import EtcdCluster  # noqa: E402
-from procs import wait_or_kill  # noqa: E402
+from procs import kill_mentioning, wait_or_kill  # noqa: E402
 from test_quickstart_recovery import (  # noqa: E402
     RECOVERABLE,
     ROOT,
@@ -63,6 +63,45 @@ def test_an_unmodified_script_recovers_through_etcd(tmp_path: Path) -> None:
     # What went through etcd: the detector's records, the rebuild gate, the checkpoint entries.
     for part in ("/resilient/detect/", "/resilient-gate/", "/resilient/ckpt/"):
         assert any(part in k for k in keys), (part, keys[:20])
+
+
+@pytest.mark.timeout(240)
+def test_losing_the_etcd_quorum_stops_every_rank_within_bounds(tmp_path: Path) -> None:
+    """2 of the 3 members SIGKILLed mid-run (the leader among them): no rank can reach a
+    quorum, so each stops with "the job's store is unreachable" at its next store call (the
+    checkpoint every 5 steps), within the store's reach timeout (15 s) and the probe's 2 s, and
+    the launcher fails the job. Before, each rank hung in that call for the process group's
+    30 minutes (the store's per-call timeout)."""
+    import re
+    import time
+
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "etcd").mkdir()
+    with EtcdCluster(tmp_path / "etcd", 3) as cluster:
+        url = "etcd://" + ",".join(cluster.endpoints) + "/job42"
+        p = _launch(tmp_path, RECOVERABLE, ["-m", "resilient.run", "--standalone",
+                                            "--nproc-per-node", "3", "--store", url], 100_000)
+        try:
+            victim = tmp_path / "samples" / "rank1.samples"
+            deadline = time.monotonic() + 120
+            while not (victim.exists() and len(victim.read_text().splitlines()) >= 12):
+                assert p.poll() is None and time.monotonic() < deadline, "no training"
+                time.sleep(0.02)
+            leader = cluster.leader()
+            cluster.kill(leader)
+            cluster.kill(next(i for i in range(3) if i != leader))
+            t0 = time.monotonic()
+        finally:
+            code = wait_or_kill(p, 150)
+            took = time.monotonic() - t0
+            kill_mentioning(str(tmp_path))
+    log_text = (tmp_path / "launcher.log").read_text()
+    assert code == 1, log_text[-6000:]
+    stopped = re.findall(r"\[rank(\d)\]: resilient.recovery.decisions.RecoveryStopped: the job's "
+                         r"store is unreachable", log_text)
+    assert sorted(stopped) == ["0", "1", "2"], log_text[-6000:]
+    assert "fatal signal" not in log_text, log_text[-6000:]  # no crash on the way out
+    assert took < 90, took  # 15 s reach + 2 s probe + exit: ~21 s here; hung 30 min before
 
 
 @pytest.mark.parametrize("url", ["tcp://h1:2379", "etcd://h1:2379/?bogus=1"])
