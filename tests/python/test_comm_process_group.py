@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -111,6 +112,7 @@ verify_group()
 print("generation 2 ok", dist.distributed_c10d._get_default_group().group_name, flush=True)
 dist.barrier()
 import os
+import signal
 os._exit(0)  # no gloo teardown at exit (tests/python/procs.py says why)
 """
 
@@ -157,3 +159,53 @@ def test_a_later_default_nccl_group_gets_its_global_ranks(monkeypatch) -> None:
     assert list(options.global_ranks_in_group) == [4, 5]
     monkeypatch.setattr(pgm, "backend_of", lambda group, device: None)  # gloo: nothing to do
     pgm.name_default_group_ranks(object(), 2)
+
+
+_DROP_A_STUCK_GROUP = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from resilient.comm.process_group import retire_groups
+role, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=int(role != "stuck"), world_size=2)
+group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+if role == "silent":  # alive, connected, never joins the all-reduce
+    print("silent", flush=True)
+    time.sleep(600)
+work = dist.all_reduce(torch.ones(1), group=group, async_op=True)  # waits for the silent peer
+time.sleep(0.2)
+assert not work.is_completed()
+if role == "stuck":
+    retire_groups([group])
+dist.destroy_process_group()  # torch's registry lets go of the group too
+t0 = time.monotonic()
+del work, group  # the last references of this thread
+print(f"dropped in {time.monotonic() - t0:.1f} s", flush=True)
+sys.exit(0)  # a normal interpreter exit, not os._exit
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_retired_group_is_destroyed_neither_by_its_last_reference_nor_at_exit(
+        tmp_path: Path) -> None:
+    """A gloo group whose worker waits in an all-reduce for a live peer that never joins (as
+    a frozen one): retired, its last references dropped on the training thread and the
+    interpreter's exit return at once (its destructor would join that worker until the group's
+    120 s timeout)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    script = tmp_path / "drop.py"
+    script.write_text(_DROP_A_STUCK_GROUP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    procs = [subprocess.Popen([sys.executable, str(script), role, str(store.port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for role in ("stuck", "silent")]
+    try:
+        out = procs[0].communicate(timeout=90)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    assert procs[0].returncode == 0 and "dropped in 0.0 s" in out, out[-3000:]

@@ -521,7 +521,7 @@ def test_retired_groups_are_released_once_their_own_timeout_passed() -> None:
     pgm.release_retired_groups()
     expired, waiting = Group(0.0), Group(3600.0)
     gone, kept = weakref.ref(expired), weakref.ref(waiting)
-    pgm._retire([expired, waiting])
+    pgm.retire_groups([expired, waiting])
     del expired, waiting
     assert pgm.release_retired_groups(expired_only=True) == 1
     deadline = time.monotonic() + 5

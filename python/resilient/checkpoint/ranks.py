@@ -102,6 +102,7 @@ class Ranks:
         self._slot = _SLOT_MIN  # bytes per rank of a gather's first round (the same on all)
         self._aborted: tuple[int, str] | None = None  # (entry seq, reason): abort()
         self.broken = ""
+        self._retired = False  # the group went to the graveyard (retire())
         if not self.distributed:
             self.rank, self.world_size, self.group = 0, 1, None
             self.store = store if store is not None else dist.HashStore()
@@ -181,7 +182,26 @@ class Ranks:
         """Waits for a gloo collective by polling it: a peer killed mid-collective can leave a
         survivor blocked in gloo (its neighbours gave up on the collective but their connections
         stay open) until the group's timeout; abort() (the detector's verdict) ends it at once,
-        and so does the store's mark of another rank's abort."""
+        and so does the store's mark of another rank's abort. A collective given up on, or one
+        that failed, retires the group (:meth:`retire`)."""
+        try:
+            self._poll(work, timeout)
+        except BaseException:
+            self.retire()
+            raise
+
+    def retire(self) -> None:
+        """Hands the group to resilient.comm's graveyard: its gloo worker may still wait in a
+        collective for a lost or frozen peer, and the group's destructor joins that worker, so
+        the group must never be destroyed on the caller's thread (the last reference to it may
+        go with this checkpointer, or with an exception's traceback) or at exit. Idempotent."""
+        if self.group is not None and not self._retired:
+            from resilient.comm.process_group import retire_groups
+
+            self._retired = True
+            retire_groups([self.group])
+
+    def _poll(self, work: Any, timeout: float | None) -> None:
         limit = self.collective_timeout if timeout is None else timeout
         start = time.monotonic()
         deadline, next_check = start + limit, start + 0.1
@@ -225,6 +245,7 @@ class Ranks:
         if not self.distributed:
             return
         self._aborted = (self._seq, reason)
+        self.retire()  # a gather in flight waits for the lost peer
         for seq in (self._seq, self._seq + 1):
             self.store.set(self._key(seq, "broken"), reason)
             self.store.add(self._key(seq, "count"), _POISON)

@@ -33,6 +33,7 @@ TORCH_NAMES = frozenset({
     "nccl_groups",
     "rebuild_process_group",
     "release_retired_groups",
+    "retire_groups",
     "revoke_groups",
     "rewrap_ddp",
     "start_aborts",

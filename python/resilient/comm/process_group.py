@@ -21,6 +21,7 @@ helpers only rebuild. Every step is timed for the recovery timeline.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -119,12 +120,17 @@ def supports_shrink(group: Any | None = None) -> bool:
         return False
 
 
-# Groups torn down after a failure, each with the monotonic time its own timeout has passed by.
-# Their C++ destructors join backend threads, and a gloo thread stuck in a collective with the
-# dead rank only returns at the group's timeout: dropping the last reference would block the
-# survivor for that long (measured: 20 s with a 20 s timeout). They are kept here until
-# release_retired_groups().
+# The graveyard: groups given up after a failure (and objects that hold them: DDP wrappers,
+# device meshes), each with the monotonic time its own timeout has passed by. Their C++
+# destructors join backend threads, and a gloo thread stuck in a collective with a dead or frozen
+# rank only returns at the group's timeout: dropping the last reference would block the caller
+# for that long (measured: 20 s with a 20 s timeout; a frozen peer of a checkpoint's planning
+# group held every survivor until its hang watchdog evicted it). They are kept here until
+# release_retired_groups() drops them on a thread of its own. The list is never freed, not even
+# when the interpreter clears this module at exit: its groups' destructors never run on the
+# exiting main thread (nor in a process that leaves through os._exit).
 _RETIRED: list[tuple[float, Any]] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RETIRED))
 _RETIRED_LOCK = threading.Lock()
 _DEFAULT_TIMEOUT_S = 1800.0  # torch's default for gloo; a group whose own cannot be read
 
@@ -140,10 +146,21 @@ def _group_timeout_s(pg: Any) -> float:
     return max(found) if found else _DEFAULT_TIMEOUT_S
 
 
-def _retire(groups: Sequence[Any]) -> None:
+def retire_groups(groups: Sequence[Any]) -> None:
+    """Keeps ``groups`` (process groups, or objects that hold some: a DDP wrapper, a device
+    mesh) referenced until their own collective timeout has passed, then lets
+    :func:`release_retired_groups` drop them on a thread of its own: a group given up after a
+    failure is never destroyed on the caller's thread, nor at interpreter exit (a destructor
+    joins the backend's threads, which may wait for a dead or frozen peer until that timeout).
+    Safe from any thread; a group already retired is not added twice."""
     now = time.monotonic()
     with _RETIRED_LOCK:
-        _RETIRED.extend((now + _group_timeout_s(g), g) for g in groups)
+        held = {id(g) for _, g in _RETIRED}
+        for g in groups:
+            if g is not None and id(g) not in held:
+                held.add(id(g))
+                _RETIRED.append((now + _group_timeout_s(g), g))
+
 
 
 def abort_process_group(group: Any | None = None, *, revoke: bool = False,
@@ -172,7 +189,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
         return 0.0
     pg = group if group is not None else dist.group.WORLD
     if group is not None:
-        _retire([pg])
+        retire_groups([pg])
         abort_groups([pg])
         dist.destroy_process_group(group)
         return time.monotonic() - t0
@@ -181,7 +198,7 @@ def abort_process_group(group: Any | None = None, *, revoke: bool = False,
     # so they are aborted first, not finalized.
     nccl = nccl_groups()
     groups = with_nccl_groups(pg, nccl)
-    _retire(groups)
+    retire_groups(groups)
     if not background:
         abort_groups(groups)
         dist.destroy_process_group()
@@ -675,7 +692,7 @@ def rebuild_process_group(
         device = torch.device("cuda", torch.cuda.current_device())
 
     if prefer_shrink and size == survivors and supports_shrink(old):
-        _retire([old])
+        retire_groups([old])
         timings.method = "shrink"
         t0 = time.monotonic()
         group = dist.shrink_group(sorted(excluded), old, shrink_flags=shrink_abort_flag())

@@ -60,6 +60,7 @@ from resilient.comm.process_group import (
     forget_device_meshes,
     join_process_group,
     release_retired_groups,
+    retire_groups,
     shrink_abort_flag,
     supports_shrink,
     wait_for_revoke,
@@ -213,7 +214,6 @@ class Recovery(StepLoop):
         self._warned_lr = False
         self._device = self._comm_device()
         self._group: Any = None
-        self._retired: list[Any] = []  # failed groups and DDP wrappers (see resilient.comm)
         self._verdict = threading.Event()
         self._evicted = threading.Event()
         self._pending_cause: str | None = None
@@ -846,7 +846,7 @@ class Recovery(StepLoop):
         if (self.backend == "nccl" and self.config.prefer_shrink and self._group is not None
                 and self.manager is None and survivors == members
                 and supports_shrink(self._group)):
-            self._retired.append(self._group)
+            retire_groups([self._group])
             wait_for_revoke(self._group, 30.0)  # a shrink frees what the revoke still uses
             group = dist.shrink_group(excluded, self._group, shrink_flags=shrink_abort_flag())
             forget_device_meshes()
@@ -936,8 +936,7 @@ class Recovery(StepLoop):
     def adopt_group(self, group: Any, members: list[int], rank: int) -> None:
         """Makes `group` this rank's process group (the old one is retired, not destroyed: a
         failed peer's group is never waited on). For join.py and the rebuild."""
-        if self._group is not None:
-            self._retired.append(self._group)
+        retire_groups([self._group])  # never destroyed on this thread
         self.model = None  # the old DDP wrapper's hooks go with it
         self._group, self.members, self.rank, self.world_size = (
             group, list(members), rank, len(members))

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.comm.process_group import retire_groups
 from resilient.recovery.decisions import RecoveryStopped
 
 log = logging.getLogger("resilient.recovery")
@@ -222,8 +223,8 @@ def restore(rec: Any, holds_state: bool) -> str:
     rec._param_names = {id(p): n for n, p in module.named_parameters()}
     # The old model is dropped (its shards and buffers freed); its meshes, which hold the old
     # groups, stay referenced: a group's destructor may block on a dead peer.
-    rec._retired += list({id(p.device_mesh): p.device_mesh for p in rec.module.parameters()
-                          if hasattr(p, "device_mesh")}.values())
+    retire_groups(list({id(p.device_mesh): p.device_mesh for p in rec.module.parameters()
+                         if hasattr(p, "device_mesh")}.values()))
     _replace_in_manager(rec, rec.module, module)
     rec.module = rec.model = module
     # One gloo group for the restore's exchange and then the new replicas (a group costs a
