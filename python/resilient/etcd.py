@@ -28,6 +28,9 @@ the Checkpointer and the detector use, is etcd. Why etcd and how to run it: docs
   ``key``) and etcd's user/password authentication (a token in each request's Authorization
   header, renewed when etcd rejects it) are options; the password is never logged or put in an
   error message.
+- With ``lease`` every key written is attached to that etcd lease, and goes when it expires or
+  is revoked: ``resilient run`` grants one per launch and keeps it alive from its agents
+  (:class:`LeaseKeeper`), so a launch's keys do not outlive it (docs/store.md).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -97,13 +101,16 @@ class EtcdStore(dist.Store):
         reach_timeout: bound of each request, however long the call may wait for a key: a
             cluster that does not answer for this long (no quorum) fails the call with
             :class:`StoreUnreachableError` (at most ``timeout``).
+        lease: the etcd lease id every written key is attached to (or a function returning
+            the current one); None: keys stay until deleted.
     """
 
     def __init__(self, endpoints: list[str], prefix: str = "", *,
                  timeout: timedelta = timedelta(seconds=30), ca: str | None = None,
                  cert: str | None = None, key: str | None = None, user: str | None = None,
                  password: str | None = None,
-                 reach_timeout: timedelta = DEFAULT_REACH_TIMEOUT) -> None:
+                 reach_timeout: timedelta = DEFAULT_REACH_TIMEOUT,
+                 lease: str | Callable[[], str] | None = None) -> None:
         super().__init__()
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host:port)")
@@ -122,6 +129,7 @@ class EtcdStore(dist.Store):
         self._token: str | None = None
         self._next = 0  # the member that answered last
         self._down = False  # the last request found the cluster unreachable
+        self.lease = lease
         self._lock = threading.Lock()
         self._clones: list[EtcdStore] = []
 
@@ -237,12 +245,20 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key.encode())
 
+    def _put(self, key: str, value: bytes) -> dict:
+        """A put request's body: `key` (already encoded) = `value`, on the store's lease."""
+        body = {"key": key, "value": _b64(value)}
+        lease = self.lease() if callable(self.lease) else self.lease
+        if lease:
+            body["lease"] = lease
+        return body
+
     def _range(self, key: str, deadline: float | None = None) -> dict | None:
         kvs = self._post("/v3/kv/range", {"key": self._key(key)}, deadline).get("kvs")
         return kvs[0] if kvs else None
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._post("/v3/kv/put", {"key": self._key(key), "value": _b64(_bytes(value))})
+        self._post("/v3/kv/put", self._put(self._key(key), _bytes(value)))
 
     def get(self, key: str) -> bytes:
         """The value; waits for the key up to the store's timeout, as torch's stores do."""
@@ -264,7 +280,7 @@ class EtcdStore(dist.Store):
             cmp = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         reply = self._post("/v3/kv/txn", {
             "compare": [cmp],
-            "success": [{"request_put": {"key": k, "value": _b64(desired_b)}}],
+            "success": [{"request_put": self._put(k, desired_b)}],
             "failure": [{"request_range": {"key": k}}],
         })
         if reply.get("succeeded"):
@@ -294,8 +310,8 @@ class EtcdStore(dist.Store):
             total = str(current + int(amount)).encode()
             reply = self._post("/v3/kv/txn", {
                 "compare": [cmp],
-                "success": [{"request_put": {"key": k, "value": _b64(total)}},
-                            {"request_put": {"key": receipt, "value": _b64(total)}}],
+                "success": [{"request_put": self._put(k, total)},
+                            {"request_put": self._put(receipt, total)}],
                 "failure": [{"request_range": {"key": receipt}}],
             }, deadline)
             done = reply.get("succeeded")
@@ -361,6 +377,57 @@ class EtcdStore(dist.Store):
         return timedelta(seconds=self._timeout)
 
 
+class LeaseKeeper:
+    """An etcd lease kept alive from a thread (every third of its TTL) until :meth:`stop`.
+
+    ``resilient run``'s agents share one per launch: the keys the launch's workers write are
+    attached to it, so they go ``ttl_s`` after the last agent stopped renewing it (a killed
+    launch), or at once when a finished launch revokes it. A renewal that fails (the cluster
+    has no quorum) is retried; etcd extends every lease's TTL when a new leader is elected."""
+
+    def __init__(self, store: EtcdStore, lease: str, ttl_s: float) -> None:
+        self.store, self.lease, self.ttl_s = store, lease, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resilient-etcd-lease",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def grant(store: EtcdStore, ttl_s: float) -> str:
+        """A new lease of ``ttl_s`` seconds (at least 1) on the store's cluster: its id."""
+        return str(store._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"])
+
+    @staticmethod
+    def revoke(store: EtcdStore, lease: str) -> bool:
+        """Revokes ``lease`` (its keys are deleted); False when it was gone already."""
+        try:
+            store._post("/v3/lease/revoke", {"ID": lease})
+        except ValueError as e:  # "requested lease not found": revoked or expired already
+            if "lease not found" not in str(e):
+                raise
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.5, self.ttl_s / 3)):
+            try:
+                reply = self.store._post("/v3/lease/keepalive", {"ID": self.lease})
+                if int(reply.get("result", {}).get("TTL", 0) or 0) <= 0:
+                    return  # revoked or expired: nothing left to keep
+            except (_RETRYABLE, ValueError):
+                continue  # no quorum now: the next renewal may get through
+
+    def stop(self, revoke: bool = False) -> None:
+        """Stops renewing; with ``revoke`` also deletes the lease and every key on it."""
+        self._stop.set()
+        self._thread.join(5.0)
+        if revoke:
+            try:
+                self.revoke(self.store, self.lease)
+            except (_RETRYABLE, ValueError):
+                pass  # it expires on its own
+
+
 def from_url(url: str, *, timeout: timedelta = timedelta(seconds=30)) -> EtcdStore:
     """``etcd://h1:2379,h2:2379/prefix`` (``etcds://`` for TLS) with options in the query
     (``ca``, ``cert``, ``key``, ``reach_timeout`` in seconds) and the user from the URL
@@ -420,8 +487,10 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
     """``env://`` (init_process_group's default) with ``RESILIENT_STORE=etcd://...`` (set by
     ``resilient run --store``): rank and world size come from the URL or RANK/WORLD_SIZE as
     torch's env:// takes them, the store is the etcd cluster under the URL's prefix plus this
-    launch attempt's id. A replacement rank's one-rank group (RESILIENT_JOIN=1) gets a prefix
-    of its own inside it, so its keys stay apart from the job's group."""
+    launch attempt's id (with the nonce the agents agreed: environment.run_id), its keys on the
+    launch's lease (RESILIENT_STORE_LEASE). A replacement rank's one-rank group
+    (RESILIENT_JOIN=1) gets a prefix of its own inside it, so its keys stay apart from the
+    job's group."""
     from resilient.recovery import environment
 
     target = os.environ.get(environment.STORE_ENV, "")
@@ -440,6 +509,7 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30),
     path = f"{parts.path.strip('/')}/{attempt}/".lstrip("/")
     store: Any = from_url(urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")),
                           timeout=timeout)
+    store.lease = os.environ.get(environment.STORE_LEASE_ENV) or None
     _RENDEZVOUS_STORES.append(store)  # see _rendezvous
     if os.environ.get(environment.JOIN_ENV) == "1":
         store = dist.PrefixStore(f"resilient/join/{socket.gethostname()}/{os.getpid()}", store)
@@ -467,5 +537,5 @@ for _scheme in ("etcd", "etcds"):
     except RuntimeError:  # registered already (a reload)
         pass
 
-__all__ = ["DEFAULT_REACH_TIMEOUT", "EtcdStore", "StoreConnectionError", "StoreTimeoutError",
-           "StoreUnreachableError", "from_url", "install_env_rendezvous"]
+__all__ = ["DEFAULT_REACH_TIMEOUT", "EtcdStore", "LeaseKeeper", "StoreConnectionError",
+           "StoreTimeoutError", "StoreUnreachableError", "from_url", "install_env_rendezvous"]

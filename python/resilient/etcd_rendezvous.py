@@ -16,10 +16,19 @@ of each node, the workers' master address) go to the same cluster through
 with its TLS options and user (docs/store.md). torch's ``etcd`` and ``etcd-v2`` backends speak
 etcd's v2 API, which etcd 3.4 serves only with ``--enable-v2`` and 3.6 no longer has.
 
-As with torch's ``etcd-v2`` backend, the state expires ``ttl`` seconds (``--rdzv-conf
-ttl=...``, default two hours) after its last write, through an etcd lease each agent keeps:
-a finished job's closed rendezvous does not refuse a later job of the same ``--rdzv-id`` for
-longer than that. Errors reaching etcd surface as torch's ``RendezvousConnectionError``.
+**Launched again with the same ``--rdzv-id``.** The state and every key the rendezvous writes
+are attached to an etcd lease that each agent keeps alive while it runs; they expire ``ttl``
+seconds (``--rdzv-conf ttl=...``, default two hours) after the last agent stopped. A new launch
+does not wait for that: an agent that finds the rendezvous closed by a finished launch (it was
+none of its nodes) starts a new one over it, and a rendezvous that is absent (never used, or
+expired) starts at a round numbered by etcd's revision, which no earlier round of this
+``--rdzv-id`` can have had. torch names every key of a round by its number, so a new launch never
+reads an earlier one's keys (its ``MASTER_ADDR``, barriers, assigned ranks). A launch whose
+agents were all killed leaves its round complete; torch removes the dead nodes once their
+keep-alives are ``keep_alive_interval x keep_alive_max_attempt`` (15 s) old and the next launch
+meets in the next round then. (A node of the same launch that arrives after the others finished
+now waits for a new rendezvous instead of failing at once.) Errors reaching etcd surface as
+torch's ``RendezvousConnectionError``.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 import base64
 import binascii
 import http.client
+import os
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -58,20 +69,57 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._ttl_s = int(ttl_s)
         self._lease: str | None = None
         self._lease_refreshed = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        #: this agent's node (torch's _NodeDesc), set by create_etcd_v3_handler: a closed
+        #: rendezvous it took part in is its own launch's, not an earlier one's
+        self.node: Any = None
 
     @property
     def name(self) -> str:
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        try:
-            kv = self._store._range(self._key)  # linearizable: the newest committed state
+        try:  # linearizable: the newest committed state
+            reply = self._store._post("/v3/kv/range", {"key": self._store._key(self._key)})
         except _UNREACHABLE as e:
             raise RendezvousConnectionError(f"etcd rendezvous: reading the state: {e}") from e
-        if kv is None:
+        kvs = reply.get("kvs")
+        if not kvs:
+            return self._new_rendezvous(reply, None)
+        return self._current(_decode(kvs[0].get("value", "")), kvs[0]["mod_revision"], reply)
+
+    def _current(self, state: bytes, token: Any, reply: dict) -> tuple[bytes, Any] | None:
+        """`state` as torch should see it: a new rendezvous instead of one closed by an
+        earlier launch (module docstring)."""
+        if self._closed_by_another_launch(state):
+            return self._new_rendezvous(reply, token)
+        return state, token
+
+    def _closed_by_another_launch(self, state: bytes) -> bool:
+        try:
+            st = pickle.loads(state)  # torch's _RendezvousState, as its state holder reads it
+        except Exception:  # noqa: BLE001 -- not torch's: leave it to torch
+            return False
+        if not getattr(st, "closed", False):
+            return False
+        nodes = [*getattr(st, "participants", {}), *getattr(st, "wait_list", ()),
+                 *getattr(st, "redundancy_list", ())]
+        if self.node is not None:
+            return self.node not in nodes
+        return all(getattr(n, "pid", None) != os.getpid() for n in nodes)
+
+    def _new_rendezvous(self, reply: dict, token: Any) -> tuple[bytes, Any] | None:
+        """An empty rendezvous whose round is the cluster's revision now (never the number of
+        an earlier round of this run id), to be written over `token` (None: absent)."""
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+                _RendezvousState,
+            )
+        except ImportError:  # torch without it: its own fresh state (round 0)
             return None
-        return _decode(kv.get("value", "")), kv["mod_revision"]
+        state = _RendezvousState()
+        state.round = int(reply.get("header", {}).get("revision", 0))
+        return pickle.dumps(state), token
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
         """Writes `state` if the key is still at revision `token` (None: absent); returns the
@@ -102,7 +150,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if not kvs:  # deleted meanwhile (expired): no state to report
             return None
         stored = _decode(kvs[0].get("value", ""))
-        return stored, kvs[0]["mod_revision"], stored == state
+        if stored == state:
+            return stored, kvs[0]["mod_revision"], True
+        now = self._current(stored, kvs[0]["mod_revision"], reply)
+        return None if now is None else (*now, False)
+
+    def lease(self) -> str:
+        """This agent's lease (granted on first use, kept alive): the rendezvous's keys go
+        with it (the store's ``lease``)."""
+        return self._current_lease()
 
     def _current_lease(self, renew: bool = False) -> str:
         """This agent's lease, granted on first use and kept alive at a quarter of its TTL."""
@@ -150,7 +206,11 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> Any:
     """torch elastic's handler creator for ``etcd-v3`` (its registry calls it)."""
     store = _store(params)
     ttl = params.get_as_int("ttl", DEFAULT_TTL_S) or DEFAULT_TTL_S
-    return create_handler(store, EtcdRendezvousBackend(store, params.run_id, ttl), params)
+    backend = EtcdRendezvousBackend(store, params.run_id, ttl)
+    store.lease = backend.lease  # every key of the rendezvous expires with its state
+    handler = create_handler(store, backend, params)
+    backend.node = getattr(handler, "_this_node", None)  # (torch's own, kept since 1.9)
+    return handler
 
 
 def handler_creator() -> Any:

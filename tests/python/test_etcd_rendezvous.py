@@ -7,6 +7,7 @@ single point of failure for the agents); plain ``torchrun`` finding the backend 
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -46,7 +47,8 @@ def test_the_backend_swaps_the_state_on_its_revision(tmp_path: Path) -> None:
         backend = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/",
                                                   timeout=timedelta(seconds=10)), "job")
         assert backend.name == "etcd-v3"
-        assert backend.get_state() is None
+        fresh, token = backend.get_state()  # none yet: a new one, in a round of its own
+        assert token is None and pickle.loads(fresh).round > 0 and not pickle.loads(fresh).closed
         state, first, mine = backend.set_state(b"a")
         assert (state, mine) == (b"a", True)
         assert backend.get_state() == (b"a", first)
@@ -59,7 +61,7 @@ def test_the_backend_swaps_the_state_on_its_revision(tmp_path: Path) -> None:
         assert backend.set_state(b"d", first) == (b"c", second, False)  # a stale token
         assert backend.get_state() == (b"c", second)
         other = EtcdRendezvousBackend(EtcdStore(etcd.endpoints, "t/"), "another-job")
-        assert other.get_state() is None  # runs are apart
+        assert other.get_state()[1] is None  # runs are apart
 
 
 def _params(etcd: EtcdCluster, run_id: str, **conf: object):
@@ -69,30 +71,33 @@ def _params(etcd: EtcdCluster, run_id: str, **conf: object):
                                 run_id=run_id, min_nodes=1, max_nodes=1, **conf)
 
 
-def test_a_closed_rendezvous_expires_with_its_ttl(tmp_path: Path) -> None:
-    """A finished job closes its rendezvous; the same run id is refused (torch's
-    RendezvousClosedError) until the state's lease runs out, then a new job meets again."""
+def test_a_closed_rendezvous_does_not_refuse_the_next_launch(tmp_path: Path) -> None:
+    """A finished launch closes its rendezvous: its own node still finds it closed (torch's
+    RendezvousClosedError), but the next launch of the same run id meets at once, in a round
+    numbered above every earlier one (torch names a round's keys by its number: none of the
+    first launch's keys is read), and the rendezvous's keys are on the agents' lease."""
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
     from resilient.etcd_rendezvous import create_etcd_v3_handler
 
     with EtcdCluster(tmp_path, 1) as etcd:
         first = create_etcd_v3_handler(_params(etcd, "same", ttl=3))
-        first.next_rendezvous()
+        info = first.next_rendezvous()
+        info.store.set("written-in-round", b"first")
+        first_round = first._state_holder.state.round
         first.shutdown()
         with pytest.raises(RendezvousClosedError):
-            create_etcd_v3_handler(_params(etcd, "same", ttl=3)).next_rendezvous()
-        deadline = time.monotonic() + 20
-        while True:  # the lease ends 3 s after the last write (etcd expires leases lazily)
-            try:
-                again = create_etcd_v3_handler(_params(etcd, "same", ttl=3))
-                again.next_rendezvous()
-                break
-            except RendezvousClosedError:
-                assert time.monotonic() < deadline, "the closed state never expired"
-                time.sleep(0.5)
-        assert time.monotonic() < deadline
+            first.next_rendezvous()
+        t0 = time.monotonic()
+        again = create_etcd_v3_handler(_params(etcd, "same", ttl=3))
+        info = again.next_rendezvous()
+        assert time.monotonic() - t0 < 10
+        assert again._state_holder.state.round > first_round
+        assert not info.store.check(["written-in-round"])  # the first launch's keys are apart
         again.shutdown()
+        keys = EtcdStore(etcd.endpoints, "")._post("/v3/kv/range", {
+            "key": "dG9yY2hlbGFzdGljLw==", "range_end": "dG9yY2hlbGFzdGljMA=="})  # torchelastic/
+        assert keys.get("kvs") and all(kv.get("lease") for kv in keys["kvs"]), keys
 
 
 def test_an_unreachable_cluster_is_torchs_connection_error(tmp_path: Path) -> None:

@@ -72,6 +72,16 @@ def test_judge_gives_a_busy_worker_its_grace_after_its_work() -> None:
     assert v.state == "reap" and v.reason.startswith("1 worker(s)"), v
 
 
+def test_the_run_id_names_the_launch() -> None:
+    """Under resilient run the run id (and so an etcd store's prefix, Recovery's keys) carries
+    the nonce the agents agreed: the same --rdzv-id launched again is another run."""
+    from resilient.recovery import environment as renv
+
+    env = {"TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert renv.run_id(env) == "job42.1"  # torchrun
+    assert renv.run_id({**env, renv.LAUNCH_ENV: "3f9a1c2b77e0"}) == "job42.1.3f9a1c2b77e0"
+
+
 def test_parser_is_torchruns_plus_ours() -> None:
     from resilient.cli.run import build_parser
 

@@ -9,6 +9,7 @@ import base64
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -47,14 +48,19 @@ def test_an_unmodified_script_recovers_through_etcd(tmp_path: Path) -> None:
         url = "etcd://" + ",".join(cluster.endpoints) + "/job42"
         p = _launch(tmp_path, RECOVERABLE, ["-m", "resilient.run", "--standalone",
                                             "--nproc-per-node", "4", "--store", url], steps)
+        keys: set[str] = set()
         try:
             kill_rank1_after(tmp_path, 6)
+            deadline = time.monotonic() + 150
+            while p.poll() is None and time.monotonic() < deadline:  # the job's keys as it runs
+                keys.update(_keys(cluster.endpoints[0], "job42/"))
+                time.sleep(0.3)
         finally:
             code = wait_or_kill(p, 150)
         log_text = (tmp_path / "launcher.log").read_text()
         assert code == 0, log_text[-6000:]
         assert "default process group's store is a" not in log_text, log_text[-6000:]
-        keys = _keys(cluster.endpoints[0], "job42/")
+        assert _keys(cluster.endpoints[0], "job42/") == []  # the job succeeded: all deleted
     per_step, seen, ran = _samples(tmp_path)
     assert sorted(per_step) == list(range(steps))
     killed_at = len(ran[1])
@@ -73,7 +79,6 @@ def test_losing_the_etcd_quorum_stops_every_rank_within_bounds(tmp_path: Path) -
     the launcher fails the job. Before, each rank hung in that call for the process group's
     30 minutes (the store's per-call timeout)."""
     import re
-    import time
 
     (tmp_path / "samples").mkdir()
     (tmp_path / "etcd").mkdir()
@@ -102,6 +107,64 @@ def test_losing_the_etcd_quorum_stops_every_rank_within_bounds(tmp_path: Path) -
     assert sorted(stopped) == ["0", "1", "2"], log_text[-6000:]
     assert "fatal signal" not in log_text, log_text[-6000:]  # no crash on the way out
     assert took < 90, took  # 15 s reach + 2 s probe + exit: ~21 s here; hung 30 min before
+
+
+def _run_dir(tmp: Path, name: str) -> Path:
+    d = tmp / name
+    (d / "samples").mkdir(parents=True)
+    return d
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("rdzv", ["etcd-v3", "c10d"])
+def test_the_same_command_twice_and_after_a_kill9(tmp_path: Path, rdzv: str) -> None:
+    """docs/store.md's command (`--rdzv-id job42 --store etcd://.../job42`, the agents' rendezvous
+    on etcd or on a c10d endpoint) run twice in a row, then once more killed with SIGKILL mid-run
+    (launcher and workers), then again: every launch that was not killed succeeds, each one
+    on keys of its own (before: the second hung, its ranks reading the first launch's gloo
+    addresses, or etcd-v3 refused it as closed for two hours). A launch that succeeded leaves no
+    key under the store's prefix; the killed one's expire with its lease (--store-ttl-s 5)."""
+    from procs import kill_mentioning as kill_all
+    from resilient.ports import free_port
+
+    (tmp_path / "etcd").mkdir()
+    with EtcdCluster(tmp_path / "etcd", 3) as cluster:
+        members = ",".join(cluster.endpoints)
+        endpoint = members if rdzv == "etcd-v3" else f"127.0.0.1:{free_port()}"
+        command = ["-m", "resilient.run", "--nnodes", "1", "--nproc-per-node", "2",
+                   "--rdzv-backend", rdzv, "--rdzv-endpoint", endpoint, "--rdzv-id", "job42",
+                   "--store", f"etcd://{members}/job42", "--store-ttl-s", "5"]
+
+        def run(name: str, steps: int) -> tuple[Path, subprocess.Popen]:
+            d = _run_dir(tmp_path, name)
+            return d, _launch(d, RECOVERABLE, command, steps)
+
+        for name in ("first", "second"):
+            d, p = run(name, 10)
+            code = wait_or_kill(p, 150)
+            kill_all(str(d))
+            assert code == 0, (name, (d / "launcher.log").read_text()[-6000:])
+            assert _keys(cluster.endpoints[0], "job42/") == [], name  # its lease revoked
+        d, p = run("killed", 100_000)
+        try:
+            victim = d / "samples" / "rank1.samples"
+            deadline = time.monotonic() + 120
+            while not (victim.exists() and len(victim.read_text().splitlines()) >= 3):
+                assert p.poll() is None and time.monotonic() < deadline, "no training"
+                time.sleep(0.02)
+        finally:
+            p.kill()  # the launcher, then its workers (sessions of their own): a lost node
+            p.wait(10)
+            kill_all(str(d))
+        assert _keys(cluster.endpoints[0], "job42/"), "the killed launch wrote nothing?"
+        d, p = run("after-the-kill", 10)
+        code = wait_or_kill(p, 150)
+        kill_all(str(d))
+        assert code == 0, (d / "launcher.log").read_text()[-6000:]
+        deadline = time.monotonic() + 60
+        while _keys(cluster.endpoints[0], "job42/"):  # the killed launch's lease expires
+            assert time.monotonic() < deadline, _keys(cluster.endpoints[0], "job42/")[:10]
+            time.sleep(0.5)
 
 
 @pytest.mark.parametrize("url", ["tcp://h1:2379", "etcd://h1:2379/?bogus=1"])

@@ -51,6 +51,11 @@ def build_parser(prog: str = "resilient run") -> argparse.ArgumentParser:
              "point of failure; an unmodified init_process_group() takes it once the script "
              "has imported resilient). Sets RESILIENT_STORE for the workers")
     parser.add_argument(
+        "--store-ttl-s", type=float, default=60.0,
+        help="with --store: the launch's keys in etcd are on a lease its agents keep alive, "
+             "and expire this long after the last agent stopped (killed); a job that "
+             "succeeded deletes them at once (default 60)")
+    parser.add_argument(
         "--finish-grace-s", type=float, default=30.0,
         help="kill workers still running this long after another finished cleanly (ranks "
              "the survivors removed, e.g. frozen ones) without failing the job (default 30); "
@@ -71,6 +76,8 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     args = parser.parse_args(argv)
     if args.spares < 0 or args.replacements < 0:
         parser.error("--spares and --replacements take a count >= 0")
+    if not args.store_ttl_s >= 1:
+        parser.error("--store-ttl-s takes a number of seconds >= 1")
     if args.spares and not args.in_process_recovery:
         parser.error("--spares needs in-process recovery (a spare joins the running job)")
     if args.spares and args.store:
@@ -97,7 +104,7 @@ def run(argv: list[str], prog: str = "resilient run") -> int:
     try:
         launch(config, cmd, cmd_args, in_process=args.in_process_recovery,
                replacements=args.replacements, spares=args.spares,
-               finish_grace_s=args.finish_grace_s)
+               finish_grace_s=args.finish_grace_s, store_ttl_s=args.store_ttl_s)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1

@@ -55,6 +55,14 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   others is not a failure (exit 0).
 * ``_restart_workers`` does not restart a healthy group because new nodes wait at the rendezvous
   (torch's elastic scale-up would kill the survivors); they wait for the next real restart.
+* ``_rendezvous``: after torch's, the agents agree on a nonce for this launch through the
+  rendezvous's store (the first agent's proposal wins a compare-and-set), given to the workers
+  as ``RESILIENT_LAUNCH_ID``: part of their run id, and so of the etcd prefix of ``--store``
+  (resilient.etcd), so the same command launched again never reads this launch's keys (a dead
+  rank's gloo address). With ``--store etcd://...`` the proposal carries an etcd lease that
+  every agent keeps alive (``RESILIENT_STORE_LEASE``: the workers attach every key to it): the
+  launch's keys expire ``--store-ttl-s`` after its last agent stopped, and go at once when the
+  job succeeded (after torch's exit barrier every node's workers are done).
 
 ``--no-in-process-recovery`` (or ``RESILIENT_IN_PROCESS_RECOVERY=0``) gives torchrun's behaviour.
 
@@ -96,8 +104,11 @@ from resilient.recovery.environment import (
     IN_PROCESS_ENV,
     JOIN_ENV,
     JOIN_STORE_ENV,
+    LAUNCH_ENV,
     LAUNCHER_ENV,
     RUN_STATE_ENV,
+    STORE_ENV,
+    STORE_LEASE_ENV,
     read_launcher_record,
 )
 
@@ -194,7 +205,7 @@ class ResilientAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, logs_specs: Any, start_method: str = "spawn",
                  exit_barrier_timeout: float = 300, log_line_prefix_template: str | None = None,
                  *, in_process: bool = True, replacements: int = 0, spares: int = 0,
-                 finish_grace_s: float = 30.0) -> None:
+                 finish_grace_s: float = 30.0, store_ttl_s: float = 60.0) -> None:
         super().__init__(spec, logs_specs, start_method, exit_barrier_timeout,
                          log_line_prefix_template)
         self.in_process = in_process
@@ -213,8 +224,46 @@ class ResilientAgent(LocalElasticAgent):
         self.killed_busy: list[tuple[int, str]] = []  #: (global rank, its work) killed busy
         self._busy_seen: dict[int, float] = {}  # pid -> when it was first seen busy
         self._lost_at: tuple[float, int] | None = None  # (when, rank): the first lost worker
+        self.store_ttl_s = store_ttl_s
+        self.launch_id: str | None = None  #: the nonce the agents agreed (RESILIENT_LAUNCH_ID)
+        self._lease: Any = None  # resilient.etcd.LeaseKeeper of the workers' etcd keys
 
     # ---- overrides ----
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._agree_launch(worker_group.store)
+
+    def _agree_launch(self, store: Any) -> None:
+        """This launch's nonce (and the workers' etcd lease) from the rendezvous's store, which
+        is this round's alone: the first agent's proposal wins (module docstring)."""
+        from resilient.etcd import LeaseKeeper, from_url
+
+        url = os.environ.get(STORE_ENV, "")
+        etcd = from_url(url) if url.startswith(("etcd://", "etcds://")) else None
+        lease = LeaseKeeper.grant(etcd, self.store_ttl_s) if etcd is not None else ""
+        mine = f"{uuid.uuid4().hex[:12]}:{lease}"
+        agreed = store.compare_set("resilient/launch", "", mine)
+        agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        if agreed != mine and lease:
+            LeaseKeeper.revoke(etcd, lease)  # another agent's proposal won
+        self.launch_id, _, lease = agreed.partition(":")
+        os.environ[LAUNCH_ENV] = self.launch_id  # inherited by the workers
+        if self._lease is not None:  # an earlier round's (a restart): its keys expire
+            self._lease.stop()
+            self._lease = None
+        if etcd is not None and lease:
+            self._lease = LeaseKeeper(etcd, lease, self.store_ttl_s)
+            os.environ[STORE_LEASE_ENV] = lease
+        log.info("resilient run: launch %s%s", self.launch_id,
+                 f", the workers' etcd keys on lease {lease}" if lease else "")
+
+    def release_launch(self, succeeded: bool) -> None:
+        """Stops keeping the workers' etcd lease alive; revokes it (every key of the launch
+        deleted) when the job succeeded, else it expires in ``store_ttl_s``."""
+        if self._lease is not None:
+            self._lease.stop(revoke=succeeded)
+            self._lease = None
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.exits, self._seen, self._reaped, self._finished_at = [], set(), set(), None
         self._busy_seen = {}
@@ -454,8 +503,8 @@ class ResilientAgent(LocalElasticAgent):
 
 
 def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = True,
-           replacements: int = 0, spares: int = 0,
-           finish_grace_s: float = 30.0) -> dict[int, Any]:
+           replacements: int = 0, spares: int = 0, finish_grace_s: float = 30.0,
+           store_ttl_s: float = 60.0) -> dict[int, Any]:
     """``torch.distributed.launcher.api.launch_agent`` with a :class:`ResilientAgent`: the same
     rendezvous handler (from the registry), WorkerSpec and error handling.
 
@@ -512,12 +561,14 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
     agent = ResilientAgent(spec, config.logs_specs, config.start_method,
                            log_line_prefix_template=config.log_line_prefix_template,
                            in_process=in_process, replacements=replacements, spares=spares,
-                           finish_grace_s=finish_grace_s)
+                           finish_grace_s=finish_grace_s, store_ttl_s=store_ttl_s)
     os.environ[RUN_STATE_ENV] = agent.state_dir
     shutdown_rdzv = True
+    succeeded = False
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
+        succeeded = not result.is_failed()
         events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=entrypoint_name(entrypoint, args),
@@ -533,6 +584,7 @@ def launch(config: Any, entrypoint: str, args: list[str], *, in_process: bool = 
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
+        agent.release_launch(succeeded)
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         shutil.rmtree(agent.state_dir, ignore_errors=True)

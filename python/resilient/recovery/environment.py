@@ -53,6 +53,13 @@ JOIN_ENV = "RESILIENT_JOIN"
 STORE_ENV = "RESILIENT_STORE"
 #: host:port of the job's TCPStore for a spare whose own one-rank group has a private store
 JOIN_STORE_ENV = "RESILIENT_JOIN_STORE"
+#: set by ``resilient run`` in its workers: a nonce its agents agreed at the rendezvous, unique
+#: to the launch (part of :func:`run_id`, so a later launch of the same ``--rdzv-id`` on the
+#: same etcd prefix never reads this one's keys)
+LAUNCH_ENV = "RESILIENT_LAUNCH_ID"
+#: set by ``resilient run --store etcd://...``: the etcd lease the workers attach their keys
+#: to (kept alive by the agents; resilient.etcd.LeaseKeeper)
+STORE_LEASE_ENV = "RESILIENT_STORE_LEASE"
 #: the directory where ``resilient run``'s workers tell the agent about themselves
 #: (:func:`tell_launcher`)
 RUN_STATE_ENV = "RESILIENT_RUN_STATE"
@@ -228,10 +235,12 @@ def may_be_served_by_a_rank(store: Any) -> bool:
 
 def run_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The launch attempt's id: ``<TORCHELASTIC_RUN_ID>.<TORCHELASTIC_RESTART_COUNT>`` under an
-    elastic agent, ``SLURM_JOB_ID.SLURM_STEP_ID`` under srun, else None."""
+    elastic agent (``.<launch nonce>`` added under ``resilient run``: the same ``--rdzv-id``
+    launched again is another launch), ``SLURM_JOB_ID.SLURM_STEP_ID`` under srun, else None."""
     env = os.environ if environ is None else environ
     if env.get("TORCHELASTIC_RUN_ID"):
-        return f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        rid = f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        return f"{rid}.{env[LAUNCH_ENV]}" if env.get(LAUNCH_ENV) else rid
     if env.get("SLURM_JOB_ID"):
         return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
     return None
@@ -288,9 +297,8 @@ def init_env() -> dict[str, str]:
     return values
 
 
-__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "RUN_STATE_ENV",
-           "STORE_ENV", "busy", "default_group_store", "joining", "read_launcher_record",
-           "tell_launcher",
-           "first_host", "init_env", "job_store", "launcher", "launcher_warnings",
-           "run_id", "slurm_env", "store_outside_ranks",
-           "warn_about_launcher"]
+__all__ = ["IN_PROCESS_ENV", "JOIN_ENV", "JOIN_STORE_ENV", "LAUNCHER_ENV", "LAUNCH_ENV",
+           "RUN_STATE_ENV", "STORE_ENV", "STORE_LEASE_ENV", "busy", "default_group_store",
+           "first_host", "init_env", "job_store", "joining", "launcher", "launcher_warnings",
+           "read_launcher_record", "run_id", "slurm_env", "store_outside_ranks",
+           "tell_launcher", "warn_about_launcher"]
