@@ -19,10 +19,13 @@ makes the same few store calls whatever the world size.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import pickle
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from resilient import settings
+from resilient.detect import own_connection
 from resilient.errors import CollectiveError
 
 # A gather's first round carries this many bytes per rank (an 8-byte length, then the pickled
@@ -66,6 +70,30 @@ def wait_key(store: Any, key: str, timeout: float, poll_s: float = 0.005,
             raise TimeoutError(f"store key {key!r} not set within {timeout:g} s")
         time.sleep(delay)
         delay = min(delay * 2, poll_s)
+
+
+# give_up() of the innermost abandon_when() on this thread (and its context), or None.
+_GIVE_UP: contextvars.ContextVar[Callable[[], str | None] | None] = contextvars.ContextVar(
+    "resilient_ckpt_give_up", default=None)
+
+
+@contextlib.contextmanager
+def abandon_when(give_up: Callable[[], str | None]) -> Iterator[None]:
+    """Within the block, every checkpoint collective this thread waits for (a checkpointer's
+    creation included, whose Ranks no abort() can reach yet) also ends with CollectiveError as
+    soon as ``give_up()`` returns a reason: in-process recovery passes "a newer verdict removed
+    a member of the group", so moving the checkpointer onto a rebuilt group never waits for a
+    peer lost meanwhile (asked every 10 ms, in the polls' own loop)."""
+    token = _GIVE_UP.set(give_up)
+    try:
+        yield
+    finally:
+        _GIVE_UP.reset(token)
+
+
+def _given_up() -> str | None:
+    give_up = _GIVE_UP.get()
+    return give_up() if give_up is not None else None
 
 
 def default_store() -> Any:
@@ -111,10 +139,28 @@ class Ranks:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = (group if group is not None
                       else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
-        self.store = store if store is not None else default_store()
-        run = [os.urandom(6).hex() if self.rank == 0 else None]
-        dist.broadcast_object_list(run, src=0, group=self.group)
-        self.run_id = run[0]
+        # the default group's store over a connection of its own: a gloo group connecting
+        # lazily waits on its connection for a peer's address, which would stall these polls
+        self.store = store if store is not None else own_connection(default_store())
+        # rank 0's run id, by a polled broadcast (abandon_when() ends it; the store's marks
+        # are keyed by the id, so none exist yet)
+        run = torch.zeros(6, dtype=torch.uint8)
+        if self.rank == 0:
+            run.copy_(torch.frombuffer(bytearray(os.urandom(6)), dtype=torch.uint8))
+        try:
+            work = dist.broadcast(run, group=self.group, group_src=0, async_op=True)
+            deadline = time.monotonic() + timeout
+            while not work.is_completed():
+                why = _given_up()
+                if why or time.monotonic() > deadline:
+                    raise CollectiveError(f"creating the checkpointer's ranks: "
+                                          f"{why or f'rank 0 not heard within {timeout:g} s'}")
+                time.sleep(0.001)
+            work.wait()
+        except BaseException:
+            self.retire()
+            raise
+        self.run_id = run.numpy().tobytes().hex()
 
     def gather(self, obj: Any, timeout: float | None = None, fit: bool = False) -> list[Any]:
         """Every rank's `obj` (small control objects, pickled as all_gather_object does), in
@@ -204,7 +250,7 @@ class Ranks:
     def _poll(self, work: Any, timeout: float | None) -> None:
         limit = self.collective_timeout if timeout is None else timeout
         start = time.monotonic()
-        deadline, next_check = start + limit, start + 0.1
+        deadline, next_check, next_give_up = start + limit, start + 0.1, start
         polls = 0
         while not work.is_completed():
             aborted = self._aborted
@@ -213,6 +259,12 @@ class Ranks:
                 raise CollectiveError(f"checkpoint collective abandoned: {aborted[1]}")
             polls += 1
             now = time.monotonic()
+            if now >= next_give_up:  # abandon_when()'s reason, every 10 ms
+                next_give_up = now + 0.01
+                why = _given_up()
+                if why:
+                    self.broken = f"abandoned: {why}"
+                    raise CollectiveError(f"checkpoint collective abandoned: {why}")
             if now >= next_check:  # the store, every 100 ms: at 1,000 ranks it is one server
                 next_check = now + 0.1
                 broken = self._key(self._seq, "broken")

@@ -28,6 +28,7 @@ TORCH_NAMES = frozenset({
     "abort_process_group",
     "backend_of",
     "generation_store",
+    "gloo_lazy_init",
     "join_process_group",
     "name_default_group_ranks",
     "nccl_groups",

@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -531,9 +532,14 @@ def join_process_group(
     backend: str,
     timeout: timedelta = timedelta(seconds=60),
     device_id: torch.device | None = None,
+    lazy: bool = False,
 ) -> Any:
     """Creates the default group of ``generation`` (a spare or restarted rank joining, or a
     survivor of a reinit). Blocks until all ``world_size`` ranks joined or ``timeout``.
+
+    ``lazy`` (gloo): no connection is made here; each pair of ranks connects at the first
+    collective between them (:func:`gloo_lazy_init`), so a peer lost meanwhile is met by a
+    collective that the caller can poll and abandon, not by this call.
 
     Returns:
         the new default ProcessGroup.
@@ -545,17 +551,50 @@ def join_process_group(
         prepare_nccl_env()
     _reset_group_names()
     forget_device_meshes()
-    dist.init_process_group(
-        backend,
-        store=generation_store(store, generation),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        **kwargs,
-    )
+    if lazy:  # the group's lazy connections wait on a store connection of their own
+        from resilient.detect import own_connection
+
+        store = own_connection(store)
+    with gloo_lazy_init(lazy):
+        dist.init_process_group(
+            backend,
+            store=generation_store(store, generation),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            **kwargs,
+        )
     if "nccl" in backend:
         name_default_group_ranks(dist.group.WORLD, world_size)
     return dist.group.WORLD
+
+
+_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # read by torch each time it creates a gloo device
+_LAZY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def gloo_lazy_init(lazy: bool = True) -> Iterator[None]:
+    """Within the block, the gloo groups this process creates connect lazily: the group's
+    creation returns without waiting for any peer, and each pair of ranks connects (looking up
+    its peer's address in the group's store, then TCP) at the first collective between them,
+    on the backend's worker thread. Gloo's eager full-mesh connection cannot be interrupted:
+    a peer lost after it checked in for the group left every other member blocked in the
+    group's creation until its timeout. Lazily, that wait is inside a collective, which the
+    caller polls (and abandons on a verdict; the group then goes to the graveyard)."""
+    if not lazy:
+        yield
+        return
+    with _LAZY_LOCK:
+        before = os.environ.get(_LAZY_ENV)
+        os.environ[_LAZY_ENV] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(_LAZY_ENV, None)
+            else:
+                os.environ[_LAZY_ENV] = before
 
 
 def name_default_group_ranks(group: Any, world_size: int) -> None:

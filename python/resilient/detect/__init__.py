@@ -100,6 +100,18 @@ def agree_run_id(store: StoreLike, job: str, rank: int, world_size: int,
     return run_id
 
 
+def own_connection(store: Any) -> Any:
+    """A client of the same store over a connection of its own (``Store.clone()``), else
+    ``store``. A TCPStore client runs one request at a time: a blocking ``get``/``wait`` of
+    another thread (a gloo group connecting lazily to a peer that never published its address)
+    would hold every other call on that connection until its timeout, the detector's
+    compare-and-set of a verdict included."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
+
+
 def local_address_towards(host: str, port: int) -> str:
     """The local address this machine uses to reach ``host`` (no packet is sent): where a
     detector should listen when its store sits on another host."""
@@ -216,6 +228,7 @@ class FailureDetector:
         """
         if self._agent is not None:
             raise RuntimeError("already started")
+        self._store = own_connection(self._store)
         if self.run_id is None:
             self.run_id = agree_run_id(self._store, self.job, self.rank, self.world_size,
                                        self._start_timeout)
@@ -390,4 +403,4 @@ class DetectorCollector:
 
 
 __all__ = ["DetectorCollector", "FailureDetector", "StoreLike", "agree_run_id",
-           "launcher_run_id"]
+           "launcher_run_id", "own_connection"]

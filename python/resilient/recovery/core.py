@@ -55,9 +55,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resilient import _follow_store_setting
 from resilient.checkpoint.broadcast import broadcast_state
+from resilient.checkpoint.ranks import abandon_when
 from resilient.comm.process_group import (
     abort_process_group,
     forget_device_meshes,
+    gloo_lazy_init,
     join_process_group,
     release_retired_groups,
     retire_groups,
@@ -728,6 +730,17 @@ class Recovery(StepLoop):
         """Members the detector watches (joiners are outside its fixed world)."""
         return {m for m in self.members if m < JOIN_BASE}
 
+    def _newer_verdict(self) -> str | None:
+        """Why the current group is already lost (a generation newer than it removed a member,
+        or this rank was evicted), else None: what ends a wait of the rebuild's."""
+        if self._evicted.is_set():
+            return "this rank was removed from the job"
+        if self._members_failed():
+            gen, live = self.detector.generation
+            gone = sorted(self._watched() - set(live))
+            return f"generation {gen} removed rank(s) {gone}"
+        return None
+
     def _members_failed(self) -> bool:
         gen, live = self.detector.generation
         return member_failed(gen, live, min_generation=self._min_generation,
@@ -858,7 +871,7 @@ class Recovery(StepLoop):
             group = join_process_group(
                 self.store, generation=1000 * gen, rank=new_rank, world_size=new_size,
                 backend=self.backend, timeout=timedelta(seconds=self.config.group_timeout_s),
-                device_id=self._device if self._device.type == "cuda" else None)
+                device_id=self._device if self._device.type == "cuda" else None, lazy=True)
         # The old DDP wrapper must go: its reducer's autograd hooks stay on the parameters while
         # it lives. Its reference to the failed group is harmless (the group stays retired).
         self.model = None
@@ -967,7 +980,18 @@ class Recovery(StepLoop):
         if self.manager is None:
             return
         t0 = time.monotonic()
-        lost = self.manager.regroup(lost_rank)
+        # gloo: the checkpointer's collectives go over the rebuilt group itself (no second
+        # group); NCCL: a gloo group over the same ranks, connected lazily. Either way its
+        # connections are made in the checkpointer's first (polled) collectives, and a newer
+        # verdict ends those waits (abandon_when).
+        if self.backend == "gloo":
+            group = self._group
+        else:
+            with gloo_lazy_init():
+                group = dist.new_group(backend="gloo",
+                                       timeout=timedelta(seconds=self.config.group_timeout_s))
+        with abandon_when(self._newer_verdict):
+            lost = self.manager.regroup(lost_rank, group=group)
         self.timeline.add("checkpointer_regrouped", abandoned=lost, world_size=self.world_size,
                           seconds=time.monotonic() - t0)
 

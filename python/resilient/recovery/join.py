@@ -252,7 +252,7 @@ def _regroup(rec: Any, group_gen: int, rank: int, members: list[int], *,
     group = join_process_group(
         rec.store, generation=group_gen, rank=rank, world_size=len(members),
         backend=rec.backend, timeout=timedelta(seconds=rec.config.group_timeout_s),
-        device_id=rec.device if rec.device.type == "cuda" else None)
+        device_id=rec.device if rec.device.type == "cuda" else None, lazy=True)
     rec.adopt_group(group, members, rank)
     rec.timeline.add("rebuilt", method="join", generation=rec.generation, rank=rank,
                      world_size=len(members), seconds=time.monotonic() - t0)
