@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "io/detail/uring_engine.hpp"
 #include "io_test_util.hpp"
@@ -227,6 +230,78 @@ TEST_P(EngineTest, TmpfsRoundTrip) {
   Status s = write_pattern(shm.file("x"), bytes, Feature::kAuto, buf);
   ASSERT_TRUE(s.ok()) << s.to_string();
   expect_file_equals(shm.file("x"), buf.get(), bytes, Feature::kAuto);
+}
+
+// ReadDone: each request's callback runs once, after all of its bytes are in (its buffer already
+// holds the file's content when the callback looks), on the calling thread.
+TEST_P(EngineTest, ReadDoneRunsOncePerRequestWithItsBytesIn) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 1 << 20;
+  ASSERT_TRUE(write_pattern(dir_.file("cb"), bytes, Feature::kOn, buf).ok());
+  auto f = File::open_read(dir_.file("cb"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(bytes);
+  // 7 requests of different sizes (several pieces of 64 KiB each, one empty), out of file order.
+  const uint64_t cuts[] = {0, 4096, 69632, 200704, 200704, 528384, 790528, bytes};
+  std::vector<IoRequest> reqs;
+  for (size_t i = 0; i + 1 < std::size(cuts); ++i)
+    reqs.push_back({got.get() + cuts[i], cuts[i + 1] - cuts[i], cuts[i]});
+  std::reverse(reqs.begin(), reqs.end());
+  std::vector<int> calls(reqs.size(), 0);
+  const auto caller = std::this_thread::get_id();
+  Status s = engine_->read(*f, reqs, kLong, [&](size_t i) {
+    EXPECT_EQ(std::this_thread::get_id(), caller);
+    ++calls.at(i);
+    const IoRequest& r = reqs[i];
+    EXPECT_EQ(std::memcmp(r.buf, buf.get() + r.offset, r.len), 0) << "request " << i;
+    return ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(calls, std::vector<int>(reqs.size(), 1));
+}
+
+// A callback's error stops the read: no further callback, the error returned, nothing left in
+// flight (the buffers may be freed at once).
+TEST_P(EngineTest, ReadDoneErrorStopsTheRead) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 2 << 20;
+  ASSERT_TRUE(write_pattern(dir_.file("cbe"), bytes, Feature::kOn, buf).ok());
+  auto f = File::open_read(dir_.file("cbe"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(bytes);
+  std::vector<IoRequest> reqs;
+  for (uint64_t off = 0; off < bytes; off += 64 << 10)
+    reqs.push_back({got.get() + off, 64 << 10, off});
+  int calls = 0;
+  Status s = engine_->read(*f, reqs, kLong, [&](size_t) {
+    ++calls;
+    return Status(StatusCode::kCorrupt, "checksum mismatch");
+  });
+  EXPECT_EQ(s.code(), StatusCode::kCorrupt) << s.to_string();
+  EXPECT_EQ(calls, 1);
+}
+
+// A failed transfer is the read's error; requests completed before it may have had their
+// callbacks, the failed one never.
+TEST_P(EngineTest, ReadDoneNotCalledForAFailedRequest) {
+  testing::AlignedBuffer buf;
+  ASSERT_TRUE(write_pattern(dir_.file("cbf"), 1 << 18, Feature::kOn, buf).ok());
+  std::atomic<int> reads{0};
+  ScopedFileHook hook(
+      [&](FileOp op, const std::string&) { return op == FileOp::kRead && ++reads > 2 ? EIO : 0; });
+  auto f = File::open_read(dir_.file("cbf"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  auto got = zero_buffer(1 << 18);
+  std::vector<IoRequest> reqs;
+  for (uint64_t off = 0; off < (1 << 18); off += 64 << 10)
+    reqs.push_back({got.get() + off, 64 << 10, off});
+  std::vector<size_t> called;
+  Status s = engine_->read(*f, reqs, kLong, [&](size_t i) {
+    called.push_back(i);
+    return ok_status();
+  });
+  EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+  EXPECT_LE(called.size(), 2u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, EngineTest, ::testing::Values("io_uring", "threads"),

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <optional>
 
 #include "resilient/common/thread_pool.hpp"
 #include "resilient/io/file_hooks.hpp"
@@ -10,6 +11,7 @@ namespace resilient::io::detail {
 
 // One write() or read() call. Workers claim pieces with an atomic index; the caller waits until
 // every piece is finished or skipped, so no worker touches a buffer after the call returns.
+// Completed requests are handed to the caller, which runs their ReadDone callbacks.
 struct ThreadEngine::Batch {
   Direction dir;
   const File* file;
@@ -18,8 +20,9 @@ struct ThreadEngine::Batch {
   std::atomic<bool> cancelled{false};
   std::mutex mu;
   std::condition_variable done_cv;
-  size_t finished = 0;  // guarded by mu
-  Status error;         // first error, guarded by mu
+  size_t finished = 0;                          // guarded by mu
+  Status error;                                 // first error, guarded by mu
+  std::optional<RequestCompletion> completion;  // guarded by mu
 };
 
 ThreadEngine::ThreadEngine(const IoOptions& options) : options_(options) {
@@ -43,21 +46,23 @@ ThreadEngine::~ThreadEngine() {
 
 Status ThreadEngine::write(const File& file, std::span<const IoRequest> requests,
                            Duration timeout) {
-  return run(Direction::kWrite, file, requests, timeout);
+  return run(Direction::kWrite, file, requests, timeout, ReadDone());
 }
 
-Status ThreadEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout) {
-  return run(Direction::kRead, file, requests, timeout);
+Status ThreadEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout,
+                          const ReadDone& done) {
+  return run(Direction::kRead, file, requests, timeout, done);
 }
 
 Status ThreadEngine::run(Direction dir, const File& file, std::span<const IoRequest> requests,
-                         Duration timeout) {
+                         Duration timeout, const ReadDone& done) {
   if (!file.is_open()) return Status(StatusCode::kInvalidArgument, "I/O on a closed file");
   auto batch = std::make_shared<Batch>();
   batch->dir = dir;
   batch->file = &file;
   RESILIENT_ASSIGN_OR_RETURN(batch->pieces, split_requests(file, requests, options_.request_bytes));
-  if (batch->pieces.empty()) return ok_status();
+  batch->completion.emplace(batch->pieces, requests.size());
+  if (batch->pieces.empty()) return batch->completion->run(done);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -68,27 +73,48 @@ Status ThreadEngine::run(Direction dir, const File& file, std::span<const IoRequ
 
   const size_t total = batch->pieces.size();
   bool timed_out = false;
+  Status callback_error;
   {
     std::unique_lock<std::mutex> lock(batch->mu);
-    if (!batch->done_cv.wait_until(lock, deadline, [&] { return batch->finished == total; })) {
-      timed_out = true;
-      batch->cancelled.store(true);
-      batch->done_cv.wait(lock, [&] { return batch->finished == total; });  // drain
+    // Completed requests get their callbacks here, outside the lock, while the workers go on.
+    auto wake = [&] {
+      return batch->finished == total ||
+             (done && callback_error.ok() && !batch->cancelled && batch->completion->pending());
+    };
+    while (!timed_out && batch->finished < total) {
+      if (!batch->done_cv.wait_until(lock, deadline, wake)) {
+        timed_out = true;
+        break;
+      }
+      if (done && batch->completion->pending() && callback_error.ok() && !batch->cancelled) {
+        const auto taken = batch->completion->take();
+        std::vector<size_t> ready(taken.begin(), taken.end());  // ready_ may grow meanwhile
+        lock.unlock();
+        for (size_t r : ready) {
+          callback_error = done(r);
+          if (!callback_error.ok()) break;
+        }
+        lock.lock();
+        if (!callback_error.ok()) batch->cancelled.store(true);
+      }
     }
+    if (timed_out) batch->cancelled.store(true);
+    batch->done_cv.wait(lock, [&] { return batch->finished == total; });  // drain
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     batch_.reset();
   }
-  std::lock_guard<std::mutex> lock(batch->mu);
+  // Every worker is done with the batch: no lock needed from here on.
   if (!batch->error.ok()) return batch->error;
+  if (!callback_error.ok()) return callback_error;
   if (timed_out) {
     return Status(StatusCode::kTimeout, std::string(direction_name(dir)) +
                                             " did not finish within " +
                                             std::to_string(to_seconds(timeout)) + " s")
         .with_path(file.path());
   }
-  return ok_status();
+  return batch->completion->run(done);  // the last completions
 }
 
 void ThreadEngine::worker_loop() {
@@ -132,7 +158,8 @@ void ThreadEngine::work_on(Batch& b) {
     }
     std::lock_guard<std::mutex> lock(b.mu);
     if (!error.ok() && b.error.ok()) b.error = std::move(error);
-    if (++b.finished == b.pieces.size()) b.done_cv.notify_all();
+    const bool request_done = error.ok() && p.done == p.len && b.completion->piece_done(p);
+    if (++b.finished == b.pieces.size() || request_done) b.done_cv.notify_all();
   }
 }
 

@@ -65,18 +65,20 @@ int UringEngine::fixed_index(const std::byte* p, uint64_t n) const {
 }
 
 Status UringEngine::write(const File& file, std::span<const IoRequest> requests, Duration timeout) {
-  return run(Direction::kWrite, file, requests, timeout);
+  return run(Direction::kWrite, file, requests, timeout, ReadDone());
 }
 
-Status UringEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout) {
-  return run(Direction::kRead, file, requests, timeout);
+Status UringEngine::read(const File& file, std::span<const IoRequest> requests, Duration timeout,
+                         const ReadDone& done) {
+  return run(Direction::kRead, file, requests, timeout, done);
 }
 
 Status UringEngine::run(Direction dir, const File& file, std::span<const IoRequest> requests,
-                        Duration timeout) {
+                        Duration timeout, const ReadDone& done) {
   if (!file.is_open()) return Status(StatusCode::kInvalidArgument, "I/O on a closed file");
   RESILIENT_ASSIGN_OR_RETURN(auto pieces, split_requests(file, requests, options_.request_bytes));
-  if (pieces.empty()) return ok_status();
+  RequestCompletion requests_done(pieces, requests.size());
+  if (pieces.empty()) return requests_done.run(done);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const int fd = file.fd();
   const FileOp op = dir == Direction::kWrite ? FileOp::kWrite : FileOp::kRead;
@@ -150,6 +152,9 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
     if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
       error = transfer_error(dir, file, -rc, pieces.front().offset).prepend("io_uring_submit");
     }
+    // The requests completed so far get their callbacks now, with the queue refilled: the device
+    // keeps reading while the caller checks and copies.
+    if (error.ok() && !timed_out) error = requests_done.run(done);
     // Wait for one completion; after an error or timeout, drain without a deadline.
     io_uring_cqe* cqe = nullptr;
     int wrc;
@@ -180,6 +185,7 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
       Next next = apply_result(dir, file, pieces[i], cqe->res, piece_error);
       if (next == Next::kDone) {
         ++completed;
+        requests_done.piece_done(pieces[i]);
       } else if (next == Next::kResubmit) {
         if (error.ok() && !timed_out) ready.push_back(i);
       } else if (error.ok()) {
@@ -195,7 +201,7 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
                                             std::to_string(to_seconds(timeout)) + " s")
         .with_path(file.path());
   }
-  return ok_status();
+  return requests_done.run(done);  // the last completions
 }
 
 }  // namespace resilient::io::detail

@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -37,6 +38,12 @@ struct IoRequest {
   uint64_t offset;
 };
 
+/// Called on the reading thread once every byte of `requests[index]` is in its buffer, while the
+/// engine keeps the call's later requests in flight (so the caller checks or copies one request's
+/// bytes while the next ones are read). A non-OK status stops the call as a failed transfer does:
+/// what is in flight is drained, no further callback runs, and read() returns that status.
+using ReadDone = std::function<Status(size_t index)>;
+
 /// A batch I/O engine. One instance is used by one thread at a time; create one per thread.
 class IoEngine {
  public:
@@ -57,7 +64,14 @@ class IoEngine {
 
   /// Reads every request completely, with the same rules. Reading past end of file is kCorrupt
   /// ("truncated"), naming the file and offset.
-  virtual Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) = 0;
+  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) {
+    return read(file, requests, timeout, ReadDone());
+  }
+  /// As above, calling `done(i)` (when given) as soon as request i is complete, in completion
+  /// order; requests of length 0 complete first. Once read() returns OK, `done` ran for every
+  /// request.
+  virtual Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
+                      const ReadDone& done) = 0;
 
   /// Registers long-lived buffers (e.g. the host pool's slabs) as io_uring fixed buffers, which
   /// saves per-request page pinning. Optional: the thread engine ignores it. Requests whose

@@ -21,12 +21,14 @@ class ThreadEngine final : public IoEngine {
 
   const char* name() const override { return "threads"; }
   Status write(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
-  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
+  using IoEngine::read;
+  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
+              const ReadDone& done) override;
 
  private:
   struct Batch;
-  Status run(Direction dir, const File& file, std::span<const IoRequest> requests,
-             Duration timeout);
+  Status run(Direction dir, const File& file, std::span<const IoRequest> requests, Duration timeout,
+             const ReadDone& done);
   void worker_loop();
   void work_on(Batch& batch);
 

@@ -32,12 +32,40 @@ Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRe
           .with_offset(r.offset);
     }
     auto* base = static_cast<std::byte*>(r.buf);
+    const auto index = static_cast<size_t>(&r - requests.data());
     for (uint64_t off = 0; off < r.len; off += request_bytes) {
       uint64_t n = std::min(request_bytes, r.len - off);
-      pieces.push_back(Piece{base + off, n, r.offset + off});
+      pieces.push_back(Piece{base + off, n, r.offset + off, index});
     }
   }
   return pieces;
+}
+
+RequestCompletion::RequestCompletion(std::span<const Piece> pieces, size_t requests)
+    : left_(requests, 0) {
+  for (const Piece& p : pieces) ++left_[p.request];
+  for (size_t r = 0; r < requests; ++r) {
+    if (left_[r] == 0) ready_.push_back(r);  // nothing to transfer: complete from the start
+  }
+}
+
+bool RequestCompletion::piece_done(const Piece& p) {
+  if (--left_[p.request] != 0) return false;
+  ready_.push_back(p.request);
+  return true;
+}
+
+std::span<const size_t> RequestCompletion::take() {
+  std::span<const size_t> out(ready_.data() + next_, ready_.size() - next_);
+  next_ = ready_.size();
+  return out;
+}
+
+Status RequestCompletion::run(const ReadDone& done) {
+  for (size_t r : take()) {
+    if (done) RESILIENT_RETURN_IF_ERROR(done(r));
+  }
+  return ok_status();
 }
 
 Status transfer_error(Direction dir, const File& file, int err, uint64_t offset) {

@@ -19,6 +19,7 @@ struct Piece {
   std::byte* buf;
   uint64_t len;
   uint64_t offset;
+  size_t request = 0;     // index of the request it belongs to
   uint64_t done = 0;      // bytes transferred so far
   int zero_progress = 0;  // consecutive transfers that moved no bytes (writes)
 };
@@ -26,6 +27,26 @@ struct Piece {
 /// Splits requests into pieces; kInvalidArgument for misaligned requests on direct files.
 Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRequest> requests,
                                           uint64_t request_bytes);
+
+/// Tracks which requests of a read are complete, for IoEngine::ReadDone: each request counts
+/// its pieces down; a request whose last piece is done becomes ready for its callback.
+class RequestCompletion {
+ public:
+  RequestCompletion(std::span<const Piece> pieces, size_t requests);
+  /// Piece `p` is done; true when that completed its request (now in ready()).
+  bool piece_done(const Piece& p);
+  /// The requests completed since the last take() (in completion order).
+  std::span<const size_t> take();
+  bool pending() const { return next_ < ready_.size(); }
+  /// Runs `done` (when given) for every request take() returns; the first non-OK status stops
+  /// it and is returned.
+  Status run(const ReadDone& done);
+
+ private:
+  std::vector<size_t> left_;   // pieces not yet done, per request
+  std::vector<size_t> ready_;  // completed requests in completion order
+  size_t next_ = 0;            // ready_[next_...] have not been taken yet
+};
 
 /// What to do after a transfer of a piece returned `res` (bytes, or -errno).
 enum class Next { kDone, kResubmit, kFail };

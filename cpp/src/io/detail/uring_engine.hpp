@@ -27,7 +27,9 @@ class UringEngine final : public IoEngine {
 
   const char* name() const override { return "io_uring"; }
   Status write(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
-  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout) override;
+  using IoEngine::read;
+  Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
+              const ReadDone& done) override;
   Status register_buffers(std::span<const iovec> buffers) override;
 
   /// Number of submissions that used a fixed buffer (for tests).
@@ -35,8 +37,8 @@ class UringEngine final : public IoEngine {
 
  private:
   explicit UringEngine(const IoOptions& options) : options_(options) {}
-  Status run(Direction dir, const File& file, std::span<const IoRequest> requests,
-             Duration timeout);
+  Status run(Direction dir, const File& file, std::span<const IoRequest> requests, Duration timeout,
+             const ReadDone& done);
   /// Index of the registered buffer that contains [p, p + n), or -1.
   int fixed_index(const std::byte* p, uint64_t n) const;
 
