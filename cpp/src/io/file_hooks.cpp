@@ -1,6 +1,7 @@
 #include "resilient/io/file_hooks.hpp"
 
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -202,6 +203,17 @@ ssize_t pread(int fd, void* buf, size_t n, off_t off) {
   }
   if (e < 0 && static_cast<size_t>(-e) < n) n = static_cast<size_t>(-e);
   return ::pread(fd, buf, n, off);
+}
+
+ssize_t pread_nowait(int fd, void* buf, size_t n, off_t off) {
+  int e = file_hook(FileOp::kRead, fd);
+  if (e > 0) {
+    errno = e;
+    return -1;
+  }
+  if (e < 0 && static_cast<size_t>(-e) < n) n = static_cast<size_t>(-e);
+  iovec iov{buf, n};
+  return ::preadv2(fd, &iov, 1, off, RWF_NOWAIT);
 }
 
 int fsync(int fd) {

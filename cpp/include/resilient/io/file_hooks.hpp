@@ -60,6 +60,8 @@ int mkdirat(int dirfd, const char* name, const std::string& path, mode_t mode = 
 int close(int fd);
 ssize_t pwrite(int fd, const void* buf, size_t n, off_t off);
 ssize_t pread(int fd, void* buf, size_t n, off_t off);
+/// preadv2(2) of one buffer with RWF_NOWAIT (from the page cache only); hooked as kRead.
+ssize_t pread_nowait(int fd, void* buf, size_t n, off_t off);
 int fsync(int fd);
 int rename(const char* from, const char* to);
 int unlink(const char* path);
