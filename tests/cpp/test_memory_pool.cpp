@@ -3,11 +3,14 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "memory/detail/cuda_table.hpp"
 #include "resilient/memory/cuda.hpp"
@@ -162,6 +165,33 @@ TEST(HostPool, ReserveAndTrim) {
   EXPECT_EQ(pool.allocated_bytes(), 4096u);
   EXPECT_GT(pool.epoch(), e1);
   EXPECT_EQ(pool.slabs().front().first, held->data());
+}
+
+// Pages of [p, p + n) in memory (mincore).
+size_t resident_pages(const std::byte* p, uint64_t n) {
+  std::vector<unsigned char> in(n / 4096);
+  EXPECT_EQ(::mincore(const_cast<std::byte*>(p), n, in.data()), 0);
+  return static_cast<size_t>(std::count_if(in.begin(), in.end(), [](auto v) { return v & 1; }));
+}
+
+// acquire() leaves a new slab's pages to its first writes (the threads that fill it fault them
+// in parallel); reserve() faults them in ahead (a warm-up). 64 MiB slabs come from mmap, so their
+// pages are new.
+TEST(HostPool, AcquiredSlabsFaultAtFirstUseReservedOnesAhead) {
+  const uint64_t slab = 64ull << 20;
+  HostPool lazy(opts(slab, 2 * slab));
+  auto s = lazy.acquire(milliseconds(100));
+  ASSERT_TRUE(s.ok());
+  EXPECT_LT(resident_pages(s->data(), slab), slab / 4096 / 2);
+  std::memset(s->data(), 1, slab);  // usable as it is
+  EXPECT_EQ(resident_pages(s->data(), slab), slab / 4096);
+
+  HostPool warm(opts(slab, 2 * slab));
+  ASSERT_TRUE(warm.reserve(slab).ok());
+  auto r = warm.acquire(milliseconds(100));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(warm.allocated_bytes(), slab);  // the reserved slab, not a new one
+  EXPECT_EQ(resident_pages(r->data(), slab), slab / 4096);
 }
 
 // --- pinning through a fake CUDA runtime --------------------------------------------------

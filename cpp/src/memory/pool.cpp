@@ -9,6 +9,7 @@
 
 #include "resilient/common/logging.hpp"
 #include "resilient/memory/cuda.hpp"
+#include "resilient/memory/populate.hpp"
 
 namespace resilient::memory {
 namespace {
@@ -101,7 +102,7 @@ HostPool::~HostPool() {
   for (std::byte* p : all_) free_slab(p);
 }
 
-Result<std::byte*> HostPool::allocate_slab() {
+Result<std::byte*> HostPool::allocate_slab(bool populate) {
   if (pin_ == Feature::kOn && cuda_ == nullptr) {
     return Status(StatusCode::kUnavailable,
                   std::string("RESILIENT_PIN_MEMORY=on but CUDA is unusable: ") +
@@ -117,10 +118,14 @@ Result<std::byte*> HostPool::allocate_slab() {
         .with_errno(rc);
   }
   ::madvise(p, slab_bytes_, MADV_HUGEPAGE);  // fewer TLB misses in the snapshot memcpy
-  // Fault the pages in now, so the first checkpoint's copy does not pay for it.
   auto* bytes = static_cast<std::byte*>(p);
-  for (uint64_t off = 0; off < slab_bytes_; off += kAlign) bytes[off] = std::byte{0};
-  if (cuda_ != nullptr) {
+  // A slab acquired for a copy gets its pages from that copy's first writes, on the threads
+  // that copy (a save's copy threads fault their slabs in parallel; faulting them here would
+  // serialise the first save's page faults on the caller's thread). reserve() warms them ahead.
+  if (populate && cuda_ == nullptr && memory::populate_write(p, slab_bytes_) != 0) {
+    for (uint64_t off = 0; off < slab_bytes_; off += kAlign) bytes[off] = std::byte{0};
+  }
+  if (cuda_ != nullptr) {  // pinning faults every page in
     Status st = cuda_->host_register(p, slab_bytes_);
     if (!st.ok()) {
       std::free(p);
@@ -155,7 +160,7 @@ Result<Slab> HostPool::acquire(Duration timeout) {
     if ((all_.size() + pending_ + 1) * slab_bytes_ <= budget_bytes_) {
       ++pending_;
       lock.unlock();
-      Result<std::byte*> p = allocate_slab();  // may be slow (pinning): outside the lock
+      Result<std::byte*> p = allocate_slab(false);  // may be slow (pinning): outside the lock
       lock.lock();
       --pending_;
       if (!p.ok()) {
@@ -182,7 +187,7 @@ Status HostPool::reserve(uint64_t bytes) {
          (all_.size() + pending_ + 1) * slab_bytes_ <= budget_bytes_) {
     ++pending_;
     lock.unlock();
-    Result<std::byte*> p = allocate_slab();
+    Result<std::byte*> p = allocate_slab(true);
     lock.lock();
     --pending_;
     if (!p.ok()) return p.status();

@@ -1,8 +1,9 @@
 #pragma once
 // A pool of fixed-size host slabs, 4 KiB aligned for O_DIRECT, reused across checkpoints. Slabs
 // are pinned (cudaHostRegister) when CUDA is usable (pinning costs ~0.65 s per GiB, so the pool
-// never frees them between saves), plain aligned memory otherwise. The total is bounded by a
-// budget; acquire() waits for a release when the budget is reached.
+// never frees them between saves), plain aligned memory otherwise, whose pages the first copy
+// into them faults in (in parallel on the copy threads) unless reserve() warmed them. The total is
+// bounded by a budget; acquire() waits for a release when the budget is reached.
 
 #include <condition_variable>
 #include <cstdint>
@@ -79,9 +80,11 @@ class HostPool {
 
   /// A free slab, allocating a new one while under budget, else waiting up to `timeout` for a
   /// release (kTimeout). kResourceExhausted if the budget is smaller than one slab; kIoError-like
-  /// statuses if allocation itself fails.
+  /// statuses if allocation itself fails. A newly allocated unpinned slab's pages are faulted in
+  /// by its first writes (by the threads that fill it), not here.
   Result<Slab> acquire(Duration timeout);
-  /// Pre-allocates slabs until `bytes` are held (bounded by the budget).
+  /// Pre-allocates slabs until `bytes` are held (bounded by the budget), their pages faulted in:
+  /// a warm-up ahead of the first save.
   Status reserve(uint64_t bytes);
   /// Frees the slabs not on loan.
   void trim();
@@ -101,7 +104,8 @@ class HostPool {
  private:
   friend class Slab;
   void give_back(std::byte* data);
-  Result<std::byte*> allocate_slab();
+  /// `populate`: fault every page in now (reserve()), else at first use (acquire()).
+  Result<std::byte*> allocate_slab(bool populate);
   void free_slab(std::byte* data);
 
   uint64_t slab_bytes_;
