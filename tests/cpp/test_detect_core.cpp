@@ -30,6 +30,8 @@ class Cluster {
   void crash(int r) { crashed_.insert(r); }
   /// Alive but silent (SIGSTOP, frozen host): no replies, no refusals.
   void stop(int r) { stopped_.insert(r); }
+  /// SIGCONT: a stopped rank runs again (its next tick comes after the whole gap).
+  void resume(int r) { stopped_.erase(r); }
   /// Drops everything to and from r.
   void isolate(int r) { isolated_.insert(r); }
   /// Drops every datagram to and from r; its store calls still go through (a partition
@@ -255,6 +257,25 @@ TEST(DetectCore, ACutOffRankOfThreeIsEvictedNotItsPeers) {
     EXPECT_EQ(c.core(r).generation()->live, (std::vector<int32_t>{1, 2})) << r;
   }
   EXPECT_EQ(c.core(0).generation()->live, (std::vector<int32_t>{1, 2}));
+}
+
+// A rank stopped long enough to be removed learns it at once when it runs again: its first tick
+// after the gap reads the generations decided meanwhile from the store, even when nobody is left
+// to tell it (here the others are silent too, as after the job finished).
+TEST(DetectCore, AStoppedRankLearnsOfItsRemovalAsSoonAsItRunsAgain) {
+  Cluster c(3);
+  c.run_until([] { return false; }, std::chrono::seconds(2));
+  c.stop(1);
+  ASSERT_GE(c.run_until([&] { return c.all_agree(1, {1}); }, std::chrono::seconds(5)), 0);
+  c.stop(0);
+  c.stop(2);
+  c.run_until([] { return false; }, std::chrono::seconds(3));
+  c.resume(1);
+  double t = c.run_until([&] { return c.core(1).evicted(); }, std::chrono::seconds(5));
+  ASSERT_GE(t, 0);
+  EXPECT_LE(t, 0.05);
+  EXPECT_EQ(c.core(1).generation()->number, 1u);
+  EXPECT_EQ(c.core(1).counters().proposals, 0u);  // it removed nobody on its way out
 }
 
 TEST(DetectCore, IsolatedRankIsRemovedNotItsPeers) {

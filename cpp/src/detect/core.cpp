@@ -307,6 +307,11 @@ void DetectorCore::request_read(uint64_t number, TimePoint now) {
 }
 
 void DetectorCore::on_store_error(const StoreRequest& req, TimePoint now) {
+  if (req.kind == StoreRequest::Kind::kRead && catching_up_) {
+    catching_up_ = false;  // no newer generation (or no store): caught up as far as it goes
+    reading_ = 0;
+    return;
+  }
   ++counters_.store_errors;
   if (req.kind == StoreRequest::Kind::kPropose && proposing_ == req.number) {
     proposing_ = 0;
@@ -319,6 +324,7 @@ void DetectorCore::on_generation(GenerationPtr g, TimePoint now) {
   if (proposing_ != 0 && g && g->number >= proposing_) proposing_ = 0;
   if (!g || g->number <= gen_->number) return;
   adopt(std::move(g), now);
+  if (catching_up_ && !evicted_) request_read(gen_->number + 1, now);  // the next one too
   maybe_propose(now);
 }
 
@@ -367,6 +373,14 @@ void DetectorCore::adopt(GenerationPtr g, TimePoint now) {
 
 void DetectorCore::tick(TimePoint now) {
   if (evicted_) return;
+  // Ticks come every few milliseconds: a gap of max_silence means this process did not run
+  // (SIGSTOP, a frozen VM). The others may have decided generations meanwhile, this rank's
+  // eviction among them, and with the job gone nobody might tell it: it reads them itself.
+  if (last_tick_ != TimePoint{} && now - last_tick_ >= opt_.max_silence) {
+    catching_up_ = true;
+    request_read(gen_->number + 1, now);
+  }
+  last_tick_ = now;
   if (now >= next_ping_) {
     for (int32_t r : watched_) ping(r, now);
     next_ping_ += opt_.heartbeat_interval;

@@ -129,7 +129,9 @@ class DetectorCore {
   /// This rank's own watchdog saw a hang: propose removing self with reason kHang, and announce
   /// it to this rank's watchers (a self-announcement confirms at once).
   void report_self(Verdict v, TimePoint now);
-  /// Sends due pings, re-evaluates suspicion, proposes confirmed failures.
+  /// Sends due pings, re-evaluates suspicion, proposes confirmed failures. A tick that comes
+  /// max_silence after the previous one (the process was stopped) first reads the generations
+  /// decided meanwhile from the store, so a rank the others removed learns it at once.
   void tick(TimePoint now);
   /// The step counter value carried on acks (for observers).
   void set_step(uint64_t step) { step_ = step; }
@@ -183,7 +185,9 @@ class DetectorCore {
   uint64_t seq_ = 0;
   uint64_t step_ = 0;
   TimePoint next_ping_;
-  uint64_t proposing_ = 0;  // generation number in flight (0: none)
+  TimePoint last_tick_{};     // the previous tick (a gap of max_silence: this process stood)
+  bool catching_up_ = false;  // reading the generations decided while it stood, in turn
+  uint64_t proposing_ = 0;    // generation number in flight (0: none)
   TimePoint store_retry_at_{};
   uint64_t reading_ = 0;
   TimePoint read_retry_at_{};
