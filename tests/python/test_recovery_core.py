@@ -99,13 +99,35 @@ def test_poll_times_out() -> None:
         rec._wait_work(FakeWork(None))
 
 
-def test_eviction_stops_the_rank() -> None:
+def test_eviction_stops_the_rank(caplog: pytest.LogCaptureFixture) -> None:
+    """The detector's eviction callback says why and leaves at once with EXIT_EVICTED (76),
+    whatever the training thread is doing; the training thread's own paths stop too."""
+    from resilient.recovery import EXIT_EVICTED
+
     rec = make()
-    rec._on_evicted(3)
+    left: list[int] = []
+    rec.leave = left.append  # os._exit in a real rank
+    with caplog.at_level("ERROR", logger="resilient.recovery"):
+        rec._on_evicted(3)
+    assert left == [EXIT_EVICTED] and EXIT_EVICTED == 76
+    said = caplog.records[-1].getMessage()
+    assert said.startswith("[rank0]: resilient: this rank was removed from the job") and (
+        "generation 3" in said and "exiting with 76" in said), said
     with pytest.raises(PeerFailure, match="evicted"):
         rec._wait_work(FakeWork(None))
     with pytest.raises(RecoveryStopped, match="removed from the job"):
         rec._recover(rec._failure_cause(RuntimeError("x")), RuntimeError("x"))
+    assert left == [EXIT_EVICTED]  # once
+
+
+def test_the_exit_codes_are_distinct() -> None:
+    from resilient.recovery import EXIT_EVICTED, STRAGGLER_EXIT_CODE
+    from resilient.recovery.agent import EXIT_WORKER_KILLED
+    from resilient.recovery.device import EXIT_DEVICE_LOST
+
+    assert STRAGGLER_EXIT_CODE == EXIT_EVICTED  # a straggler removes itself: a removal
+    codes = [EXIT_EVICTED, EXIT_DEVICE_LOST, RecoveryStopped.exit_code, EXIT_WORKER_KILLED, 1]
+    assert len(set(codes)) == len(codes), codes
 
 
 def test_unrelated_errors_are_not_failures() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.policy import (
+    EXIT_EVICTED,
     STRAGGLER_EXIT_CODE,
     BatchPlan,
     Decision,
@@ -41,6 +42,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EXIT_EVICTED",
     "FAULT_POINTS",
     "STRAGGLER_EXIT_CODE",
     "exclude_persistent_straggler",

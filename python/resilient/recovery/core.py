@@ -94,7 +94,7 @@ from resilient.recovery.join import (
 )
 from resilient.recovery.loop import StepLoop
 from resilient.recovery.lr import scale_learning_rates
-from resilient.recovery.policy import BatchPlan, Decision, MicroBatch, decide
+from resilient.recovery.policy import EXIT_EVICTED, BatchPlan, Decision, MicroBatch, decide
 from resilient.recovery.samplers import Samplers
 from resilient.recovery.timeline import Timeline
 
@@ -206,6 +206,9 @@ class Recovery(StepLoop):
         if build is not None:
             sharded.check(self)
         self.timeline = Timeline(rank)
+        #: how a rank the others removed leaves (tests replace it): os._exit, no teardown
+        self.leave: Callable[[int], None] = device_state.leave
+        self._leaving = threading.Lock()
         self.fault_hooks: dict[str, list[Callable[[Recovery], None]]] = {
             p: [] for p in FAULT_POINTS}
         self.step = 0  #: completed steps (the next step to run)
@@ -471,6 +474,7 @@ class Recovery(StepLoop):
         if self._awaiting_first:  # the timeline: from here to first_collective is the step's
             self.timeline.add("first_step_began", step=self.step)  # forward and backward
         if self._evicted.is_set():
+            self._leave_evicted()
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
         if self._verdict.is_set() and self._members_failed():
             if check_verdict:
@@ -725,6 +729,27 @@ class Recovery(StepLoop):
     def _on_evicted(self, generation: int) -> None:
         self.timeline.add("evicted", generation=generation)
         self._evicted.set()
+        self._leave_evicted(generation)
+
+    def _leave_evicted(self, generation: int | None = None) -> None:
+        """This rank was removed from the job by the other ranks (the detector's generation
+        `generation` no longer holds it; a woken frozen rank learns it as it runs again): it
+        has no part in the job any more and the others gave its saves up. It says so and leaves
+        at once (from whichever thread learned it first) with EXIT_EVICTED (76), without
+        Python's teardown: a checkpointer's exit handler would wait up to a minute for saves
+        that can never commit; ``resilient run`` counts the exit as a removal, neither a
+        failure nor a finish. Returns only where a test replaced ``leave``."""
+        if not self._leaving.acquire(blocking=False):
+            return
+        gen = generation if generation is not None else self.detector.generation[0]
+        message = (f"[rank{self.initial_rank}]: resilient: this rank was removed from the job "
+                   f"by the other ranks at step {self.step} (detector generation {gen}): it "
+                   "did not answer their heartbeats in time (frozen, stopped or cut off) or "
+                   "its training stalled past its hang limit. The job goes on without it; "
+                   f"exiting with {EXIT_EVICTED} (resilient.recovery.EXIT_EVICTED)")
+        self.timeline.add("stopped", reason="evicted", step=self.step, generation=gen)
+        log.error("%s", message)
+        self.leave(EXIT_EVICTED)
 
     def _watched(self) -> set[int]:
         """Members the detector watches (joiners are outside its fixed world)."""
@@ -759,6 +784,7 @@ class Recovery(StepLoop):
         self.timeline.add("failure_observed", cause=cause, step=self.step,
                           error=str(exc).splitlines()[0][:200] if str(exc) else "")
         if cause == "evicted":
+            self._leave_evicted()
             raise RecoveryStopped(self._stop("this rank was removed from the job"))
         self.recoveries += 1
         if self.recoveries > self.config.max_recoveries:
@@ -767,6 +793,7 @@ class Recovery(StepLoop):
             gen, live = self._agree()
             survivors = [m for m in self.members if m in live or m >= JOIN_BASE]
             if self.initial_rank not in survivors:
+                self._leave_evicted(gen)
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
             decision = self._decide(len(survivors))
             if decision.stop:
@@ -813,6 +840,7 @@ class Recovery(StepLoop):
                                   members=a.live)
                 return a.generation, a.live
             if a.action == "evicted":
+                self._leave_evicted(gen)
                 raise RecoveryStopped(self._stop("this rank was removed from the job"))
             if a.action == "timeout":
                 self._stop_if_store_gone()

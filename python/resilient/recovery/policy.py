@@ -187,12 +187,20 @@ def decide(
     )
 
 
-__all__ = ["POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide", "plan_batch",
-           "plan_whole_batches"]
+__all__ = ["EXIT_EVICTED", "POLICIES", "BatchPlan", "Decision", "MicroBatch", "decide",
+           "plan_batch", "plan_whole_batches"]
 
 
-# Exit status of a rank that removed itself as a persistent straggler.
-STRAGGLER_EXIT_CODE = 75
+#: The exit status of a rank that the other ranks removed from the job (its failure detector
+#: learned it was evicted: it had been frozen, stopped, cut off or stalled past its hang limit)
+#: or that removed itself as a persistent straggler. The job goes on without it: ``resilient
+#: run`` counts it as neither a failure nor a finish. Distinct from EXIT_DEVICE_LOST (75:
+#: restart me in a fresh process) and RecoveryStopped's 3 (the job cannot go on).
+EXIT_EVICTED = 76
+
+#: The exit status of a rank that removed itself as a persistent straggler (a removal, as above;
+#: it was 75, which ``resilient run`` takes for a lost device and restarts).
+STRAGGLER_EXIT_CODE = EXIT_EVICTED
 
 
 def exclude_persistent_straggler(
