@@ -39,6 +39,10 @@ parsing, rendezvous, rank assignment, store hosting, worker env, logs, signals, 
   resilient.recovery.device) is restarted alone, on the same join path, paid from
   ``--max-restarts`` when no ``--replacements`` are left (torchrun would restart every worker
   for it).
+* A worker that exits with 76 (``EXIT_EVICTED``, resilient.recovery.policy: the other ranks
+  removed it, e.g. a frozen rank woken after the survivors went on) is a removal, not a
+  failure: the job goes on (a spare or replacement may take its place), and after the others
+  finished it fails nothing.
 * A worker tells the agent about itself through a file in the launch's directory
   (``RESILIENT_RUN_STATE``, resilient.recovery.environment.tell_launcher). Survivors are kept
   only when some worker of the node started a Recovery (``recovers``): when a worker is lost
@@ -111,6 +115,7 @@ from resilient.recovery.environment import (
     STORE_LEASE_ENV,
     read_launcher_record,
 )
+from resilient.recovery.policy import EXIT_EVICTED
 
 log = logging.getLogger("resilient.recovery")
 
@@ -177,7 +182,8 @@ def judge(exits: list[Exit], running: int, *, now: float = 0.0,
     """
     finished = [i for i, e in enumerate(exits) if e.code == 0]
     if finished:
-        late = [e for e in exits[finished[0]:] if e.code != 0 and not e.reaped]
+        late = [e for e in exits[finished[0]:]
+                if e.code not in (0, EXIT_EVICTED) and not e.reaped]  # a removal fails nothing
         if late:
             return Verdict("failed", f"local rank {late[0].local_rank} exited with "
                                      f"{late[0].code} after another worker finished")
@@ -351,9 +357,11 @@ class ResilientAgent(LocalElasticAgent):
                         self._stop_spares()
                         return RunResult(state=WorkerState.FAILED, failures={
                             worker.global_rank: failure})
-                    log.warning("resilient run: rank %d (pid %d) exited with %d; %d local "
-                                "workers keep running (in-process recovery)",
-                                worker.global_rank, handler.proc.pid, code, others)
+                    log.warning("resilient run: rank %d (pid %d) %s; %d local workers keep "
+                                "running (in-process recovery)", worker.global_rank,
+                                handler.proc.pid, "was removed from the job by the other ranks "
+                                f"(exit {code})" if code == EXIT_EVICTED else
+                                f"exited with {code}", others)
                     spare = self._live_spare()  # (another node's survivors may admit it)
                     if spare is not None:
                         handlers[local_rank] = spare
