@@ -660,7 +660,8 @@ class Checkpointer:
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
                 self._lock.acquire()  # one writer per root
-                self._start_drainer()
+            if self.rank == 0:
+                self._start_drainer()  # once: the copies to the tiers
             prints = (_fingerprints(enc.tensors, alone)
                       if self.check_replicas and self.world_size > 1
                       else None)
