@@ -9,7 +9,10 @@ on 3 CPU ranks. Faults come from outside, as an operator's or a host's would:
   thread (its destructor joins a gloo worker that waits for the frozen peer);
 - a second rank killed while the survivors recover from the first (at their agreement, or once
   the group is rebuilt), and two of three ranks killed at once: the last survivor goes on alone
-  (``min_world`` 1).
+  (``min_world`` 1);
+- a frozen rank woken after the others removed it (issue 44, item 6): it learns it at once,
+  says so and exits with EXIT_EVICTED (76), which the launcher counts as a removal; and what a
+  recovery prints (item 5): one line on rank 0, in torch's log format, in the launcher's output.
 
 Each test waits on files and events, never on fixed sleeps; its deadlines are multiples of the
 time the job took to start on this machine (a loaded machine gets longer ones). Every process
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +128,12 @@ class Job:
         return ends[-1]["t"] - t_fault
 
 
+def summary_lines(log: str) -> list[str]:
+    """The recoveries' one-line summaries in the launcher's output (torch's log format)."""
+    return re.findall(r"^W\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ resilient/recovery/\S+:\d+\] "
+                      r"\[rank\d+\]: resilient: .*$", log, re.MULTILINE)
+
+
 def committed_steps(root: Path) -> dict[int, int]:
     """step -> world size of the committed checkpoints."""
     from resilient.checkpoint.catalog import list_root
@@ -140,7 +150,7 @@ def test_a_rank_frozen_while_saves_are_in_flight_leaves_the_others_training(
     would join a worker blocked on the frozen peer until their hang watchdog evicted them, 30 s
     later, and the launcher never exited), finish the 40 steps on 2 ranks and commit step 40;
     the launcher reaps the frozen process after the finish grace and exits 0."""
-    job = Job(tmp_path)
+    job = Job(tmp_path, env={"RESILIENT_LOG_LEVEL": "info"})  # each rank's phases too
     try:
         job.wait_for_step(1, 6)
         t_fault = job.kill(1, signal.SIGSTOP)
@@ -152,6 +162,14 @@ def test_a_rank_frozen_while_saves_are_in_flight_leaves_the_others_training(
     assert log.count(f"done at step {STEPS}, world 2") == 2, log
     assert " hang in " not in log, log  # no hang watchdog fired
     assert committed_steps(tmp_path / "ckpt")[STEPS] == 2
+    lines = summary_lines(log)
+    assert len(lines) == 1 and "[rank0]: resilient: lost rank 1 (it stopped answering: frozen, " \
+        "stopped or cut off) at step" in lines[0] and ": world 3 -> 2" in lines[0], log
+    for r in (0, 2):  # RESILIENT_LOG_LEVEL=info: every survivor's own phases
+        for what in ("the detector removed rank 1", "agreed on generation 1", "group rebuilt",
+                     "world -> 2: one DataLoader batch", "first collective on the new group"):
+            assert re.search(rf"^I\d{{4}} .*\] \[rank{r}\]: resilient recovery: .*{what}", log,
+                             re.MULTILINE), (r, what, log)
     print(f"\n[overlap] frozen rank 1: the survivors' first step after it "
           f"{job.resumed_after(0, t_fault):.2f} s after the SIGSTOP")
 
@@ -178,6 +196,9 @@ def test_a_second_rank_lost_during_the_recovery_is_recovered_from(tmp_path: Path
     assert code == 0, log
     assert f"done at step {STEPS}, world 1" in log, log
     assert " hang in " not in log, log  # no hang watchdog fired
+    lines = summary_lines(log)  # the recovery interrupted by the second loss and redone: one
+    assert len(lines) == 1 and "lost ranks 1, 2 (its process is gone)" in lines[0], log
+    assert "world 3 -> 1" in lines[0], lines
     print(f"\n[overlap] rank 2 killed after its {phase}: rank 0's first step alone "
           f"{resumed:.2f} s after")
     # the second verdict (<= 3 s) and a rebuild: no group's timeout (60 s) waited out
@@ -206,3 +227,54 @@ def test_two_of_three_ranks_lost_at_once(tmp_path: Path, sig: int) -> None:
     print(f"\n[overlap] ranks 1 and 2 {signal.Signals(sig).name}: rank 0's first step alone "
           f"{resumed:.2f} s after")
     assert resumed < 15 + job.startup_s, resumed
+
+
+def test_judge_counts_an_evicted_rank_as_removed_not_failed() -> None:
+    """The launcher's judgement (pure): a rank that exits with EXIT_EVICTED after the others
+    finished fails nothing, unlike any other non-zero exit."""
+    from resilient.recovery import EXIT_EVICTED
+    from resilient.recovery.agent import Exit, judge
+
+    finished = [Exit(0, 0), Exit(2, 0)]
+    assert judge([*finished, Exit(1, EXIT_EVICTED)], 0).state == "succeeded"
+    assert judge([*finished, Exit(1, 1)], 0).state == "failed"
+    assert judge([Exit(1, EXIT_EVICTED)], 2).state == "healthy"  # the others go on
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when", ["while the others train", "after the others finished"])
+def test_a_frozen_rank_woken_after_its_removal_leaves_at_once(tmp_path: Path,
+                                                             when: str) -> None:
+    """Rank 1 is SIGSTOPped; once the survivors recovered without it (or finished the job) it
+    is woken (SIGCONT). It learns at once that it was removed (its detector reads the
+    generations decided while it stood, from the store, even with nobody left to tell it),
+    says so and exits with 76; the launcher counts that as a removal and exits 0 without
+    waiting out its finish grace (60 s here) for it."""
+    from resilient.recovery import EXIT_EVICTED
+
+    job = Job(tmp_path, launcher=("--finish-grace-s", "60"))
+    try:
+        job.wait_for_step(1, 6)
+        job.kill(1, signal.SIGSTOP)
+        job.wait_for_event(0, "recovery_end", 60)
+        if when == "after the others finished":
+            deadline = time.monotonic() + 60 + 10 * job.startup_s
+            while job.log().count(f"done at step {STEPS}, world 2") < 2:
+                assert time.monotonic() < deadline, job.log()
+                time.sleep(0.05)
+        t_wake = time.monotonic()
+        job.kill(1, signal.SIGCONT)
+        code = job.finish(30)  # well within the finish grace
+        took = time.monotonic() - t_wake
+    finally:
+        job.finish(0)
+    log = job.log()
+    assert code == 0, log
+    assert took < 30, took  # not the 60 s finish grace
+    assert ("[rank1]: resilient: this rank was removed from the job by the other ranks" in log
+            and f"exiting with {EXIT_EVICTED}" in log), log
+    assert "removed no rank within" not in log, log
+    assert f"rank 1 (pid {job.pid(1)}) was removed from the job by the other ranks (exit " \
+        f"{EXIT_EVICTED})" in log, log
+    assert "still running" not in log, log  # nobody was reaped
+    print(f"\n[overlap] rank 1 woken {when}: gone, and the launcher done, {took:.2f} s later")

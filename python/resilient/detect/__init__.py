@@ -197,6 +197,8 @@ class FailureDetector:
         self._thread: threading.Thread | None = None
         self._running = False
         self._detections = 0
+        #: rank -> why the detector removed it ("crash", "unresponsive" or "hang"), so far
+        self.removed_reasons: dict[int, str] = {}
         self._last_generation = 0
         self._lock = threading.Lock()
 
@@ -354,6 +356,7 @@ class FailureDetector:
         try:
             if kind == "generation" and ev["removed"]:
                 self._detections += len(ev["removed"])
+                self.removed_reasons.update({r["rank"]: r["reason"] for r in ev["removed"]})
                 if self.on_failure:
                     self.on_failure([r["rank"] for r in ev["removed"]], ev["generation"])
                 for r in ev["removed"]:

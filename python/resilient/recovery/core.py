@@ -69,7 +69,7 @@ from resilient.comm.process_group import (
 )
 from resilient.errors import CollectiveError
 from resilient.recovery import device as device_state
-from resilient.recovery import sharded
+from resilient.recovery import report, sharded
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.decisions import (
     PeerFailure,
@@ -205,7 +205,9 @@ class Recovery(StepLoop):
         self.replicas: Any = None  #: the sharded model's PeerReplicas
         if build is not None:
             sharded.check(self)
+        report.install()  # torch's log format on stderr, RESILIENT_LOG_LEVEL (report.py)
         self.timeline = Timeline(rank)
+        self._reported = 0  # timeline events up to here are in a recovery's summary line
         #: how a rank the others removed leaves (tests replace it): os._exit, no teardown
         self.leave: Callable[[int], None] = device_state.leave
         self._leaving = threading.Lock()
@@ -669,10 +671,17 @@ class Recovery(StepLoop):
             self._awaiting_first = False
             self.timeline.add("first_collective", step=self.step, generation=self.generation,
                               world_size=self.world_size)
+            events = self.timeline.events
+            window, self._reported = events[self._reported:], len(events)
+            line = report.summary(window, self.config.policy, self.loader_batches)
+            if line is not None and self.rank == 0:  # one line per recovery, on rank 0
+                log.warning("[rank%d]: %s", self.initial_rank, line)
 
     # ---- detector callbacks (dispatcher thread) ----
     def _on_failure(self, ranks: list, generation: int) -> None:
-        self.timeline.add("verdict", removed=list(ranks), generation=generation)
+        reasons = getattr(self.detector, "removed_reasons", {}) or {}
+        self.timeline.add("verdict", removed=list(ranks), generation=generation,
+                          reasons={r: reasons[r] for r in ranks if r in reasons})
         self._verdict.set()
         if not set(ranks) & self._watched():
             return
@@ -1045,7 +1054,8 @@ class Recovery(StepLoop):
         self._scale_lr(decision.lr_factor / self.lr_factor)
         self.lr_factor = decision.lr_factor
         self.timeline.add("policy", message=decision.message, accum_steps=self.plan.accum_steps,
-                          global_batch=self.plan.global_batch, lr_factor=decision.lr_factor)
+                          global_batch=self.plan.global_batch, lr_factor=decision.lr_factor,
+                          world_size=self.world_size, loader_batches=self.loader_batches)
 
     def _scale_lr(self, ratio: float) -> None:
         """The policy's factor changed by ``ratio``: resilient.recovery.lr scales the rates as

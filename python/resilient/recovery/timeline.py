@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from resilient.recovery import report
 from resilient.telemetry import events as job_events
 
 PHASES = ("detection", "agreement", "rebuild", "restore", "first_collective")
@@ -51,6 +52,7 @@ class Timeline:
                           if e["kind"] == "failure_observed"), None)
             self._events.append(ev)
         _forward(ev, prev, begin)
+        report.phase(ev, self.rank)
         return ev
 
     @property
