@@ -1891,13 +1891,13 @@ def _close_at_exit() -> None:
     open_ = list(_OPEN)
     pending = {ck.root: [h.step for h in ck._in_flight if not h.done()] for ck in open_}
     pending = {root: steps for root, steps in pending.items() if steps}
-    if pending:
-        what = "; ".join(f"step{'s' if len(v) > 1 else ''} {', '.join(map(str, v))} in {r}"
-                         for r, v in pending.items())
-        log.warning("exiting: waiting up to %g s (RESILIENT_EXIT_TIMEOUT_S) for the checkpoint "
-                    "save of %s to commit; press Ctrl-C again to abandon it (the last "
-                    "committed checkpoint stays intact)", limit, what)
-    try:
+    try:  # a second Ctrl-C may come at any point from the message on
+        if pending:
+            what = "; ".join(f"step{'s' if len(v) > 1 else ''} {', '.join(map(str, v))} in {r}"
+                             for r, v in pending.items())
+            log.warning("exiting: waiting up to %g s (RESILIENT_EXIT_TIMEOUT_S) for the "
+                        "checkpoint save of %s to commit; press Ctrl-C again to abandon it (the "
+                        "last committed checkpoint stays intact)", limit, what)
         deadline = time.monotonic() + limit
         for ck in open_:
             try:
