@@ -8,6 +8,7 @@ once: a block edited in the docs breaks its test instead of silently testing old
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +46,46 @@ def block_with(path: Path, text: str) -> Block:
     return found[0]
 
 
-def substitute(block: Block, *pairs: tuple[str, str]) -> str:
-    """The block's code with each (old, new) replaced; each `old` must occur exactly once."""
+def substitute(block: Block, *pairs: tuple[str, str] | tuple[str, str, int]) -> str:
+    """The block's code with each (old, new) replaced; each `old` must occur exactly once, or
+    exactly n times for an (old, new, n) triple (a path the block names several times)."""
     code = block.code
-    for old, new in pairs:
+    for old, new, *times in pairs:
+        want = times[0] if times else 1
         count = code.count(old)
-        assert count == 1, f"{block}: {old!r} occurs {count} times (the docs changed?)"
+        assert count == want, f"{block}: {old!r} occurs {count} times, not {want} (the docs " \
+            "changed?)"
         code = code.replace(old, new)
     return code
+
+
+def run_block(block: Block, code: str, namespace: dict) -> dict:
+    """Executes `code` (the block's, substituted) in `namespace`, in this process; a traceback
+    names the block's file and line."""
+    exec(compile(code, str(block), "exec"), namespace)  # noqa: S102 -- the docs' own code
+    return namespace
+
+
+def shell_command(path: Path, text: str) -> list[str]:
+    """The one command of a ```bash block of `path` that contains `text`, as argv: its
+    continuation lines joined, its trailing comment dropped."""
+    found = []
+    inside = False
+    command = ""
+    for line in path.read_text().splitlines():
+        if not inside:
+            inside = bool(re.match(r"^```(bash|sh)\s*$", line))
+            continue
+        if line.startswith("```"):
+            inside = False
+            continue
+        command += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            if text in command:
+                found.append(command)
+            command = ""
+    assert len(found) == 1, f"{len(found)} bash commands of {path} contain {text!r}"
+    return shlex.split(found[0], comments=True)
 
 
 def code_lines(text: str) -> list[str]:
