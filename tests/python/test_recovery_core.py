@@ -413,3 +413,25 @@ def test_a_sampler_split_otherwise_than_data_parallel_says_is_refused() -> None:
                                          r"\(4, 3\): pass Recovery\(data_parallel="):
         Recovery(None, 3, 4, model, torch.optim.SGD(model.parameters(), lr=0.1),
                  samplers=[sampler], detector=FakeDetector(4))
+
+
+@pytest.mark.parametrize("error,peer", [("root", False), ("collective", True)])
+def test_a_restore_error_that_is_not_a_peers_is_raised_as_it_is(error: str, peer: bool) -> None:
+    """Moving the checkpointer onto the new group fails: a peer's failure (CollectiveError)
+    starts the next recovery; the program's own (the root held by another writer) is raised at
+    once, not turned into a wait for a verdict no peer's loss will bring (30 s, then 'the
+    detector removed no rank')."""
+    from resilient.errors import CollectiveError, RootInUseError
+
+    rec = make()
+    rec.detector.gen = (1, [0, 2, 3])
+    rec._rebuild = lambda gen, survivors: None  # type: ignore[method-assign]
+
+    def follow_group(lost_rank: bool) -> None:
+        if error == "root":
+            raise RootInUseError("/ckpt is being written by another process (pid 7)")
+        raise CollectiveError("checkpoint collective abandoned: generation 2 removed rank(s) [2]")
+
+    rec.follow_group = follow_group  # type: ignore[method-assign]
+    with pytest.raises(PeerFailure if peer else RootInUseError):
+        rec._recover("verdict", RuntimeError("x"))

@@ -828,6 +828,9 @@ class Recovery(StepLoop):
         except (PeerFailure, RecoveryStopped):
             raise
         except Exception as err:  # the new group failed while state moved: the next recovery
+            if not isinstance(err, CollectiveError) and classify(err) is None:
+                raise  # not a peer's failure (a root in use, a damaged checkpoint): as it is,
+                # rather than a wait for a verdict that no peer's loss will bring
             raise PeerFailure("collective_error", f"restoring state failed: {err}") from err
         if self.world_size != len(survivors):  # hot spares joined: the plan for that world
             decision = self._decide(self.world_size)
