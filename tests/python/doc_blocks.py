@@ -97,3 +97,15 @@ def code_lines(text: str) -> list[str]:
         if line.strip():
             out.append(line.strip())
     return out
+
+
+try:  # tests/python/machine.py: deadlines that follow this machine's speed and load
+    from machine import deadline, startup
+except ImportError:  # (not in every checkout yet)
+    def deadline(seconds: float) -> float:
+        """`seconds` of work on an idle 2-core machine, with room for a loaded one."""
+        return 3.0 * seconds
+
+    def startup(processes: int = 1) -> float:
+        """Seconds for `processes` Python processes that import torch to start."""
+        return deadline(1.0 + 2.5 * max(1.0, processes / 2))

@@ -1,0 +1,314 @@
+"""The ```python blocks of docs/*.md that need several processes, taken from the files and run
+as written (issue 44): each rank is a Python process running a prelude (the names the block
+assumes: a small model, the job's store, a fault at a chosen step), the block with only its
+placeholders substituted, and an ending that reports what the test checks against the text
+around the block. The job's store is hosted by the test, outside the ranks, as torchrun's or
+`resilient run`'s agent hosts it, so a rank can be lost while the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from doc_blocks import ROOT, block_with, deadline, startup, substitute
+
+DOCS = ROOT / "docs"
+
+RANK_PRELUDE = '''
+import json, os, signal, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+OUT = os.environ["DOC_OUT"]
+
+
+def job_store():
+    """A client of the job's store (hosted by the test, as by torchrun's agent)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=60))
+
+
+def die():
+    """This rank is lost: SIGKILL, as kill -9."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report(**values):
+    """This rank's results for the test, then exit (no destructors: a failed gloo group's
+    threads may still wait for the lost rank)."""
+    path = os.path.join(OUT, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(values, f, default=str)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+'''
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL it when the test's process dies (a killed pytest leaves no rank)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Job:
+    """`world` processes of `script`, with torchrun's environment for env:// (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT and TORCHELASTIC_USE_AGENT_STORE: every rank is a client of
+    the store this test hosts). Each rank's output goes to rank<R>.log, its report to
+    rank<R>.json in `out`. Every process group is SIGKILLed on exit."""
+
+    def __init__(self, out: Path, script: str, world: int, env: dict | None = None) -> None:
+        self.out, self.world = out, world
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "script.py").write_text(script)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(world), "DOC_OUT": str(out), "OMP_NUM_THREADS": "1",
+                    "PYTHONFAULTHANDLER": "1", **(env or {})}
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Job:
+        for r in range(self.world):
+            with open(self.out / f"rank{r}.log", "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(self.out / "script.py")], stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                    env={**self.env, "RANK": str(r), "LOCAL_RANK": str(r),
+                         "GROUP_RANK": "0"}))
+        return self
+
+    def wait(self, seconds: float) -> list[int | None]:
+        """Each rank's exit code, waiting up to `seconds` in all (None: still running)."""
+        end = time.monotonic() + seconds
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def report(self, r: int) -> dict:
+        path = self.out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no report:\n{self.logs()}"
+        return json.loads(path.read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- rank {r}:\n" + (self.out / f"rank{r}.log").read_text()[-3000:]
+                         for r in range(self.world) if (self.out / f"rank{r}.log").exists())
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(10)
+
+
+# -- docs/detector.md ------------------------------------------------------------------------
+DETECTOR_PRELUDE = '''
+import threading
+
+store = job_store()
+failed, hung, seen = [], [], threading.Event()
+KILL_AT = 10  # rank 2 is killed at this step, once every rank's detector runs
+
+
+def on_failure(ranks, gen):
+    failed.append((sorted(ranks), gen))
+    seen.set()
+
+
+def steps():
+    """Steps until the detector reports a failure (the test bounds the run)."""
+    step = 0
+    while not seen.is_set():
+        yield step
+        step += 1
+
+
+def train_step():
+    if not hasattr(train_step, "up"):  # every detector started: the fault may come
+        store.set(f"up/{rank}", "1")
+        store.wait([f"up/{r}" for r in range(world_size)])
+        train_step.up = True
+    step = train_step.step = getattr(train_step, "step", -1) + 1
+    if rank == 2 and step == KILL_AT:
+        die()
+    seen.wait(0.01)  # a 10 ms step
+
+
+def save():
+    pass
+'''
+
+
+def test_detector_agrees_on_a_killed_rank(tmp_path):
+    """Three ranks run the block; rank 2 is SIGKILLed mid-loop: both survivors' on_failure
+    names rank 2 with the same generation, their loops end, the event logs record it."""
+    block = block_with(DOCS / "detector.md", "FailureDetector(store, rank, world_size")
+    code = substitute(
+        block,
+        ("on_failure=lambda ranks, gen: ...", "on_failure=on_failure"),
+        ("on_hang=lambda rank, section: ...", "on_hang=lambda rank, section: hung.append("
+                                              "(rank, section))"),
+        ('event_log="/tmp/detect.jsonl"', 'event_log=f"{OUT}/detect{rank}.jsonl"'),
+        ("for step in ...:", "for step in steps():"),
+    )
+    end = "report(failed=failed, hung=hung)\n"
+    with Job(tmp_path, RANK_PRELUDE + DETECTOR_PRELUDE + code + end, 3) as job:
+        codes = job.wait(startup(3) + deadline(20))
+        assert codes == [0, 0, -signal.SIGKILL], job.logs()
+    reports = [job.report(r) for r in (0, 1)]
+    assert [r["failed"] for r in reports] == [[[[2], reports[0]["failed"][0][1]]]] * 2, reports
+    assert all(not r["hung"] for r in reports), reports
+    for r in (0, 1):
+        events = [json.loads(x) for x in (tmp_path / f"detect{r}.jsonl").read_text().splitlines()]
+        removed = [e["removed"] for e in events if e["kind"] == "generation"]
+        assert removed == [[{"rank": 2, "reason": "crash", "section": ""}]], events
+
+
+# -- docs/recovery.md ------------------------------------------------------------------------
+RECOVERY_PRELUDE = """
+import torch.nn.functional as F
+
+STEPS, KILL_AT, FEATURES = 10, 4, 16
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+def inputs(step):
+    \"\"\"The step's global batch (the same on every rank); rank 2 is lost in step KILL_AT.\"\"\"
+    if rank == 2 and step == KILL_AT:
+        die()
+    return torch.randn(64, FEATURES, generator=torch.Generator().manual_seed(step))
+
+
+def x(step):
+    return inputs(step)
+
+
+def y(step):
+    return inputs(step)[:, :4].sum(1, keepdim=True)
+
+
+def batch(step):  # not through x and y: the written-out loop assigns those names
+    xs = inputs(step)
+    return xs, xs[:, :4].sum(1, keepdim=True)
+
+
+loss_fn = F.mse_loss
+"""
+
+RECOVERY_END = """
+import hashlib
+h = hashlib.sha256()
+for p in rec.module.parameters():
+    h.update(p.detach().contiguous().numpy().tobytes())
+report(step=rec.step, world=rec.world_size, params=h.hexdigest(), timeline=rec.timeline.events)
+"""
+
+
+def _recovered(job: Job, steps: int) -> list[dict]:
+    """The survivors' reports, checked: rank 2 was killed in step 4, ranks 0 and 1 agreed on
+    removing it, rebuilt the group, began step 4 again on it and finished every step with
+    identical parameters."""
+    codes = job.wait(startup(3) + deadline(60))
+    assert codes == [0, 0, -signal.SIGKILL], job.logs()
+    reports = [job.report(r) for r in (0, 1)]
+    for rep in reports:
+        assert (rep["step"], rep["world"]) == (steps, 2), (rep["step"], rep["world"])
+        kinds = [e["kind"] for e in rep["timeline"]]
+        agreed = [e for e in rep["timeline"] if e["kind"] == "agreed"]
+        assert len(agreed) == 1 and agreed[0]["removed"] == [2], agreed
+        assert "rebuilt" in kinds and "first_collective" in kinds, kinds
+        redone = [e["step"] for e in rep["timeline"] if e["kind"] in ("restored",
+                                                                       "first_step_began")]
+        assert redone == [4, 4], rep["timeline"]  # the failed step, again on the new group
+    assert reports[0]["params"] == reports[1]["params"]
+    return reports
+
+
+def test_recovery_survivors_train_on_in_the_same_processes(tmp_path):
+    """The Recovery block (its own store, first group and DDP; rank 0 saving through a
+    Checkpointer(distributed=False)) on 3 ranks, rank 2 killed in step 4: the survivors
+    finish on a group of 2, print the timeline, and the last checkpoint holds their final
+    parameters."""
+    block = block_with(DOCS / "recovery.md", "checkpointer=Checkpointer(root, distributed=False)")
+    code = substitute(block, ("checkpoint_every=100", "checkpoint_every=5"),
+                      ("end=10_000", "end=STEPS"))
+    prelude = RECOVERY_PRELUDE + """
+from resilient import Checkpointer
+
+store = job_store()
+model = make_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+root = os.path.join(OUT, "ckpt")
+"""
+    with Job(tmp_path, RANK_PRELUDE + prelude + code + RECOVERY_END, 3) as job:
+        reports = _recovered(job, 10)
+    assert '"kind": "agreed"' in (tmp_path / "rank0.log").read_text()  # the printed timeline
+    import hashlib
+
+    import resilient
+
+    with resilient.Checkpointer(tmp_path / "ckpt", distributed=False) as ck:
+        assert ck.lineage()[0] == 10, ck.lineage()
+        saved = {"model": {}, "optimizer": None, "extra": None}  # {}, None: whatever was saved
+        assert ck.load(saved) == 10
+    h = hashlib.sha256()
+    for t in saved["model"].values():
+        h.update(t.contiguous().numpy().tobytes())
+    assert h.hexdigest() == reports[0]["params"]
+
+
+ADOPT_PRELUDE = RECOVERY_PRELUDE + """
+from torch.nn.parallel import DistributedDataParallel as DDP
+from resilient import Recovery
+
+steps = STEPS
+"""
+
+
+def test_recovery_adopt_takes_the_scripts_group_and_ddp(tmp_path):
+    """The torchrun-style block (init_process_group, DDP, then Recovery.adopt and rec.run) on
+    3 ranks of env://, the store outside the ranks: rank 2 killed, the others finish."""
+    block = block_with(DOCS / "recovery.md", "rec = Recovery.adopt(model, opt, global_batch=32")
+    script = RANK_PRELUDE + ADOPT_PRELUDE + block.code + RECOVERY_END
+    with Job(tmp_path, script, 3) as job:
+        _recovered(job, 10)
+
+
+def test_recovery_attempt_redoes_the_failed_step_on_the_new_group(tmp_path):
+    """The written-out loop (rec.steps, rec.attempt, rec.micro_batches), after the set-up
+    lines of the adopt block above it and a scheduler: rank 2 killed in step 4, the failure
+    suppressed, step 4 yielded again on the new group, every step done."""
+    adopt = block_with(DOCS / "recovery.md", "rec = Recovery.adopt(model, opt, global_batch=32")
+    setup = adopt.code[:adopt.code.index("with rec:")]
+    block = block_with(DOCS / "recovery.md", "with rec.attempt():\n        opt.zero_grad()\n"
+                                             "        x, y = batch(step)")
+    code = setup + "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)\n"
+    with Job(tmp_path, RANK_PRELUDE + ADOPT_PRELUDE + code + block.code + RECOVERY_END,
+             3) as job:
+        _recovered(job, 10)
