@@ -312,3 +312,131 @@ def test_recovery_attempt_redoes_the_failed_step_on_the_new_group(tmp_path):
     with Job(tmp_path, RANK_PRELUDE + ADOPT_PRELUDE + code + block.code + RECOVERY_END,
              3) as job:
         _recovered(job, 10)
+
+
+SAMPLER_PRELUDE = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from resilient import Recovery, ResumableSampler, forever
+
+dist.init_process_group("gloo")
+model = DDP(make_model())
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gb, micro_batch, steps, SAMPLES = 48, 8, 15, 480  # an epoch: 10 steps on 3 ranks or on 2
+features = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
+# the targets carry each sample's index, which loss_fn logs
+dataset = TensorDataset(features, torch.stack([features[:, :4].sum(1),
+                                               torch.arange(SAMPLES).double()], 1))
+log = open(os.path.join(OUT, f"samples{rank}.jsonl"), "a")
+
+
+def loss_fn(out, target):
+    if rank == 2 and rec.step == KILL_AT:
+        die()
+    log.write(json.dumps([rec.step, rec.world_size, target[:, 1].long().tolist()]) + "\\n")
+    log.flush()
+    return F.mse_loss(out, target[:, :1].float())
+"""
+
+
+def test_recovery_samplers_use_every_sample_of_the_epoch_once(tmp_path):
+    """The DataLoader loop over ResumableSampler(DistributedSampler) on 3 ranks, rank 2 killed
+    in step 4: the survivors rewind to where step 4 began and split the rest of the epoch
+    over themselves; over the completed steps every sample of epoch 0 is used exactly once
+    (and of epoch 1's first half none twice), the global batch of 48 kept."""
+    block = block_with(DOCS / "recovery.md", "samplers=[sampler])\nfor step in rec.steps(0, steps)")
+    script = RANK_PRELUDE + RECOVERY_PRELUDE + SAMPLER_PRELUDE + block.code + RECOVERY_END
+    with Job(tmp_path, script, 3) as job:
+        _recovered(job, 15)
+    records = [json.loads(line) for r in range(3)
+               for line in (tmp_path / f"samples{r}.jsonl").read_text().splitlines()]
+    final_world = {step: world for step, world, _ in records}  # a redone step: its last world
+    used: dict[int, list[int]] = {}
+    for step, world, indices in records:
+        if world == final_world[step]:
+            used.setdefault(step, []).extend(indices)
+    assert sorted(used) == list(range(15))
+    assert {final_world[s] for s in range(4)} == {3} and {final_world[s] for s in
+                                                          range(4, 15)} == {2}
+    assert all(len(used[s]) == 48 for s in used), {s: len(v) for s, v in used.items()}
+    epoch0 = [i for s in range(10) for i in used[s]]
+    assert sorted(epoch0) == list(range(480))
+    epoch1 = [i for s in range(10, 15) for i in used[s]]
+    assert len(set(epoch1)) == len(epoch1) == 240
+
+
+FSDP_PRELUDE = """
+import resilient
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DistributedSampler, TensorDataset
+from resilient import CheckpointManager, Recovery, ResumableSampler
+
+dist.init_process_group("gloo")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(FEATURES, 32), nn.Linear(32, 32)])
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, inp):
+        for layer in self.layers:
+            inp = torch.tanh(layer(inp))
+        return self.head(inp)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+x = torch.randn(16, FEATURES, generator=torch.Generator().manual_seed(rank))  # this rank's batch
+y = x[:, :4].sum(1, keepdim=True)
+sampler = ResumableSampler(DistributedSampler(TensorDataset(x), seed=0))
+
+
+def loss_fn(out, target):
+    if rank == 2 and rec.step == KILL_AT:
+        die()
+    return F.mse_loss(out, target)
+"""
+
+FSDP_SETUP = """
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+ckpt = CheckpointManager(os.path.join(OUT, "ckpt"), {"model": model, "optim": opt,
+                         "sched": sched}, rank_state={"sampler": sampler}, every=5, create=True)
+start, total = ckpt.restore(), STEPS
+"""
+
+FSDP_END = """
+import hashlib
+ckpt.close()
+h = hashlib.sha256()
+for p in rec.model.parameters():  # DTensors of the survivors' mesh: gathered (collective)
+    h.update(p.full_tensor().detach().contiguous().numpy().tobytes())
+report(step=rec.step, world=rec.world_size, params=h.hexdigest(), timeline=rec.timeline.events,
+       mesh=p.device_mesh.size())
+"""
+
+
+def test_recovery_fsdp2_build_shards_the_model_again_over_the_survivors(tmp_path):
+    """The FSDP2 block (build, a model per layer and whole sharded, Recovery.adopt with
+    build=) on 3 ranks, with the lines it leaves out (scheduler, CheckpointManager, start)
+    after its optimizer; rank 2 killed in step 4: the survivors build the model again over a
+    mesh of 2, restore it from the replicas in their memory, redo step 4 and finish with
+    identical parameters; the CheckpointManager goes on saving."""
+    block = block_with(DOCS / "recovery.md", "rec = Recovery.adopt(model, opt, checkpointer=ckpt")
+    opt_line = "opt = torch.optim.AdamW(model.parameters(), lr=3e-3)\n"
+    code = substitute(block, (opt_line, opt_line + FSDP_SETUP))
+    script = RANK_PRELUDE + RECOVERY_PRELUDE + FSDP_PRELUDE + code + FSDP_END
+    with Job(tmp_path, script, 3) as job:
+        reports = _recovered(job, 10)
+    assert all(r["mesh"] == 2 for r in reports)
+    for rep in reports:  # built again, filled from the peers' host memory (not storage)
+        kinds = [e["kind"] for e in rep["timeline"]]
+        sources = [e["source"] for e in rep["timeline"] if e["kind"] == "restored"]
+        assert "model_built" in kinds and sources == ["replica"], rep["timeline"]
+    assert (tmp_path / "ckpt" / "step-000000000010").is_dir()  # the manager saved on 2 ranks
