@@ -3,6 +3,9 @@ handed to Recovery, with 32 MiB of state so that a save is nearly always in flig
 killed at any moment leaves survivors whose saves wait for it (test_quickstart_recovery.py).
 
     python -m resilient.run --standalone --nproc-per-node 4 ddp_saving_every_step.py CKPT OUT N
+
+With RESILIENT_TEST_DEVICE=cuda each rank trains on GPU LOCAL_RANK over NCCL (the checkpoint's
+32 MiB stays in host memory).
 """
 
 import os
@@ -17,9 +20,13 @@ from resilient import CheckpointManager, Recovery
 ckpt_root, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+device = torch.device("cpu")
+if os.environ.get("RESILIENT_TEST_DEVICE") == "cuda":
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 me = dist.get_rank()
-model = DDP(torch.nn.Linear(64, 64))
+model = DDP(torch.nn.Linear(64, 64).to(device))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 bulk = torch.zeros(8 * 1024 * 1024)  # 32 MiB written once per save, split over the ranks
 ckpt = CheckpointManager(ckpt_root, {"model": model, "optim": opt, "bulk": bulk}, every=1,
@@ -30,7 +37,7 @@ with open(os.path.join(out, f"rank{me}.pid"), "w") as f:
 for step in rec.steps(ckpt.restore(), steps):
     with rec.attempt():
         opt.zero_grad()
-        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step)).to(device)
         rec.model(x).square().mean().backward()
         opt.step()
         bulk.add_(1.0)
