@@ -546,3 +546,142 @@ def test_straggler_exclusion_policy_removes_the_rank_through_recovery(tmp_path):
         agreed = [e for e in rep["timeline"] if e["kind"] == "agreed"]
         assert len(agreed) == 1 and agreed[0]["removed"] == [2], rep["timeline"]
     assert reports[0]["params"] == reports[1]["params"]
+
+
+# -- docs/training.md ------------------------------------------------------------------------
+DDP_PRELUDE = """
+import hashlib
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+torch.manual_seed(0)
+dist.init_process_group("gloo")
+data = torch.randn(400, 16, generator=torch.Generator().manual_seed(1))
+dataset = TensorDataset(data, data[:, :4].sum(1, keepdim=True))
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Tanh(),
+                            torch.nn.Linear(32, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+total_steps, KILL_AT = 30, int(os.environ.get("KILL_AT", -1))
+
+
+def train(batch):
+    xb, yb = batch
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(xb), yb).backward()  # dropout: the RNG streams matter
+    opt.step()
+    sched.step()
+
+
+def maybe_die(step):
+    if step == KILL_AT:  # every rank, once the last periodic save is committed
+        ckpt.wait()
+        die()
+"""
+
+DDP_END = """
+ckpt_params = {k: hashlib.sha256(v.detach().numpy().tobytes()).hexdigest()
+               for k, v in model.module.state_dict().items()}
+report(started=started, params=ckpt_params)
+"""
+
+
+def test_training_quick_start_resumes_bit_exact_after_a_kill(tmp_path):
+    """The CheckpointManager quick start (DDP with find_unused_parameters, a loader with its
+    own generator) on 2 ranks: killed after step 11 and run again, it resumes from the save of
+    step 8 and ends with the parameters of an uninterrupted run, bit for bit."""
+    block = block_with(DOCS / "training.md", "model = DDP(model, find_unused_parameters=True)")
+    runs = {}
+    for name, kill in (("whole", -1), ("killed", 11), ("resumed", -1)):
+        root = tmp_path / ("a" if name == "whole" else "b")
+        code = substitute(
+            block,
+            ('"/shared/ckpt"', repr(str(root))),
+            ("every=100", "every=4"),
+            ("    ...                               # forward, backward, opt.step(), "
+             "sched.step()", "    train(batch)"),
+            ("    ckpt.step(step)", "    maybe_die(step)\n    ckpt.step(step)"),
+            ("step = ckpt.restore()", "step = ckpt.restore()\nstarted = step"),
+        )
+        with Job(tmp_path / name, RANK_PRELUDE + DDP_PRELUDE + code + DDP_END, 2,
+                 {"KILL_AT": str(kill)}) as job:
+            codes = job.wait(startup(2) + deadline(30))
+            assert codes == ([-signal.SIGKILL] * 2 if kill > 0 else [0, 0]), job.logs()
+            if kill < 0:
+                runs[name] = job.report(0)
+    assert (runs["whole"]["started"], runs["resumed"]["started"]) == (0, 8)
+    assert runs["whole"]["params"] == runs["resumed"]["params"]
+
+
+SHARD_PRELUDE = """
+from resilient import CheckpointManager
+
+HIDDEN, DIM = 8, 4
+tp = int(os.environ["TP"])
+if tp > 1:
+    dist.init_process_group("gloo")
+tp_rank = rank if tp > 1 else 0
+root = os.environ["ROOT"]
+g = torch.Generator().manual_seed(0)
+fc1, fc2 = torch.randn(HIDDEN, DIM, generator=g), torch.randn(DIM, HIDDEN, generator=g)
+
+
+class TensorParallel(torch.nn.Module):  # fc1 column-, fc2 row-parallel: this rank's slices
+    def __init__(self):
+        super().__init__()
+        self.fc1_w = torch.nn.Parameter(fc1.chunk(tp, 0)[tp_rank].clone())
+        self.fc2_w = torch.nn.Parameter(fc2.chunk(tp, 1)[tp_rank].clone())
+
+
+model = TensorParallel()
+opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def state():
+    params = dict(model.named_parameters())
+    return {**{n: p.tolist() for n, p in params.items()},
+            **{n + "/exp_avg": opt.state[p]["exp_avg"].tolist() for n, p in params.items()}}
+"""
+
+SHARD_SAVE = """
+(model.fc1_w.sum() + model.fc2_w.square().sum()).backward()
+opt.step()  # the optimizer's state has the parameters' shapes: it is sliced with them
+ckpt.save(1)
+ckpt.close()
+report(state=state())
+"""
+
+SHARD_LOAD = """
+for p in model.parameters():
+    p.data.zero_()
+(model.fc1_w.sum() + model.fc2_w.sum()).backward()
+opt.step()  # state to be overwritten
+step = ckpt.restore()
+ckpt.close()
+report(step=step, state=state())
+"""
+
+
+def test_training_shard_specs_save_tp2_slices_and_load_them_on_tp1(tmp_path):
+    """The ShardSpec block on 2 tensor-parallel ranks (fc1 split by rows, fc2 by columns),
+    then in one process with tp = 1: the full tensors are the slices put together, and so is
+    the optimizer state (it inherits the parameters' specs)."""
+    import torch
+
+    block = block_with(DOCS / "training.md", "ShardSpec.split((HIDDEN, DIM), dim=0")
+    env = {"ROOT": str(tmp_path / "ckpt")}
+    with Job(tmp_path / "tp2", RANK_PRELUDE + SHARD_PRELUDE + block.code + SHARD_SAVE, 2,
+             {**env, "TP": "2"}) as job:
+        assert job.wait(startup(2) + deadline(20)) == [0, 0], job.logs()
+        slices = [job.report(r)["state"] for r in (0, 1)]
+    with Job(tmp_path / "tp1", RANK_PRELUDE + SHARD_PRELUDE + block.code + SHARD_LOAD, 1,
+             {**env, "TP": "1"}) as job:
+        assert job.wait(startup(1) + deadline(20)) == [0], job.logs()
+        whole = job.report(0)
+    assert whole["step"] == 1
+    for name in ("fc1_w", "fc1_w/exp_avg"):
+        parts = [torch.tensor(s[name]) for s in slices]
+        assert torch.equal(torch.tensor(whole["state"][name]), torch.cat(parts, 0)), name
+    for name in ("fc2_w", "fc2_w/exp_avg"):
+        parts = [torch.tensor(s[name]) for s in slices]
+        assert torch.equal(torch.tensor(whole["state"][name]), torch.cat(parts, 1)), name
