@@ -3,13 +3,22 @@
 A test takes a block by a line it contains, fills its placeholders (``...`` lines, paths,
 sizes) through ``substitute``, which fails when a substitution no longer matches exactly
 once: a block edited in the docs breaks its test instead of silently testing old text.
+``run_block`` runs one in this process; ``Job`` runs a script made of ``RANK_PRELUDE``, a
+prelude, the block and an ending on several ranks, the job's store hosted by the test.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,3 +118,105 @@ except ImportError:  # (not in every checkout yet)
     def startup(processes: int = 1) -> float:
         """Seconds for `processes` Python processes that import torch to start."""
         return deadline(1.0 + 2.5 * max(1.0, processes / 2))
+
+
+# -- running a block on several ranks --------------------------------------------------------
+RANK_PRELUDE = '''
+import json, os, signal, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+OUT = os.environ["DOC_OUT"]
+
+
+def job_store():
+    """A client of the job's store (hosted by the test, as by torchrun's agent)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=60))
+
+
+def die():
+    """This rank is lost: SIGKILL, as kill -9."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report(**values):
+    """This rank's results for the test, then exit (no destructors: a failed gloo group's
+    threads may still wait for the lost rank)."""
+    path = os.path.join(OUT, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(values, f, default=str)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+'''
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL it when the test's process dies (a killed pytest leaves no rank)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Job:
+    """`world` processes of `script`, with torchrun's environment for env:// (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT and TORCHELASTIC_USE_AGENT_STORE: every rank is a client of
+    the store this test hosts). Each rank's output goes to rank<R>.log, its report to
+    rank<R>.json in `out`. Every process group is SIGKILLed on exit."""
+
+    def __init__(self, out: Path, script: str, world: int, env: dict | None = None) -> None:
+        self.out, self.world = out, world
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "script.py").write_text(script)
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(world), "DOC_OUT": str(out), "OMP_NUM_THREADS": "1",
+                    "PYTHONFAULTHANDLER": "1", **(env or {})}
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Job:
+        for r in range(self.world):
+            with open(self.out / f"rank{r}.log", "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(self.out / "script.py")], stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                    env={**self.env, "RANK": str(r), "LOCAL_RANK": str(r),
+                         "GROUP_RANK": "0"}))
+        return self
+
+    def wait(self, seconds: float) -> list[int | None]:
+        """Each rank's exit code, waiting up to `seconds` in all (None: still running)."""
+        end = time.monotonic() + seconds
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def report(self, r: int) -> dict:
+        path = self.out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no report:\n{self.logs()}"
+        return json.loads(path.read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- rank {r}:\n" + (self.out / f"rank{r}.log").read_text()[-3000:]
+                         for r in range(self.world) if (self.out / f"rank{r}.log").exists())
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(10)
