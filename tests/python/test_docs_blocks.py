@@ -3,21 +3,122 @@ written (issue 44): a prelude defines the names a block assumes (a small model, 
 root), only placeholders are substituted (doc_blocks.substitute), and each test checks what the
 text around its block says the block does.
 
-Blocks that start processes: test_docs_blocks_multiproc.py; blocks that need etcd or an
+COVERAGE names, for every ```python block of README.md and docs/*.md, the test that runs it;
+test_every_docs_block_is_run_by_a_test fails for a block without an entry, saying how to add
+one. Blocks that start processes: test_docs_blocks_multiproc.py; blocks that need etcd or an
 object store: test_docs_blocks_system.py.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 import resilient
-from doc_blocks import ROOT, block_with, run_block, shell_command, substitute
+from doc_blocks import ROOT, block_with, python_blocks, run_block, shell_command, substitute
 
 DOCS = ROOT / "docs"
+HERE = Path(__file__).resolve().parent
+
+#: (file, a line of text the block contains, the test that runs it: file::function). The
+#: test's file must contain the text too (it takes the block by it).
+COVERAGE = [
+    ("README.md", "resilient.Checkpointer(",
+     "test_readme_blocks.py::test_the_single_process_quick_start_resumes_exactly"),
+    ("README.md", "CheckpointManager(",
+     "test_readme_blocks.py::test_the_ddp_quick_start_resumes_exactly_under_torchrun"),
+    ("README.md", "ResilientStorageWriter(",
+     "test_readme_blocks.py::test_the_dcp_block_saves_and_loads"),
+    ("README.md", "Recovery.adopt(",
+     "test_readme_blocks.py::test_the_recovery_block_is_the_example_that_the_recovery_tests_run"),
+    ("docs/STATE.md", "step = ckpt.load(",
+     "test_docs_blocks.py::test_state_load_starts_fresh_then_restores_everything"),
+    ("docs/ckpt.md", "AutoModelForCausalLM.from_pretrained(",
+     "test_docs_blocks.py::test_ckpt_export_loads_with_from_pretrained"),
+    ("docs/dcp.md", "ResilientStager(writer)",
+     "test_docs_blocks.py::test_dcp_saves_step_n_plus_1_and_1200_and_loads_them_back"),
+    ("docs/detector.md", "FailureDetector(store, rank, world_size",
+     "test_docs_blocks_multiproc.py::test_detector_agrees_on_a_killed_rank"),
+    ("docs/io.md", 'S3Tier("s3://bucket/run1", keep=20)',
+     "test_docs_blocks_system.py::"
+     "test_tiers_copy_each_commit_to_the_file_tier_and_the_object_store"),
+    ("docs/recovery.md", "checkpointer=Checkpointer(root, distributed=False)",
+     "test_docs_blocks_multiproc.py::test_recovery_survivors_train_on_in_the_same_processes"),
+    ("docs/recovery.md", "rec = Recovery.adopt(model, opt, global_batch=32",
+     "test_docs_blocks_multiproc.py::test_recovery_adopt_takes_the_scripts_group_and_ddp"),
+    ("docs/recovery.md", "x, y = batch(step)",
+     "test_docs_blocks_multiproc.py::"
+     "test_recovery_attempt_redoes_the_failed_step_on_the_new_group"),
+    ("docs/recovery.md", "rec = Recovery.adopt(model, opt, global_batch=gb",
+     "test_docs_blocks_multiproc.py::test_recovery_samplers_use_every_sample_of_the_epoch_once"),
+    ("docs/recovery.md", "rec = Recovery.adopt(model, opt, checkpointer=ckpt",
+     "test_docs_blocks_multiproc.py::"
+     "test_recovery_fsdp2_build_shards_the_model_again_over_the_survivors"),
+    ("docs/store.md", 'init_method="etcd://',
+     "test_docs_blocks_system.py::test_etcd_rendezvous_with_a_member_down"),
+    ("docs/straggler.md", "recovery_loop.request_exclusion(rank",
+     "test_docs_blocks_multiproc.py::test_straggler_monitor_names_the_slowed_rank"),
+    ("docs/straggler.md", "exclude_persistent_straggler(rec))",
+     "test_docs_blocks_multiproc.py::"
+     "test_straggler_exclusion_policy_removes_the_rank_through_recovery"),
+    ("docs/training.md", "model = DDP(model, find_unused_parameters=True)",
+     "test_docs_blocks_multiproc.py::test_training_quick_start_resumes_bit_exact_after_a_kill"),
+    ("docs/training.md", "ShardSpec.split((HIDDEN, DIM), dim=0",
+     "test_docs_blocks_multiproc.py::"
+     "test_training_shard_specs_save_tp2_slices_and_load_them_on_tp1"),
+]
+
+
+def _test_exists(test: str) -> str | None:
+    """Why `file::function` names no test, or None."""
+    file, _, name = test.partition("::")
+    path = HERE / file
+    if not path.exists():
+        return f"{file} does not exist"
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body):
+        return f"{file} has no test function {name}"
+    return None
+
+
+def test_every_docs_block_is_run_by_a_test():
+    """Each ```python block of README.md and docs/*.md has one COVERAGE entry, and the entry's
+    test exists and takes the block by the entry's text."""
+    files = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    problems = []
+    for path in files:
+        name = str(path.relative_to(ROOT))
+        for block in python_blocks(path):
+            entries = [e for e in COVERAGE if e[0] == name and e[1] in block.code]
+            if not entries:
+                first = next((line for line in block.code.splitlines() if line.strip()), "")
+                problems.append(
+                    f"{block} (starting {first.strip()!r}) is run by no test: write one that "
+                    "takes the block from the file (doc_blocks.block_with), runs it and checks "
+                    "what the text says it does (in-process: test_docs_blocks.py; starting "
+                    "processes: test_docs_blocks_multiproc.py; etcd or a server: "
+                    "test_docs_blocks_system.py), then add (file, a line of the block, "
+                    "'test_file.py::test_name') to COVERAGE in tests/python/test_docs_blocks.py")
+            elif len(entries) > 1:
+                problems.append(f"{block} has {len(entries)} COVERAGE entries: {entries}")
+    for file, text, test in COVERAGE:
+        found = [b for b in python_blocks(ROOT / file) if text in b.code]
+        if len(found) != 1:
+            problems.append(f"COVERAGE entry ({file!r}, {text!r}) matches {len(found)} blocks "
+                            "(the docs changed? pick a line that names one block)")
+        why = _test_exists(test)
+        if why:
+            problems.append(f"COVERAGE entry ({file!r}, {text!r}): {why}")
+        elif text not in (HERE / test.partition("::")[0]).read_text():
+            problems.append(f"COVERAGE entry ({file!r}, {text!r}): {test.partition('::')[0]} "
+                            "does not contain the text it is said to take the block by")
+    assert not problems, "\n".join(problems)
+
+
 
 # -- docs/STATE.md: "load() returns normally only after restoring everything" ---------------
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

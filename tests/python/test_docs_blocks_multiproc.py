@@ -201,8 +201,7 @@ def test_recovery_attempt_redoes_the_failed_step_on_the_new_group(tmp_path):
     suppressed, step 4 yielded again on the new group, every step done."""
     adopt = block_with(DOCS / "recovery.md", "rec = Recovery.adopt(model, opt, global_batch=32")
     setup = adopt.code[:adopt.code.index("with rec:")]
-    block = block_with(DOCS / "recovery.md", "with rec.attempt():\n        opt.zero_grad()\n"
-                                             "        x, y = batch(step)")
+    block = block_with(DOCS / "recovery.md", "x, y = batch(step)")
     code = setup + "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)\n"
     with Job(tmp_path, RANK_PRELUDE + ADOPT_PRELUDE + code + block.code + RECOVERY_END,
              3) as job:
@@ -239,7 +238,7 @@ def test_recovery_samplers_use_every_sample_of_the_epoch_once(tmp_path):
     in step 4: the survivors rewind to where step 4 began and split the rest of the epoch
     over themselves; over the completed steps every sample of epoch 0 is used exactly once
     (and of epoch 1's first half none twice), the global batch of 48 kept."""
-    block = block_with(DOCS / "recovery.md", "samplers=[sampler])\nfor step in rec.steps(0, steps)")
+    block = block_with(DOCS / "recovery.md", "rec = Recovery.adopt(model, opt, global_batch=gb")
     script = RANK_PRELUDE + RECOVERY_PRELUDE + SAMPLER_PRELUDE + block.code + RECOVERY_END
     with Job(tmp_path, script, 3) as job:
         _recovered(job, 15)
