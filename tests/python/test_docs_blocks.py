@@ -119,7 +119,6 @@ def test_every_docs_block_is_run_by_a_test():
     assert not problems, "\n".join(problems)
 
 
-
 # -- docs/STATE.md: "load() returns normally only after restoring everything" ---------------
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(seed)
@@ -163,9 +162,9 @@ def _assert_same(want: dict, got: dict, what: str) -> None:
 
 
 def test_state_load_starts_fresh_then_restores_everything(tmp_path):
-    """The block on a fresh root: load() returns None and the root is created; after a save of
-    step 3, the block run by a new process's objects returns 3 with model, optimizer and
-    scheduler restored bit-exact; save(3) right after is fine, and after an optimizer step
+    """The block on a fresh root: load() returns None and the root is created. After a save of
+    step 3, the block run with other objects returns 3 with model, optimizer and scheduler
+    restored bit-exact; save(3) right after load() is fine, and after an optimizer step
     raises ValueError (it would label step 4's state as step 3)."""
     block = block_with(DOCS / "STATE.md", "step = ckpt.load(")
     root = tmp_path / "root"
@@ -201,7 +200,8 @@ def test_state_load_starts_fresh_then_restores_everything(tmp_path):
 def test_ckpt_export_loads_with_from_pretrained(tmp_path, monkeypatch, capsys):
     """The docs' export command (run in this process through the console script's main), on a
     tiny GPT-2 saved as {"model": model, ...}, then the block: from_pretrained("./hf-out")
-    gives identical tensors (nothing downloaded: a local config)."""
+    gives identical tensors, the embedding and the head tied again (nothing downloaded: a
+    local config)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     from resilient.cli import main
@@ -227,10 +227,12 @@ def test_ckpt_export_loads_with_from_pretrained(tmp_path, monkeypatch, capsys):
     block = block_with(DOCS / "ckpt.md", "AutoModelForCausalLM.from_pretrained(")
     ns = run_block(block, block.code,
                    {"AutoModelForCausalLM": transformers.AutoModelForCausalLM})
-    want, got = trained.state_dict(), ns["model"].state_dict()
+    loaded = ns["model"]
+    want, got = trained.state_dict(), loaded.state_dict()
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), k
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied
 
 
 # -- docs/dcp.md -----------------------------------------------------------------------------

@@ -39,15 +39,18 @@ def steps():
         step += 1
 
 
+done = 0  # steps trained
+
+
 def train_step():
-    if not hasattr(train_step, "up"):  # every detector started: the fault may come
+    global done
+    if done == 0:  # once every rank's detector runs, the fault may come
         store.set(f"up/{rank}", "1")
         store.wait([f"up/{r}" for r in range(world_size)])
-        train_step.up = True
-    step = train_step.step = getattr(train_step, "step", -1) + 1
-    if rank == 2 and step == KILL_AT:
+    if rank == 2 and done == KILL_AT:
         die()
     seen.wait(0.01)  # a 10 ms step
+    done += 1
 
 
 def save():
