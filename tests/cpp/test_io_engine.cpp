@@ -304,6 +304,113 @@ TEST_P(EngineTest, ReadDoneNotCalledForAFailedRequest) {
   EXPECT_LE(called.size(), 2u);
 }
 
+// A reader with `buffers` buffers: next() hands out the next 64 KiB of one of `files` (cycling)
+// while a buffer is free, done() checks the bytes and frees the buffer.
+class BufferedStream : public ReadStream {
+ public:
+  BufferedStream(std::vector<const File*> files, const std::byte* want, uint64_t bytes,
+                 size_t buffers)
+      : files_(std::move(files)),
+        want_(want),
+        bytes_(bytes),
+        buf_(zero_buffer(buffers * kPiece)),
+        busy_(buffers, -1) {}
+  static constexpr uint64_t kPiece = 64 << 10;
+
+  Result<bool> next(StreamRequest& out) override {
+    if (fail_next_) return Status(StatusCode::kInternal, "next failed");
+    if (offset_ >= bytes_ * files_.size()) return false;
+    auto it = std::find(busy_.begin(), busy_.end(), -1);
+    if (it == busy_.end()) return false;  // every buffer busy
+    const size_t b = static_cast<size_t>(it - busy_.begin());
+    *it = static_cast<int64_t>(offset_);
+    const File* f = files_[offset_ / bytes_];
+    out = StreamRequest{f, buf_.get() + b * kPiece, kPiece, offset_ % bytes_, b};
+    offset_ += kPiece;
+    ++issued_;
+    return true;
+  }
+  Status done(uint64_t tag) override {
+    const auto at = static_cast<uint64_t>(busy_.at(tag));
+    EXPECT_EQ(std::memcmp(buf_.get() + tag * kPiece, want_ + at % bytes_, kPiece), 0) << at;
+    busy_[tag] = -1;
+    ++done_;
+    if (fail_done_ && done_ == 2) return Status(StatusCode::kCorrupt, "checksum mismatch");
+    return ok_status();
+  }
+
+  std::vector<const File*> files_;
+  const std::byte* want_;
+  uint64_t bytes_;
+  testing::AlignedBuffer buf_;
+  std::vector<int64_t> busy_;  // per buffer: the stream offset read into it, -1 free
+  uint64_t offset_ = 0;
+  int issued_ = 0, done_ = 0;
+  bool fail_next_ = false, fail_done_ = false;
+};
+
+// read_stream reads what the stream supplies as it frees buffers, across files, each request's
+// done() once with its bytes in, until the stream has nothing and nothing is in flight.
+TEST_P(EngineTest, ReadStreamReadsWhatTheStreamSuppliesAsBuffersFree) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 1 << 20;
+  ASSERT_TRUE(write_pattern(dir_.file("s1"), bytes, Feature::kOn, buf).ok());
+  testing::AlignedBuffer same;
+  ASSERT_TRUE(write_pattern(dir_.file("s2"), bytes, Feature::kOn, same).ok());
+  auto a = File::open_read(dir_.file("s1"), Feature::kOn);
+  auto b = File::open_read(dir_.file("s2"), Feature::kOn);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (size_t buffers : {1u, 3u, 8u}) {
+    BufferedStream stream({&*a, &*b}, buf.get(), bytes, buffers);
+    Status s = engine_->read_stream(stream, kLong);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(stream.issued_, static_cast<int>(2 * bytes / BufferedStream::kPiece));
+    EXPECT_EQ(stream.done_, stream.issued_);
+  }
+}
+
+// The first error stops the stream: done()'s, next()'s or a transfer's; no done() after it.
+TEST_P(EngineTest, ReadStreamStopsAtTheFirstError) {
+  testing::AlignedBuffer buf;
+  const uint64_t bytes = 1 << 20;
+  ASSERT_TRUE(write_pattern(dir_.file("se"), bytes, Feature::kOn, buf).ok());
+  auto f = File::open_read(dir_.file("se"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  {
+    BufferedStream stream({&*f}, buf.get(), bytes, 4);
+    stream.fail_done_ = true;
+    EXPECT_EQ(engine_->read_stream(stream, kLong).code(), StatusCode::kCorrupt);
+    EXPECT_EQ(stream.done_, 2);
+  }
+  {
+    BufferedStream stream({&*f}, buf.get(), bytes, 4);
+    stream.fail_next_ = true;
+    EXPECT_EQ(engine_->read_stream(stream, kLong).code(), StatusCode::kInternal);
+    EXPECT_EQ(stream.done_, 0);
+  }
+  {
+    std::atomic<int> reads{0};
+    ScopedFileHook hook([&](FileOp op, const std::string&) {
+      return op == FileOp::kRead && ++reads > 3 ? EIO : 0;
+    });
+    BufferedStream stream({&*f}, buf.get(), bytes, 2);
+    Status s = engine_->read_stream(stream, kLong);
+    EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+    EXPECT_EQ(s.sys_errno(), EIO);
+    EXPECT_LE(stream.done_, 3);
+  }
+}
+
+// A request past the end of the file is truncated (kCorrupt), as in read().
+TEST_P(EngineTest, ReadStreamPastTheEndIsTruncated) {
+  testing::AlignedBuffer buf;
+  ASSERT_TRUE(write_pattern(dir_.file("st"), 64 << 10, Feature::kOn, buf).ok());
+  auto f = File::open_read(dir_.file("st"), Feature::kOn);
+  ASSERT_TRUE(f.ok());
+  BufferedStream stream({&*f}, buf.get(), 256 << 10, 2);  // claims 256 KiB of a 64 KiB file
+  EXPECT_EQ(engine_->read_stream(stream, kLong).code(), StatusCode::kCorrupt);
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, EngineTest, ::testing::Values("io_uring", "threads"),
                          [](const auto& info) {
                            return std::string(info.param) == "io_uring" ? std::string("uring")

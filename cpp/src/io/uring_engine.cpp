@@ -205,3 +205,175 @@ Status UringEngine::run(Direction dir, const File& file, std::span<const IoReque
 }
 
 }  // namespace resilient::io::detail
+
+namespace resilient::io::detail {
+
+bool UringEngine::prep_read(int fd, std::byte* buf, uint64_t n, uint64_t at, uint64_t data) {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (sqe == nullptr) return false;
+  const int fixed = fixed_index(buf, n);
+  if (fixed >= 0) {
+    io_uring_prep_read_fixed(sqe, fd, buf, static_cast<unsigned>(n), at, fixed);
+    ++fixed_submissions_;
+  } else {
+    io_uring_prep_read(sqe, fd, buf, static_cast<unsigned>(n), at);
+  }
+  io_uring_sqe_set_data64(sqe, data);
+  return true;
+}
+
+// The loop of run(), with requests taken from the stream as the queue has room and the pieces
+// of finished requests' slots reused.
+Status UringEngine::read_stream(ReadStream& stream, Duration timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  struct Slot {
+    Piece piece;
+    const File* file;
+  };
+  std::vector<Slot> slots;            // pieces of the requests being read, by user data
+  std::vector<size_t> free_slots;     // slots to reuse
+  std::vector<size_t> left;           // pieces not done, per request slot
+  std::vector<uint64_t> tags;         // per request slot
+  std::vector<size_t> free_requests;  // request slots to reuse
+  std::deque<size_t> ready;           // piece slots waiting for a submission (new, or to resubmit)
+  std::vector<uint64_t> finished;     // tags whose done() is due
+  size_t in_flight = 0;
+  Status error;
+  bool timed_out = false;
+
+  // Takes the stream's next request into slots and `ready`; false when it has none for now.
+  auto take = [&]() -> bool {
+    StreamRequest r;
+    Result<bool> more = stream.next(r);
+    if (!more.ok()) {
+      error = more.status();
+      return false;
+    }
+    if (!*more) return false;
+    const IoRequest one{r.buf, r.len, r.offset};
+    auto pieces = split_requests(*r.file, {&one, 1}, options_.request_bytes);
+    if (!pieces.ok()) {
+      error = pieces.status();
+      return false;
+    }
+    size_t req;
+    if (free_requests.empty()) {
+      req = left.size();
+      left.push_back(0);
+      tags.push_back(0);
+    } else {
+      req = free_requests.back();
+      free_requests.pop_back();
+    }
+    left[req] = pieces->size();
+    tags[req] = r.tag;
+    if (pieces->empty()) {  // nothing to read: done at once
+      finished.push_back(r.tag);
+      free_requests.push_back(req);
+      return true;
+    }
+    for (Piece p : *pieces) {
+      p.request = req;
+      size_t i;
+      if (free_slots.empty()) {
+        i = slots.size();
+        slots.push_back(Slot{p, r.file});
+      } else {
+        i = free_slots.back();
+        free_slots.pop_back();
+        slots[i] = Slot{p, r.file};
+      }
+      ready.push_back(i);
+    }
+    return true;
+  };
+  auto run_done = [&] {
+    for (size_t k = 0; k < finished.size() && error.ok() && !timed_out; ++k)
+      error = stream.done(finished[k]);
+    finished.clear();
+  };
+
+  const size_t depth = static_cast<size_t>(options_.queue_depth);
+  for (;;) {
+    while (error.ok() && !timed_out && in_flight < depth) {
+      if (ready.empty() && !take()) break;
+      if (ready.empty()) continue;  // a request with nothing to read
+      const size_t i = ready.front();
+      Slot& s = slots[i];
+      Piece& p = s.piece;
+      uint64_t n = p.len - p.done;
+      const int hooked = file_hook(FileOp::kRead, s.file->fd());
+      if (hooked > 0) {  // an injected errno completes the piece at once
+        if (apply_result(Direction::kRead, *s.file, p, -hooked, error) == Next::kFail) break;
+        ready.push_back(ready.front());  // retried (EAGAIN, EINTR)
+        ready.pop_front();
+        if (std::chrono::steady_clock::now() >= deadline) timed_out = true;
+        continue;
+      }
+      if (hooked < 0) n = std::min<uint64_t>(n, static_cast<uint64_t>(-hooked));
+      if (!prep_read(s.file->fd(), p.buf + p.done, n, p.offset + p.done, i)) break;  // SQ full
+      ready.pop_front();
+      ++in_flight;
+    }
+    if (in_flight == 0) {
+      // Nothing in flight: what finished gets its done() now, which may free buffers for more.
+      if (finished.empty() || !error.ok() || timed_out) break;
+      run_done();
+      continue;
+    }
+    int rc = io_uring_submit(&ring_);
+    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && error.ok())
+      error = transfer_error(Direction::kRead, *slots[0].file, -rc, 0).prepend("io_uring_submit");
+    // Requests finished so far are checked and copied now, with the queue refilled.
+    if (error.ok() && !timed_out) run_done();
+    io_uring_cqe* cqe = nullptr;
+    int wrc;
+    if (error.ok() && !timed_out) {
+      __kernel_timespec ts = to_timespec(deadline - std::chrono::steady_clock::now());
+      wrc = io_uring_wait_cqe_timeout(&ring_, &cqe, &ts);
+      if (wrc == -ETIME) {
+        timed_out = true;
+        continue;
+      }
+    } else {
+      wrc = io_uring_wait_cqe(&ring_, &cqe);  // drain what is in flight
+    }
+    if (wrc == -EINTR || wrc == -EAGAIN) continue;
+    if (wrc < 0) {
+      if (error.ok())
+        error =
+            transfer_error(Direction::kRead, *slots[0].file, -wrc, 0).prepend("io_uring_wait_cqe");
+      return error;
+    }
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      const auto i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      --in_flight;
+      Slot& s = slots[i];
+      Status piece_error;
+      Next next = apply_result(Direction::kRead, *s.file, s.piece, cqe->res, piece_error);
+      if (next == Next::kDone) {
+        free_slots.push_back(i);
+        if (--left[s.piece.request] == 0) {
+          finished.push_back(tags[s.piece.request]);
+          free_requests.push_back(s.piece.request);
+        }
+      } else if (next == Next::kResubmit) {
+        if (error.ok() && !timed_out) ready.push_back(i);
+      } else if (error.ok()) {
+        error = std::move(piece_error);
+      }
+    }
+    io_uring_cq_advance(&ring_, seen);
+  }
+  if (!error.ok()) return error;
+  if (timed_out) {
+    return Status(StatusCode::kTimeout, "streaming read did not finish within " +
+                                            std::to_string(to_seconds(timeout)) + " s");
+  }
+  return ok_status();
+}
+
+}  // namespace resilient::io::detail

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "resilient/common/clock.hpp"
 #include "resilient/common/config.hpp"
@@ -36,6 +37,29 @@ struct IoRequest {
   void* buf;
   uint64_t len;
   uint64_t offset;
+};
+
+/// One request of a streaming read (IoEngine::read_stream): `len` bytes of `file` at `offset`
+/// into `buf`, under IoRequest's rules, and the reader's `tag` for it. `file` must stay open
+/// until the request is done.
+struct StreamRequest {
+  const File* file = nullptr;
+  void* buf = nullptr;
+  uint64_t len = 0;
+  uint64_t offset = 0;
+  uint64_t tag = 0;
+};
+
+/// The reader's side of a streaming read. Both calls run on the thread that called read_stream().
+class ReadStream {
+ public:
+  virtual ~ReadStream() = default;
+  /// The next request to read, in `out` (true), or none for now (false): the engine asks again
+  /// after the next completion, and the stream ends when there is none and none is in flight.
+  /// An error stops the stream.
+  virtual Result<bool> next(StreamRequest& out) = 0;
+  /// Every byte of the request tagged `tag` is in its buffer. An error stops the stream.
+  virtual Status done(uint64_t tag) = 0;
 };
 
 /// Called on the reading thread once every byte of `requests[index]` is in its buffer, while the
@@ -72,6 +96,16 @@ class IoEngine {
   /// request.
   virtual Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
                       const ReadDone& done) = 0;
+
+  /// Reads what `stream` supplies while it supplies it: whenever the queue has room it asks
+  /// next() for a request, and it calls done() for each request whose bytes are all in, after
+  /// refilling the queue, so the device reads the next requests while the caller checks and
+  /// copies; it returns once next() has nothing and nothing is in flight. The rules of read()
+  /// apply to each request; the first error (a transfer's, next()'s or done()'s) stops the
+  /// stream: what is in flight is drained and no further done() runs. `timeout` bounds the
+  /// whole call (kTimeout). The thread engine reads the stream in batches of up to queue_depth
+  /// requests, one file at a time.
+  virtual Status read_stream(ReadStream& stream, Duration timeout) = 0;
 
   /// Registers long-lived buffers (e.g. the host pool's slabs) as io_uring fixed buffers, which
   /// saves per-request page pinning. Optional: the thread engine ignores it. Requests whose

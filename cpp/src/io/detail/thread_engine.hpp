@@ -3,6 +3,7 @@
 // unavailable or refused. Same semantics as the io_uring engine (short transfers resubmitted,
 // EAGAIN/EINTR retried, the first error wins and stops the batch).
 
+#include <algorithm>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,10 @@ class ThreadEngine final : public IoEngine {
   using IoEngine::read;
   Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
               const ReadDone& done) override;
+  Status read_stream(ReadStream& stream, Duration timeout) override {
+    return read_stream_in_batches(*this, stream, timeout,
+                                  static_cast<size_t>(std::max(options_.queue_depth, 1)));
+  }
 
  private:
   struct Batch;

@@ -1,6 +1,10 @@
 #include "io/detail/transfer.hpp"
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <optional>
+#include <utility>
 
 namespace resilient::io::detail {
 namespace {
@@ -39,6 +43,39 @@ Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRe
     }
   }
   return pieces;
+}
+
+Status read_stream_in_batches(IoEngine& engine, ReadStream& stream, Duration timeout,
+                              size_t batch) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::optional<StreamRequest> carried;  // the first request of the next batch (another file)
+  std::vector<StreamRequest> taken;
+  std::vector<IoRequest> reqs;
+  for (;;) {
+    taken.clear();
+    if (carried) taken.push_back(*std::exchange(carried, std::nullopt));
+    while (taken.size() < std::max<size_t>(batch, 1)) {
+      StreamRequest r;
+      RESILIENT_ASSIGN_OR_RETURN(bool more, stream.next(r));
+      if (!more) break;
+      if (!taken.empty() && r.file != taken.front().file) {
+        carried = r;
+        break;
+      }
+      taken.push_back(r);
+    }
+    if (taken.empty()) return ok_status();
+    reqs.clear();
+    for (const auto& r : taken) reqs.push_back(IoRequest{r.buf, r.len, r.offset});
+    const auto left =
+        std::chrono::duration_cast<Duration>(deadline - std::chrono::steady_clock::now());
+    if (left <= Duration::zero()) {
+      return Status(StatusCode::kTimeout, "read did not finish in time")
+          .with_path(taken.front().file->path());
+    }
+    RESILIENT_RETURN_IF_ERROR(engine.read(*taken.front().file, reqs, left,
+                                          [&](size_t i) { return stream.done(taken[i].tag); }));
+  }
 }
 
 RequestCompletion::RequestCompletion(std::span<const Piece> pieces, size_t requests)

@@ -28,6 +28,10 @@ struct Piece {
 Result<std::vector<Piece>> split_requests(const File& file, std::span<const IoRequest> requests,
                                           uint64_t request_bytes);
 
+/// IoEngine::read_stream() in batches: up to `batch` requests of one file from `stream`, read
+/// with `engine.read()` (done() per request as it completes), again until the stream has none.
+Status read_stream_in_batches(IoEngine& engine, ReadStream& stream, Duration timeout, size_t batch);
+
 /// Tracks which requests of a read are complete, for IoEngine::ReadDone: each request counts
 /// its pieces down; a request whose last piece is done becomes ready for its callback.
 class RequestCompletion {

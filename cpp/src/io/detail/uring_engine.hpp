@@ -30,6 +30,7 @@ class UringEngine final : public IoEngine {
   using IoEngine::read;
   Status read(const File& file, std::span<const IoRequest> requests, Duration timeout,
               const ReadDone& done) override;
+  Status read_stream(ReadStream& stream, Duration timeout) override;
   Status register_buffers(std::span<const iovec> buffers) override;
 
   /// Number of submissions that used a fixed buffer (for tests).
@@ -39,6 +40,9 @@ class UringEngine final : public IoEngine {
   explicit UringEngine(const IoOptions& options) : options_(options) {}
   Status run(Direction dir, const File& file, std::span<const IoRequest> requests, Duration timeout,
              const ReadDone& done);
+  /// Queues one read SQE for `n` bytes at `at` of `fd` into `buf` with user data `data`; false
+  /// when the submission queue is full.
+  bool prep_read(int fd, std::byte* buf, uint64_t n, uint64_t at, uint64_t data);
   /// Index of the registered buffer that contains [p, p + n), or -1.
   int fixed_index(const std::byte* p, uint64_t n) const;
 
