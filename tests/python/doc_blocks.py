@@ -170,11 +170,11 @@ class Job:
     rank<R>.json in `out`. Every process group is SIGKILLed on exit."""
 
     def __init__(self, out: Path, script: str, world: int, env: dict | None = None) -> None:
+        import torch.distributed as dist
+
         self.out, self.world = out, world
         out.mkdir(parents=True, exist_ok=True)
         (out / "script.py").write_text(script)
-        import torch.distributed as dist
-
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
         self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
