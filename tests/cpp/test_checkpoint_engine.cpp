@@ -283,33 +283,35 @@ TEST_F(EngineTest, AQueueIsSharedOnlyByEqualPlansAndClosedByAFailure) {
   EXPECT_GE(queue[0], int64_t{1} << 62);
 }
 
-// The plan, and so the fingerprint a queue is shared under, depends on the reader threads: ranks
-// whose settings differ plan apart (the second reads nothing), unless the read is given one
-// thread count (ReadSharing::threads), as the ranks of a host sharing a restore agree on.
-TEST_F(EngineTest, ReadersGivenOneThreadCountPlanAlikeWhateverTheirSettings) {
+// The plan, and so the fingerprint a queue is shared under, depends on what is read and in
+// which extents (the request size), not on the reader threads: ranks with other thread counts
+// share the queue; a rank whose requests are cut otherwise plans apart and reads nothing.
+TEST_F(EngineTest, ReadersPlanAlikeWhateverTheirThreadsButNotTheirRequestSize) {
   auto writer = make();
   Manifest m;
   ASSERT_NO_FATAL_FAILURE(save_step_one(*writer, 6, m));
-  auto with_threads = [&](int n) {
+  auto with = [&](int threads, uint64_t request_bytes) {
     auto o = writer->options();
-    o.restore_threads = n;
+    o.restore_threads = threads;
+    o.io.request_bytes = request_bytes;
     return Checkpointer::create(o).value();
   };
-  auto one = with_threads(1);
-  auto four = with_threads(4);
+  auto one = with(1, 64 << 10);
+  auto four = with(4, 64 << 10);
+  auto other_requests = with(4, 128 << 10);
   std::vector<float> big(big_.size(), 0);
   std::vector<int64_t> small(3, 0);
   const std::vector<ReadTarget> t = {{"big", big.data(), big.size() * 4},
                                      {"small", small.data(), 24}};
   const uint64_t all = big.size() * 4 + 24;
-  for (int agreed : {0, 4}) {
+  for (Checkpointer* second_reader : {four.get(), other_requests.get()}) {
     alignas(8) int64_t queue[2] = {0, 0};
     uint64_t first = 0, second = 0;
-    ASSERT_TRUE(one->read(m, t, {.threads = agreed, .queue = queue, .bytes_read = &first}).ok());
-    queue[0] = 0;  // the groups again, under the first reader's fingerprint
-    ASSERT_TRUE(four->read(m, t, {.threads = agreed, .queue = queue, .bytes_read = &second}).ok());
+    ASSERT_TRUE(one->read(m, t, {.queue = queue, .bytes_read = &first}).ok());
+    queue[0] = 0;  // the extents again, under the first reader's fingerprint
+    ASSERT_TRUE(second_reader->read(m, t, {.queue = queue, .bytes_read = &second}).ok());
     EXPECT_EQ(first, all);
-    EXPECT_EQ(second, agreed ? all : 0) << "agreed threads: " << agreed;
+    EXPECT_EQ(second, second_reader == four.get() ? all : 0);
   }
   EXPECT_EQ(big, big_);
 }

@@ -1,7 +1,7 @@
 // Restore's read planning (checkpoint/detail/read_plan.hpp): worked examples, then properties
 // checked over random chunk layouts and limits: every chunk read by exactly one aligned extent
-// that covers it, no extent past its file's aligned end, groups that issue every extent once, and
-// slabs held at once within the pool's budget.
+// that covers it, no extent past its file's aligned end, none longer than a request unless it
+// holds one chunk, and the slabs held at once within the pool's budget.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +25,7 @@ TEST(ReadPlan, ChunksThatLieTogetherShareOneAlignedExtent) {
   // Three small chunks in one page-aligned run, one past a gap, one in another shard.
   std::vector<ChunkLocation> chunks = {
       {0, 100, 50}, {0, 10, 90}, {0, 5000, 3000}, {0, 40 * kA, 10}, {1, 0, 10}};
-  ReadPlan p = plan_reads(chunks, limits(4 * kA, 64 * kA));
+  ReadPlan p = plan_reads(chunks, limits(4 * kA, 64 * kA, 4, 8, 4 * kA));
   EXPECT_EQ(p.order, (std::vector<size_t>{1, 0, 2, 3, 4}));
   ASSERT_EQ(p.extents.size(), 3u);
   EXPECT_EQ(p.extents[0].offset, 0u);
@@ -38,10 +38,20 @@ TEST(ReadPlan, ChunksThatLieTogetherShareOneAlignedExtent) {
 
 TEST(ReadPlan, AnExtentStopsAtTheSlabSize) {
   std::vector<ChunkLocation> chunks = {{0, 0, kA}, {0, kA, kA}, {0, 2 * kA, kA}};
-  ReadPlan p = plan_reads(chunks, limits(2 * kA, 64 * kA));
+  ReadPlan p = plan_reads(chunks, limits(2 * kA, 64 * kA, 4, 8, 64 * kA));
   ASSERT_EQ(p.extents.size(), 2u);
   EXPECT_EQ(p.extents[0].len, 2 * kA);
   EXPECT_EQ(p.extents[1].offset, 2 * kA);
+}
+
+// Adjacent chunks coalesce up to one engine request: each extent is checked and placed as soon
+// as it is in.
+TEST(ReadPlan, AnExtentStopsAtTheRequestSize) {
+  std::vector<ChunkLocation> chunks;
+  for (uint64_t i = 0; i < 16; ++i) chunks.push_back({0, i * kA, kA});  // 16 pages, no gaps
+  ReadPlan p = plan_reads(chunks, limits(16 * kA, 1024 * kA, 4, 8, 2 * kA));
+  ASSERT_EQ(p.extents.size(), 8u);
+  EXPECT_EQ(p.extents[0].len, 2 * kA);
 }
 
 TEST(ReadPlan, AChunkLargerThanASlabIsReadAlone) {
@@ -52,27 +62,28 @@ TEST(ReadPlan, AChunkLargerThanASlabIsReadAlone) {
   EXPECT_EQ(p.extents[1].last - p.extents[1].first, 1u);
 }
 
-TEST(ReadPlan, GroupsFillTheEngineQueueWithinTheBudget) {
+// The threads share the engine's queue depth, two buffers each at least, within the budget.
+TEST(ReadPlan, ThreadsShareTheQueueDepthWithinTheBudget) {
   std::vector<ChunkLocation> chunks;
   for (uint64_t i = 0; i < 64; ++i) chunks.push_back({0, i * 2 * kA, kA});
-  // queue_depth x request_bytes is 4 slabs; a budget of 64 slabs over 4 threads x 2 sets allows 8.
-  ReadPlan p = plan_reads(chunks, limits(kA, 64 * kA, 4, 4, kA));
+  ReadPlan p = plan_reads(chunks, limits(kA, 64 * kA, 4, 16, kA));
   EXPECT_EQ(p.extents.size(), 64u);  // gaps between chunks: one extent each
-  EXPECT_EQ(p.slab_sets, 2);
-  EXPECT_EQ(p.slabs_per_read, 4u);
-  EXPECT_EQ(p.groups.size(), 16u);
   EXPECT_EQ(p.threads, 4u);
-  // A one-slab budget: one thread, one set, one slab.
+  EXPECT_EQ(p.buffers, 4u);                                                  // 16 over 4
+  EXPECT_EQ(plan_reads(chunks, limits(kA, 64 * kA, 4, 2, kA)).buffers, 2u);  // two at least
+  EXPECT_EQ(plan_reads(chunks, limits(kA, 64 * kA, 1, 8, kA)).buffers, 8u);  // one thread
+  EXPECT_EQ(plan_reads(chunks, limits(kA, 6 * kA, 4, 16, kA)).buffers, 1u);  // 6 slabs, 4 threads
+  // A one-slab budget: one thread, one buffer.
   ReadPlan tight = plan_reads(chunks, limits(kA, kA / 2, 4, 4, kA));
   EXPECT_EQ(tight.threads, 1u);
-  EXPECT_EQ(tight.slab_sets, 1);
-  EXPECT_EQ(tight.slabs_per_read, 1u);
+  EXPECT_EQ(tight.buffers, 1u);
+  // No more threads than extents.
+  EXPECT_EQ(plan_reads({chunks.data(), 3}, limits(kA, 64 * kA, 8, 8, kA)).threads, 3u);
 }
 
 TEST(ReadPlan, NoChunksIsOneIdleThread) {
   ReadPlan p = plan_reads({}, limits(kA, 64 * kA));
   EXPECT_TRUE(p.extents.empty());
-  EXPECT_TRUE(p.groups.empty());
   EXPECT_EQ(p.threads, 1u);
 }
 
@@ -143,24 +154,17 @@ TEST(ReadPlan, PropertiesHoldForRandomLayouts) {
       }
     }
     ASSERT_EQ(next_chunk, chunks.size());
-    // Groups issue every extent once, in order, one shard each, at most slabs_per_read.
-    size_t next_extent = 0;
-    for (const auto& [first, last] : p.groups) {
-      ASSERT_EQ(first, next_extent);
-      ASSERT_LT(first, last);
-      ASSERT_LE(last - first, p.slabs_per_read);
-      next_extent = last;
-      for (size_t k = first; k < last; ++k) ASSERT_EQ(p.extents[k].shard, p.extents[first].shard);
-    }
-    ASSERT_EQ(next_extent, p.extents.size());
-    // Threads and slabs: at least one thread, no more than wanted or than there are groups, and
-    // the slabs all threads hold at once within the budget (a budget under two slabs: one slab).
+    // Threads and buffers: at least one thread, no more than wanted or than there are extents,
+    // and the buffers all threads hold at once within the budget (a budget under one slab: one).
     const uint64_t budget_slabs = std::max<uint64_t>(1, lim.budget_bytes / lim.slab_bytes);
     ASSERT_GE(p.threads, 1u);
     ASSERT_LE(p.threads, static_cast<size_t>(std::max(lim.threads, 1)));
-    ASSERT_LE(p.threads, std::max<size_t>(1, p.groups.size()));
-    ASSERT_GE(p.slabs_per_read, 1u);
-    ASSERT_LE(p.threads * p.slab_sets * p.slabs_per_read, budget_slabs) << "round " << round;
+    ASSERT_LE(p.threads, std::max<size_t>(1, p.extents.size()));
+    ASSERT_GE(p.buffers, 1u);
+    ASSERT_LE(p.threads * p.buffers, budget_slabs) << "round " << round;
+    for (const Extent& x : p.extents) {
+      if (x.len > std::min(lim.slab_bytes, lim.request_bytes)) ASSERT_EQ(x.last - x.first, 1u);
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 #pragma once
 // Restore: reads the chunks of the requested tensors in parallel (one io engine per reader
 // thread, large coalesced O_DIRECT reads into pool slabs), verifies every chunk's checksum, and
-// decodes it straight into the caller's buffers.
+// decodes it straight into the caller's buffers as soon as its bytes are in (while the reader's
+// later requests are still in flight). Chunks of host targets whose pages are all in the page
+// cache are read from there instead (RestoreOptions::page_cache).
 
 #include <cstdint>
 #include <span>
@@ -43,7 +45,7 @@ struct RestoreOptions {
   const memory::CudaRuntime* cuda = nullptr;  // needed for device targets
   // Two int64 words (8-byte aligned, 0 before the first reader starts) in memory that several
   // processes map, each reading the same targets (by name, size and order) into one shared
-  // buffer: the reads' groups are claimed through queue[0] by whichever thread of whichever
+  // buffer: the reads' extents are claimed through queue[0] by whichever thread of whichever
   // process is free, so the processes finish together however unevenly the storage serves
   // them. queue[1] holds the first process's plan fingerprint: a process whose plan differs
   // (other settings; the caller should give every process one thread count) claims nothing and
@@ -53,6 +55,12 @@ struct RestoreOptions {
   int64_t* queue = nullptr;
   // Out: the bytes of the targets this process read (the tensors' bytes, not the file's).
   uint64_t* bytes_read = nullptr;
+  // Take a chunk of a host target from the page cache when all its pages are there (a restart
+  // on the same host), instead of reading it O_DIRECT from the device; chunk by chunk, the rest
+  // from the device (io/page_cache.hpp). Checksums are verified either way.
+  bool page_cache = true;
+  // Out: the bytes of the targets this process took from the page cache (part of bytes_read).
+  uint64_t* bytes_cached = nullptr;
 };
 
 /// Reads every target from the step directory `step_dir` described by `manifest`. Errors:

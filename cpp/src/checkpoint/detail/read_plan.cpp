@@ -54,28 +54,15 @@ ReadPlan plan_reads(std::span<const ChunkLocation> chunks, const ReadLimits& lim
     const ChunkLocation& y = chunks[b];
     return x.shard != y.shard ? x.shard < y.shard : x.offset < y.offset;
   });
-  plan.extents = coalesce(chunks, plan.order, limits.slab_bytes);
-
+  plan.extents = coalesce(chunks, plan.order, std::min(limits.slab_bytes, limits.request_bytes));
   const uint64_t budget_slabs = std::max<uint64_t>(1, limits.budget_bytes / limits.slab_bytes);
-  plan.slab_sets = budget_slabs >= 2 ? 2 : 1;
-  const uint64_t threads_max =
-      std::clamp<uint64_t>(budget_slabs / 2, 1, static_cast<uint64_t>(std::max(limits.threads, 1)));
-  // Never so many per read that threads go without work (checksums and zstd run per thread).
-  const uint64_t spread = (plan.extents.size() + threads_max - 1) / threads_max;
-  plan.slabs_per_read = std::clamp<uint64_t>(
-      limits.queue_depth * limits.request_bytes / limits.slab_bytes, 1,
-      std::max<uint64_t>(1, std::min(spread, budget_slabs / (plan.slab_sets * threads_max))));
-
-  for (size_t i = 0; i < plan.extents.size(); ++i) {
-    if (!plan.groups.empty() &&
-        plan.groups.back().second - plan.groups.back().first < plan.slabs_per_read &&
-        plan.extents[plan.groups.back().first].shard == plan.extents[i].shard) {
-      plan.groups.back().second = i + 1;
-    } else {
-      plan.groups.emplace_back(i, i + 1);
-    }
-  }
-  plan.threads = std::clamp<size_t>(plan.groups.size(), 1, threads_max);
+  plan.threads = std::clamp<size_t>(
+      std::min<size_t>(static_cast<size_t>(std::max(limits.threads, 1)), plan.extents.size()), 1,
+      budget_slabs);
+  // The engine's queue depth over the threads, two each at least, within the budget.
+  const uint64_t depth = (limits.queue_depth + plan.threads - 1) / plan.threads;
+  plan.buffers = std::max<uint64_t>(
+      1, std::min<uint64_t>(std::max<uint64_t>(2, depth), budget_slabs / plan.threads));
   return plan;
 }
 

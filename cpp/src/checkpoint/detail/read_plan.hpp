@@ -1,16 +1,20 @@
 #pragma once
 // Restore's read planning, as pure functions: which aligned byte ranges of which shard files to
-// read, which stored chunks each range holds, how the ranges are grouped into engine calls, and
-// how many reader threads and host slabs run them. restore.cpp executes the plan.
+// read, which stored chunks each range holds, and how many reader threads and host slabs read
+// them. restore.cpp executes the plan.
 //
 // Why the shapes: data files may be opened O_DIRECT, so every read starts and ends on a
 // kDirectAlignment boundary. Chunks of one shard that lie together are read as one range (an
-// "extent") as long as it fits a pool slab, so small tensors cost one read, not one each.
-// Consecutive extents of one shard are issued by one engine call, enough of them to fill the
-// engine's queue (queue_depth x request_bytes), so each call streams like one sequential reader.
-// Each reader thread holds two sets of slabs (one being read into while the other's copies to the
-// device drain); all threads' slabs together stay within the pool's budget, or threads holding
-// some slabs could wait for each other's until the timeout.
+// "extent") as long as it fits one engine request (and a pool slab), so small tensors cost one
+// read, not one each, and each extent's chunks can be checked and placed as soon as it is in.
+// Each reader thread reads one extent into each of its buffers (slabs) and claims the next
+// extent, in file order, whenever a buffer is free: the threads together keep about the
+// engine's queue depth of requests in flight, in the order the device (and an I/O scheduler
+// such as mq-deadline, which serves by position) reads them, and whatever arrives is checked by
+// the thread that asked for it while the others' reads go on. Every thread has two buffers at
+// least (the device reads into one while the other is checked, or copied to a GPU), and all
+// threads' buffers stay within the pool's budget, or threads holding some slabs could wait for
+// each other's until the timeout.
 
 #include <cstddef>
 #include <cstdint>
@@ -49,14 +53,10 @@ struct ReadLimits {
 struct ReadPlan {
   /// Indices into the chunk list, sorted by (shard, offset).
   std::vector<size_t> order;
-  /// Extents in order; each covers its chunks, no two share a chunk.
+  /// Extents in order; each covers its chunks, no two share a chunk. Claimed one at a time.
   std::vector<Extent> extents;
-  /// Extents [first, last) read by one engine call: consecutive extents of one shard, at most
-  /// slabs_per_read of them.
-  std::vector<std::pair<size_t, size_t>> groups;
-  size_t threads = 1;         ///< reader threads to run (<= groups, >= 1)
-  int slab_sets = 1;          ///< sets of slabs each thread alternates between (1 or 2)
-  size_t slabs_per_read = 1;  ///< slabs in one set: the most extents in one group
+  size_t threads = 1;  ///< reader threads to run (<= extents, >= 1)
+  size_t buffers = 1;  ///< slabs each thread reads extents into (its engine's queue depth)
 };
 
 /// The first chunk (index into `chunks`) that does not lie within its file: its end past the
@@ -66,9 +66,9 @@ std::optional<size_t> find_chunk_past_end(std::span<const ChunkLocation> chunks,
                                           std::span<const uint64_t> file_sizes);
 
 /// The plan for reading `chunks` within `limits`. Every chunk is read by exactly one extent;
-/// an extent longer than a slab holds exactly one chunk (the reader gives it a buffer of its
-/// own). No extent ends past its file's aligned size when find_chunk_past_end() found none.
-/// Pure: no I/O, no clock.
+/// an extent longer than a request holds exactly one chunk (one longer than a slab gets a buffer
+/// of its own from the reader). No extent ends past its file's aligned size when
+/// find_chunk_past_end() found none. Pure: no I/O, no clock.
 ReadPlan plan_reads(std::span<const ChunkLocation> chunks, const ReadLimits& limits);
 
 }  // namespace resilient::checkpoint::detail
