@@ -135,7 +135,9 @@ def worker(a: argparse.Namespace) -> int:
     if a.checkpoint_dir:
         from resilient import Checkpointer
 
-        ckpt = Checkpointer(a.checkpoint_dir, keep=2, create=True, distributed=False)
+        # every rank holds one (rank 0 saves): writer=False, the lock goes to the saver
+        ckpt = Checkpointer(a.checkpoint_dir, keep=2, create=True, distributed=False,
+                            writer=False)
     rec = Recovery(store, a.rank, a.world, model, opt, global_batch=a.global_batch,
                    micro_batch=a.micro_batch, backend=a.backend, config=cfg, checkpointer=ckpt,
                    checkpoint_every=a.checkpoint_every, job=f"ddp-recovery-{a.store}",

@@ -251,8 +251,11 @@ def test_abandon_keeps_the_root_while_a_save_still_runs(tmp_path: Path) -> None:
     ck.abandon_in_flight = lambda reason: []  # the store did not take the mark
     with pytest.raises(TimeoutError, match="root stays locked"):
         ck.abandon("rank 1 was lost", timeout=0.5)
-    other = resilient.Checkpointer(tmp_path / "ck", create=True, distributed=False)
-    with pytest.raises(resilient.RootInUseError):
+    with pytest.raises(resilient.RootInUseError):  # a writer is refused when it is made
+        resilient.Checkpointer(tmp_path / "ck", create=True, distributed=False)
+    other = resilient.Checkpointer(tmp_path / "ck", create=True, distributed=False,
+                                   writer=False)
+    with pytest.raises(resilient.RootInUseError):  # or at its first save
         other.save(3, state).wait()
     del ck.abandon_in_flight
     assert ck.abandon("rank 1 was lost", timeout=10) == [2]

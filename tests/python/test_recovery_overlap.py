@@ -176,6 +176,26 @@ def test_a_rank_frozen_while_saves_are_in_flight_leaves_the_others_training(
 
 
 @pytest.mark.timeout(300)
+def test_a_frozen_rank_0_holding_the_roots_writer_lock_is_taken_over(tmp_path: Path) -> None:
+    """Rank 0, the root's writer, is SIGSTOPped mid-run: alive, it keeps the root's writer lock.
+    The survivors' new rank 0 takes the root over (the holder names this job, and it is not in
+    the new group), commits the rest of the run, and the launcher exits 0."""
+    job = Job(tmp_path)
+    try:
+        job.wait_for_step(0, 6)
+        job.kill(0, signal.SIGSTOP)
+        code = job.finish(120)
+    finally:
+        job.finish(0)
+    log = job.log()
+    assert code == 0, log
+    assert log.count(f"done at step {STEPS}, world 2") == 2, log
+    assert "taking over from the job's removed writer" in log, log
+    assert "RootInUseError" not in log, log
+    assert committed_steps(tmp_path / "ckpt")[STEPS] == 2
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase", ["agreement", "rebuild"])
 def test_a_second_rank_lost_during_the_recovery_is_recovered_from(tmp_path: Path,
                                                                   phase: str) -> None:

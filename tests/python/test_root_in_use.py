@@ -86,3 +86,45 @@ def test_a_new_root_is_logged_and_a_new_parent_warned(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(tmp_path / "chekpoints") in warnings[0], warnings
     assert "mistyped" in warnings[0]
+
+
+LOCK_HOLDER = textwrap.dedent("""
+    import sys
+    from resilient.checkpoint import root as roots
+    lock = roots.WriterLock(sys.argv[1])
+    lock.acquire(job=sys.argv[2])
+    print("holding", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_removed_writer_of_the_same_job_is_taken_over_and_the_lock_reclaimed(tmp_path):
+    """In-process recovery's takeover (root.WriterLock): a holder that names this job (the
+    job's removed writer, still alive) is taken over, another job's never; the OS lock is taken
+    back once the holder is gone."""
+    from resilient.checkpoint import root as roots
+
+    root = tmp_path / "c"
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(root), "job-a"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        other_job = roots.WriterLock(str(root))
+        with pytest.raises(resilient.RootInUseError, match="job job-a"):
+            other_job.acquire(job="job-b", takeover=True)
+        no_takeover = roots.WriterLock(str(root))
+        with pytest.raises(resilient.RootInUseError):
+            no_takeover.acquire(job="job-a")
+        lock = roots.WriterLock(str(root))
+        lock.acquire(job="job-a", takeover=True)
+        assert lock.taken_over is not None and "job job-a" in lock.taken_over
+        lock.reclaim()
+        assert lock.taken_over is not None  # the holder still has it
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    lock.reclaim()
+    assert lock.taken_over is None
+    assert (root / ".writer.lock").read_text().endswith(" job job-a\n")
+    lock.release()

@@ -326,6 +326,29 @@ def _local_held(tensors: dict[str, Any], held_of: Callable[..., Held],
     return held, alone, now
 
 
+def _one_process_job() -> bool:
+    """Whether nothing says this process is one of several of a job (a launcher's environment,
+    an initialized process group of several ranks)."""
+    env = os.environ
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(key, "1").strip() not in ("", "1"):
+            return False
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _may_write_now(world_size: int) -> bool:
+    """Whether this process can be the root's writer now (see Checkpointer's `writer`)."""
+    if os.environ.get("RESILIENT_JOIN") == "1":  # recovery.environment.JOIN_ENV
+        return False
+    dist = torch.distributed
+    if world_size == 1 and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    if world_size == 1 and os.environ.get("RANK", "0").strip() not in ("", "0"):
+        return False
+    return True
+
+
 def _mark_target(e: BaseException, touched: bool) -> None:
     """Says on an error raised by load() whether the target was partly overwritten."""
     try:
@@ -439,8 +462,17 @@ class Checkpointer:
             when directories above it had to be created too.
         writer: this checkpointer saves: take the root's writer lock now (RootInUseError at
             once while another job writes there, before this one resumes from that job's live
-            step) rather than at the first save. Default: with create=True (CheckpointManager
-            always).
+            step) rather than at the first save. Default: with create=True in a one-process
+            job (not under torchrun, srun or an initialized process group of several ranks);
+            CheckpointManager always. Never in a process that cannot be the job's writer yet:
+            a spare or a replacement waiting to join (RESILIENT_JOIN=1), or a rank other than 0
+            of a torch.distributed job holding a checkpointer of its own (distributed=False).
+            False: only at the first save.
+        takeover: for in-process recovery after a rank was lost (CheckpointManager.regroup):
+            when the root's writer lock is held by a process of this job that is not in the new
+            group (the removed writer, still alive: frozen, cut off), write anyway and take the
+            lock once that process is gone (root.WriterLock). Another job's lock is never
+            taken over.
         distributed: None (default): every rank of the default process group takes part when
             torch.distributed is initialized with more than one rank; False: this process alone
             (a rank-0-only checkpoint); True: require a process group.
@@ -485,6 +517,7 @@ class Checkpointer:
         *,
         create: bool = False,
         writer: bool | None = None,
+        takeover: bool = False,
         distributed: bool | None = None,
         specs: dict[str, ShardSpec] | None = None,
         group: Any = None,
@@ -542,7 +575,8 @@ class Checkpointer:
         weakref.finalize(self, self._lock.release)
         error = None
         if writer is None:
-            writer = self.create
+            writer = self.create and _one_process_job()
+        writer = writer and _may_write_now(self.world_size)
         if (self.create or writer) and self.rank == 0:
             # A run that saves takes its writer lock now, so a second job on a root in use
             # stops here, not at its first save after resuming from the other job's live step.
@@ -550,7 +584,7 @@ class Checkpointer:
                 created, missing = (roots.ensure_root(self.root) if self.create
                                     else (False, None))
                 if writer and roots.is_root(self.root):
-                    self._lock.acquire()
+                    self._lock.acquire(self._job_token(), takeover=takeover)
                 if created:
                     log.info("created a new checkpoint root at %s", os.path.abspath(self.root))
                 if missing:
@@ -565,7 +599,11 @@ class Checkpointer:
         if error is not None:
             self._lock.release()
             if error[0] == "in use":
-                raise RootInUseError(error[1])
+                raise RootInUseError(
+                    error[1] + " (this checkpointer takes the lock when it is made: "
+                    "create=True in a one-process job, or writer=True; a job whose every "
+                    "process holds a checkpointer of its own that only one uses to save passes "
+                    "writer=False, and the saver takes the lock at its first save)")
             raise CheckpointNotFoundError(f"cannot create checkpoint root: {error[1]}",
                                           self.root)
         self._plan_key: Any = None
@@ -659,7 +697,9 @@ class Checkpointer:
             self._check_step_number(step)
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
-                self._lock.acquire()  # one writer per root
+                self._lock.acquire(self._job_token())  # one writer per root
+            if self.rank == 0 and self._lock.taken_over:
+                self._lock.reclaim()  # the removed writer may be gone by now
             if self.rank == 0:
                 self._start_drainer()  # once: the copies to the tiers
             prints = (_fingerprints(enc.tensors, alone)
@@ -1151,6 +1191,17 @@ class Checkpointer:
         loaded, self._after_load = self._after_load, None
         for h in loaded[2] if loaded is not None else ():
             h.remove()
+
+    def _job_token(self) -> str | None:
+        """Rank 0: what names this job in the root's lock file, so that WriterLock's takeover
+        tells this job's removed writer from another job's: the launch attempt's id (resilient
+        run, torchrun, srun), which every rank of every generation of the job shares; None for
+        one process, or outside a launcher (then there is no takeover)."""
+        if self.world_size == 1:
+            return None
+        from resilient.recovery.environment import run_id
+
+        return run_id()
 
     def _check_step_number(self, step: int) -> None:
         """Raises ValueError for save(k) right after load() returned k and the optimizer took

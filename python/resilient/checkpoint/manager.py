@@ -150,6 +150,8 @@ class CheckpointManager:
         if rng:
             self.rank_state.setdefault("rng", RNGState())
         self.every = every
+        # A manager saves: its checkpointer takes the root's writer lock when it is made
+        # (unless this process cannot be the writer yet: see Checkpointer's `writer`).
         self._args = (root, dict(keep=keep, create=create, specs=specs, writer=True, **options))
         self._ckpt = Checkpointer(root, **self._args[1])
         self.distributed = self._ckpt.world_size > 1
@@ -194,7 +196,8 @@ class CheckpointManager:
                 log.error("a save before the group grew did not commit: %s", e)
             lost = [h.step for h in handles if h._error is not None]
         root, kwargs = self._args
-        self._ckpt = Checkpointer(root, **{**kwargs, "create": True, "group": group})
+        self._ckpt = Checkpointer(root, **{**kwargs, "create": True, "group": group,
+                                           "takeover": lost_rank})
         self.distributed = self._ckpt.world_size > 1
         if lost:
             log.warning("checkpoint saves of steps %s were not committed (the group changed); "

@@ -396,39 +396,71 @@ _LOCKED: set[str] = set()  # roots this process writes to (POSIX locks do not ex
 class WriterLock:
     """One writer per root: an advisory POSIX lock (fcntl, which NFS and Lustre honour) on
     `root/.writer.lock`, held while a checkpointer saves; the kernel drops it when the process
-    dies, so a crashed writer never blocks the next one. The file names its holder."""
+    dies, so a crashed writer never blocks the next one. The file names its holder and its
+    job (a token the job's ranks share).
+
+    Takeover: after in-process recovery removed the job's writer, that process may still be
+    alive (frozen, cut off) and hold the lock. The new group's writer may then take the root
+    over (``takeover=True``, only when the holder names the same job: a removed member; never
+    another job's writer), writes without the OS lock, and takes it as soon as the removed
+    process is gone (``reclaim()``, at each save)."""
 
     def __init__(self, root: str):
         self.root = os.path.realpath(root)
         self.fd: int | None = None
+        self.job: str | None = None  # the job's token, written into the file
+        self.taken_over: str | None = None  # the removed holder while the OS lock is theirs
 
-    def acquire(self) -> None:
+    def acquire(self, job: str | None = None, takeover: bool = False) -> None:
         if self.fd is not None:
             return
-        import fcntl
-        import socket
-
         if self.root in _LOCKED:
             raise RootInUseError(f"another Checkpointer of this process is saving to {self.root}; "
                                  "close it first (one writer per root)")
         path = os.path.join(self.root, LOCK)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        self.job = job or self.job
+        if not self._lock(fd):
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            if takeover and job is not None and holder.endswith(f" job {job}"):
+                import logging
+
+                logging.getLogger("resilient.checkpoint").warning(
+                    "%s: taking over from the job's removed writer (%s), which still holds the "
+                    "root's lock; the lock is taken back once that process is gone", self.root,
+                    holder)
+                self.fd, self.taken_over = fd, holder
+                _LOCKED.add(self.root)
+                return
             os.close(fd)
             raise RootInUseError(
                 f"{self.root} is being written by another process ({holder}); one writer per "
-                "root: use another root, or stop that job") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                "root: use another root, or stop that job")
         self.fd = fd
         _LOCKED.add(self.root)
+
+    def _lock(self, fd: int) -> bool:
+        """Takes the OS lock on `fd` (not waiting) and names this process in the file."""
+        import fcntl
+        import socket
+
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        os.ftruncate(fd, 0)
+        job = f" job {self.job}" if self.job else ""
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{job}\n".encode(), 0)
+        return True
+
+    def reclaim(self) -> None:
+        """After a takeover: takes the OS lock once the removed holder is gone."""
+        if self.fd is not None and self.taken_over is not None and self._lock(self.fd):
+            self.taken_over = None
 
     def release(self) -> None:
         if self.fd is None:
             return
         _LOCKED.discard(self.root)
-        fd, self.fd = self.fd, None
+        fd, self.fd, self.taken_over = self.fd, None, None
         os.close(fd)  # drops the lock
