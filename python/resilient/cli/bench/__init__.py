@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient import _C
+from resilient.cli.bench import verdict
 
 # gpt-1b in float32 with AdamW is 15.7 GB, and dcp.async_save's stager copies it once more:
 # more than a 24 GiB host holds. gpt-350m (4.3 GB) fits with every method's copies.
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{', '.join(WORLD_METHODS)})", file=sys.stderr)
             return 2
         return run_world_bench(args)
+    args.methods_given = args.methods is not None
     args.methods = args.methods or ",".join(ALL_METHODS)
     import torch
 
@@ -182,11 +184,17 @@ def run(args: argparse.Namespace) -> int:
     request_bytes = _C.parse_bytes(args.request_bytes)
     rows = []
     started = time.time()
+    watch = verdict.MachineWatch().start()
     try:
         progress("reference copy", quiet)
         ref = m.d2h_row if args.device == "cuda" else m.memcpy_row
         rows.append(ref(state, nbytes, args.repeat))
         for name in wanted:
+            why = None if args.methods_given else m.known_failure(name, torch.__version__)
+            if why:
+                progress(f"{name}: skipped ({why})", quiet)
+                rows.append(m.Row(name, ok=False, skipped=why))
+                continue
             progress(name, quiet)
             d = root / name.replace(".", "_")
             d.mkdir(parents=True, exist_ok=True)
@@ -201,7 +209,11 @@ def run(args: argparse.Namespace) -> int:
                 mode = "overlap" if name == "resilient_overlap" else "blocking"
 
                 def fn(d=d, mo=mode, opts=opts):
-                    return m.resilient_row(state, nbytes, d, args.device, opts, args.repeat, mo)  # noqa: E731
+                    def paired() -> tuple[float, float]:
+                        return m.raw_pair(nbytes, d, request_bytes, args.queue_depth)
+
+                    return m.resilient_row(state, nbytes, d, args.device, opts, args.repeat, mo,
+                                           paired if "raw" in wanted else None)
             elif name == "torch.save":
                 fn = lambda d=d: m.torch_save_row(state, nbytes, d, args.device, args.repeat)  # noqa: E731
             elif name == "dcp":
@@ -233,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    machine = watch.stop()
     result = {
         "bytes": nbytes,
         "tensors": len(state),
@@ -243,63 +256,18 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
+        "machine": machine,
         "rows": [r.to_dict() for r in rows],
     }
-    result["goals"] = goals(result["rows"], args.device)
+    result["goals"] = verdict.goals(result["rows"], args.device)
+    judged = verdict.Machine.judge(machine, result["rows"])
+    result["machine"]["reasons"] = judged.reasons
+    result["verdict"] = verdict.verdict(result["goals"], judged)[1]
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print_table(result)
+        print_table(result, judged)
     return 0
-
-
-def _row(rows: list[dict], name: str) -> dict | None:
-    return next((r for r in rows if r["method"] == name and r["ok"]), None)
-
-
-def goals(rows: list[dict], device: str) -> list[dict[str, Any]]:
-    """The issue's goals as ratios measured in this run."""
-    out: list[dict[str, Any]] = []
-    res, raw = _row(rows, "resilient"), _row(rows, "raw")
-    ref = _row(rows, "d2h_limit" if device == "cuda" else "memcpy")
-    limit = 1.15 if device == "cuda" else 1.2
-
-    def add(name: str, value: float | None, target: str, ok: bool | None) -> None:
-        out.append({"goal": name, "value": value, "target": target, "met": ok})
-
-    if res and raw:
-        for key, label in (("write_gbps", "write vs raw"), ("restore_gbps", "restore vs raw")):
-            v = res[key] / raw[key] if res[key] and raw[key] else None
-            add(label, v, ">= 0.90", v is not None and v >= 0.9)
-    if res and ref:
-        v = res["stall_s"] / ref["stall_s"]
-        add(f"stall vs {ref['method']}", v, f"<= {limit}", v <= limit)
-    ov = _row(rows, "resilient_overlap")
-    if ov and ref and device == "cuda":
-        v = ov["return_s"] / ref["stall_s"]
-        add("overlap return vs d2h_limit", v, "<= 0.10", v <= 0.10)
-    tr = _row(rows, "train_overlap")
-    if tr:
-        v = tr["notes"]["step_ratio"]
-        add(
-            f"training step with saves every {tr['notes']['every']} steps vs without",
-            v,
-            "<= 1.02",
-            v <= 1.02,
-        )
-    if res:
-        for other in ("torch.save", "dcp", "dcp_async", "dcp_async_fresh"):
-            o = _row(rows, other)
-            if not o:
-                continue
-            ahead = (
-                res["stall_s"] < o["stall_s"]
-                and res["durable_s"] < o["durable_s"]
-                and (res["write_gbps"] or 0) > (o["write_gbps"] or 0)
-                and (res["restore_gbps"] or 0) > (o["restore_gbps"] or 0)
-            )
-            add(f"ahead of {other} (stall, durable, write, restore)", None, "all four", ahead)
-    return out
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -310,24 +278,29 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def print_table(result: dict) -> None:
+def print_table(result: dict, machine: verdict.Machine) -> None:
+    """The rows, a legend of the columns, each goal with its value and the verdict."""
+    m = result["machine"]
     print(
         f"resilient bench: {result['bytes'] / 2**30:.2f} GiB in {result['tensors']} tensors "
-        f"({result['dtype']}, {result['device']}), torch {result['torch']}, {result['date']}"
+        f"({result['dtype']}, {result['device']}), torch {result['torch']}, {result['date']}, "
+        f"{m['cpus']} CPUs, load average {m['loadavg_start']} -> {m['loadavg_end']}"
     )
-    cols = ["method", "return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps"]
-    print(" ".join(f"{c:>13}" for c in cols) + "  notes")
+    cols = ["method", "return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps",
+            "warm_gbps"]
+    print(" ".join(f"{c:>13}" for c in cols))
     for r in result["rows"]:
-        if not r["ok"]:
+        if r.get("skipped"):
+            print(f"{r['method']:>13} skipped: {r['skipped']}")
+        elif not r["ok"]:
             print(f"{r['method']:>13} FAILED: {r['error']}")
-            continue
-        notes = {k: v for k, v in r["notes"].items() if k != "traceback"}
-        print(
-            " ".join(f"{_fmt(r[c]):>13}" for c in cols)
-            + "  "
-            + ", ".join(f"{k}={_fmt(v, 2)}" for k, v in notes.items())
-        )
-    print("goals (this run):")
-    for g in result["goals"]:
-        mark = "met" if g["met"] else "MISSED"
-        print(f"  {g['goal']:<50} {_fmt(g['value']):>8}  target {g['target']:<10} {mark}")
+        else:
+            print(" ".join(f"{_fmt(r[c]):>13}" for c in cols))
+    print("columns (medians of the repeats; --json has every one):")
+    for name, text in verdict.LEGEND:
+        print(f"  {name:<13} {text}")
+    print("goals (ratios within this run):")
+    lines, end = verdict.verdict(result["goals"], machine)
+    for line in lines:
+        print(line)
+    print(end)

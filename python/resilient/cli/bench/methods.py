@@ -1,5 +1,6 @@
 """One function per benchmarked method. Each saves the same state, waits until it is durable,
-then restores it with the page cache dropped, and returns a Row.
+then restores it with the page cache dropped (cold), then again with the checkpoint's files in
+the page cache (warm: a restart on the same host), and returns a Row.
 
 Definitions (seconds from the save call):
   return_s   how long the save call blocked
@@ -7,16 +8,21 @@ Definitions (seconds from the save call):
   durable_s  until the checkpoint is on storage (fsynced) and committed
   write_gbps bytes / (durable_s - stall_s): storage throughput once the state is staged
              (for blocking methods stall_s == durable_s, so bytes / durable_s)
-  restore_gbps bytes / time to read the checkpoint back into memory from storage
+  restore_gbps bytes / time to read the checkpoint back into memory from storage (cold cache)
+  warm_gbps  the same with the checkpoint's files in the page cache
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+import statistics
 import time
 import traceback
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +40,9 @@ class Row:
     durable_s: float | None = None
     write_gbps: float | None = None
     restore_gbps: float | None = None
+    warm_gbps: float | None = None
     ok: bool = True
+    skipped: str | None = None  # why the method did not run (a known failure of this torch)
     error: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -42,20 +50,45 @@ class Row:
         return asdict(self)
 
 
-def median_row(rows: list[Row]) -> Row:
-    """Field-wise median of repeated measurements (the notes of the last one)."""
-    import statistics
+FIELDS = ("return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps", "warm_gbps")
 
+
+def median_row(rows: list[Row]) -> Row:
+    """Field-wise median of repeated measurements (the notes of the last one); notes["all"] keeps
+    every repeat's value of each field, in order."""
     out = Row(rows[-1].method, notes=dict(rows[-1].notes))
-    for f in ("return_s", "stall_s", "durable_s", "write_gbps", "restore_gbps"):
+    every: dict[str, list[float]] = {}
+    for f in FIELDS:
         vals = [getattr(r, f) for r in rows if getattr(r, f) is not None]
         setattr(out, f, statistics.median(vals) if vals else None)
+        if vals:
+            every[f] = [round(v, 4) for v in vals]
     out.notes["repeats"] = len(rows)
+    out.notes["all"] = every
     return out
 
 
 def _gbps(nbytes: int, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9 if seconds and seconds > 0 else None
+
+
+def warm_cache(path: Path) -> None:
+    """Reads `path`'s files through the page cache (untimed), as a restart on the same host
+    finds them after anything read them buffered."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+
+@contextlib.contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """Silences DCP's "torch.distributed is disabled ... assuming the intent is to save in a single
+    process" (the single-process rows save without a process group on purpose)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def drop_cache(path: Path) -> str:
@@ -72,7 +105,8 @@ def drop_cache(path: Path) -> str:
     return "fadvise" if ok else "none (page cache may serve reads)"
 
 
-def _blocking_row(name: str, nbytes: int, durable: float, restore: float, how: str) -> Row:
+def _blocking_row(name: str, nbytes: int, durable: float, restore: float, warm: float,
+                  how: str) -> Row:
     """A row for a method whose save blocks until durable (stall == return == durable)."""
     return Row(
         name,
@@ -81,6 +115,7 @@ def _blocking_row(name: str, nbytes: int, durable: float, restore: float, how: s
         durable_s=durable,
         write_gbps=_gbps(nbytes, durable),
         restore_gbps=_gbps(nbytes, restore),
+        warm_gbps=_gbps(nbytes, warm),
         notes={"cache": how},
     )
 
@@ -121,7 +156,19 @@ def memcpy_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int,
         Row("memcpy", return_s=s, stall_s=s, notes={"gbps": _gbps(nbytes, s)})
         for s, _ in (_timed(copy, before) for _ in range(repeat))
     ]
-    return median_row(rows)
+    out = median_row(rows)
+    # The same copy into memory never touched before: what the first save of a process pays for
+    # its buffers' pages on this machine (the kernel zeroes each page at its first write).
+    fresh = []
+    for _ in range(repeat):
+        del buf
+        t0 = time.perf_counter()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        base = buf.data_ptr()
+        copy()
+        fresh.append(time.perf_counter() - t0)
+    out.notes["fresh_s"] = statistics.median(fresh)
+    return out
 
 
 def d2h_row(state: dict[str, torch.Tensor], nbytes: int, repeat: int,
@@ -167,6 +214,17 @@ def raw_row(nbytes: int, root: Path, request_bytes: int, queue_depth: int, repea
     return median_row(rows)
 
 
+def raw_pair(nbytes: int, root: Path, request_bytes: int, queue_depth: int) -> tuple[float, float]:
+    """One raw O_DIRECT write and cold read of `nbytes` (GB/s each), right beside a measured save
+    and restore, so their ratios compare the two at the same moment of the disk."""
+    path = root / "raw-paired.bin"
+    w = _C.raw_write(str(path), nbytes, request_bytes=request_bytes, queue_depth=queue_depth)
+    drop_cache(path)
+    r = _C.raw_read(str(path), request_bytes=request_bytes, queue_depth=queue_depth)
+    path.unlink()
+    return nbytes / w["seconds"] / 1e9, nbytes / r["seconds"] / 1e9
+
+
 def resilient_row(
     state,
     nbytes,
@@ -175,17 +233,25 @@ def resilient_row(
     options: dict[str, Any],
     repeat: int,
     mode: str = "blocking",
+    paired: Callable[[], tuple[float, float]] | None = None,
 ) -> Row:
     """resilient's Checkpointer. In "overlap" mode the stall is the time until wait_snapshot()
     returns when called at once (the device-to-host copies are done); a training loop would
-    overlap it with its next forward and backward."""
+    overlap it with its next forward and backward. The first save of the run (its host buffers
+    are new) is reported in notes["first_stall_s"]; with `paired`, each repeat is followed by a
+    raw write and read whose speeds its write and restore are divided by (notes["x_raw_*"])."""
     from resilient.checkpoint import Checkpointer
 
     name = "resilient" if mode == "blocking" else f"resilient_{mode}"
     rows = []
-    with Checkpointer(root, keep=1, **options) as ckpt:
-        # Warm-up: the pool's buffers are allocated once, then reused.
-        ckpt.save(0, state, mode=mode).wait()
+    x_write, x_restore = [], []
+    with Checkpointer(root / "ckpt", keep=1, create=True, **options) as ckpt:
+        _sync_device(device)
+        t0 = time.perf_counter()
+        h = ckpt.save(0, state, mode=mode)
+        h.wait_snapshot()
+        first_stall = time.perf_counter() - t0
+        h.wait()
         for step in range(1, repeat + 1):
             ckpt.wait_cleanup()  # retention of the previous step (its deletion too) is done
             _sync_device(device)
@@ -200,24 +266,38 @@ def resilient_row(
             how = drop_cache(root)
             _sync_device(device)
             restore, _ = _timed(lambda s=step: (ckpt.load(state, step=s), _sync_device(device)))
-            rows.append(
-                Row(
-                    name,
-                    return_s=ret,
-                    stall_s=stall,
-                    durable_s=durable,
-                    write_gbps=_gbps(nbytes, durable - stall),
-                    restore_gbps=_gbps(nbytes, restore),
-                    notes={
-                        "io": ckpt.io_backend,
-                        "cache": how,
-                        "pinned": ckpt.pool_pinned,
-                        "native_issue_s": st["issue_s"],
-                        "python_s": ret - st["snapshot_s"],
-                    },
-                )
+            warm_cache(root / "ckpt")
+            warm, _ = _timed(lambda s=step: (ckpt.load(state, step=s), _sync_device(device)))
+            row = Row(
+                name,
+                return_s=ret,
+                stall_s=stall,
+                durable_s=durable,
+                write_gbps=_gbps(nbytes, durable - stall),
+                restore_gbps=_gbps(nbytes, restore),
+                warm_gbps=_gbps(nbytes, warm),
+                notes={
+                    "io": ckpt.io_backend,
+                    "cache": how,
+                    "pinned": ckpt.pool_pinned,
+                    "native_issue_s": st["issue_s"],
+                    "python_s": ret - st["snapshot_s"],
+                    "first_stall_s": first_stall,
+                },
             )
-    return median_row(rows)
+            rows.append(row)
+            if paired is not None:
+                raw_w, raw_r = paired()
+                if row.write_gbps:
+                    x_write.append(row.write_gbps / raw_w)
+                x_restore.append(row.restore_gbps / raw_r)
+    out = median_row(rows)
+    if x_restore:
+        out.notes["x_raw_write"] = statistics.median(x_write) if x_write else None
+        out.notes["x_raw_restore"] = statistics.median(x_restore)
+        out.notes["x_raw_write_all"] = [round(x, 3) for x in x_write]
+        out.notes["x_raw_restore_all"] = [round(x, 3) for x in x_restore]
+    return out
 
 
 def torch_save_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
@@ -229,13 +309,17 @@ def torch_save_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
             f.flush()
             os.fsync(f.fileno())
 
+    def load() -> None:
+        torch.load(path, map_location=device, weights_only=True)
+
     save()  # warm-up
     rows = []
     for _ in range(repeat):
         durable, _ = _timed(save)
         how = drop_cache(path)
-        restore, _ = _timed(lambda: torch.load(path, map_location=device, weights_only=True))
-        rows.append(_blocking_row("torch.save", nbytes, durable, restore, how))
+        restore, _ = _timed(load)
+        warm, _ = _timed(load, lambda: warm_cache(path))
+        rows.append(_blocking_row("torch.save", nbytes, durable, restore, warm, how))
     return median_row(rows)
 
 
@@ -247,16 +331,20 @@ def dcp_row(state, nbytes, root: Path, device: str, repeat: int) -> Row:
         dcp.save(state, checkpoint_id=str(d), no_dist=True)
         return d
 
-    shutil.rmtree(save(0))
-    rows = []
-    for i in range(1, repeat + 1):
-        durable, d = _timed(lambda i=i: save(i))
-        how = drop_cache(d)
-        restore, _ = _timed(
-            lambda d=d: (dcp.load(state, checkpoint_id=str(d), no_dist=True), _sync_device(device))
-        )
-        shutil.rmtree(d)
-        rows.append(_blocking_row("dcp", nbytes, durable, restore, how))
+    def load(d: Path) -> None:
+        dcp.load(state, checkpoint_id=str(d), no_dist=True)
+        _sync_device(device)
+
+    with quiet_dcp():
+        shutil.rmtree(save(0))
+        rows = []
+        for i in range(1, repeat + 1):
+            durable, d = _timed(lambda i=i: save(i))
+            how = drop_cache(d)
+            restore, _ = _timed(lambda d=d: load(d))
+            warm, _ = _timed(lambda d=d: load(d), lambda d=d: warm_cache(d))
+            shutil.rmtree(d)
+            rows.append(_blocking_row("dcp", nbytes, durable, restore, warm, how))
     return median_row(rows)
 
 
@@ -317,6 +405,8 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
             notes=notes,
         ), d
 
+    ctx = quiet_dcp()
+    ctx.__enter__()
     try:
         shutil.rmtree(save(0)[1])  # warm-up
         rows = []
@@ -331,20 +421,39 @@ def dcp_async_row(state, nbytes, root: Path, device: str, repeat: int, reuse_sta
                     "closes it: pytorch/pytorch#183413, torch 2.11); dcp_async_fresh is the "
                     "row with a new stager per save") from e
             how = drop_cache(d)
-            restore, _ = _timed(
-                lambda d=d: (
-                    dcp.load(state, checkpoint_id=str(d), no_dist=True),
-                    _sync_device(device),
-                )
-            )
+
+            def load(d: Path = d) -> None:
+                dcp.load(state, checkpoint_id=str(d), no_dist=True)
+                _sync_device(device)
+
+            restore, _ = _timed(load)
+            warm, _ = _timed(load, lambda d=d: warm_cache(d))
             shutil.rmtree(d)
             row.restore_gbps = _gbps(nbytes, restore)
+            row.warm_gbps = _gbps(nbytes, warm)
             row.notes = {**notes, "cache": how}
             rows.append(row)
     finally:
+        ctx.__exit__(None, None, None)
         if shared is not None and hasattr(shared, "close"):
             shared.close()
     return median_row(rows)
+
+
+# Methods that fail on a torch version for a reason of torch's own: the default run skips them
+# with the reason (a FAILED row would read as a failure of the benchmark); asked for by name
+# (--methods), they run.
+KNOWN_FAILURES = {
+    ("dcp_async", "2.11"): "torch 2.11's DefaultStager fails on its second async_save "
+    "(KeyError in _stage: pytorch/pytorch#183413); dcp_async_fresh is the same with a new "
+    "stager per save",
+}
+
+
+def known_failure(method: str, torch_version: str) -> str | None:
+    """Why `method` is known to fail on this torch, or None."""
+    major_minor = ".".join(torch_version.split("+")[0].split(".")[:2])
+    return KNOWN_FAILURES.get((method, major_minor))
 
 
 def run_guarded(name: str, fn: Callable[[], Row]) -> Row:
