@@ -115,13 +115,13 @@ def test_the_finish_grace_waits_for_the_drain_to_a_file_tier(tmp_path: Path) -> 
 @pytest.mark.timeout(180)
 def test_a_hung_tier_gets_the_drains_bound_not_the_grace(tmp_path: Path) -> None:
     """The file tier's copy hangs (RESILIENT_TIER_PAUSE_AT: an unresponsive mount): rank 0 is
-    not killed at the 3 s grace but given the drain's bound (RESILIENT_TIER_CLOSE_TIMEOUT_S=6),
+    not killed at the 6 s grace but given the drain's bound (RESILIENT_TIER_CLOSE_TIMEOUT_S=12),
     after which close() gives up as documented (the step stays in the root, the next run copies
-    it) and rank 0 exits on its own: exit 0."""
+    it) and rank 0 exits on its own, within the grace: exit 0."""
     marker = tmp_path / "paused"
-    p = _launch(tmp_path, str(tmp_path / "shared"), 3, 64, grace=3,
+    p = _launch(tmp_path, str(tmp_path / "shared"), 3, 64, grace=6,
                 env={"RESILIENT_TIER_PAUSE_AT": f"file-before-rename:{marker}",
-                     "RESILIENT_TIER_CLOSE_TIMEOUT_S": "6"})
+                     "RESILIENT_TIER_CLOSE_TIMEOUT_S": "12"})
     code, log = _finish(p, tmp_path, timeout=150)
     assert marker.exists(), log
     assert code == 0, log

@@ -394,21 +394,24 @@ class ResilientAgent(LocalElasticAgent):
                         grace_s=self.finish_grace_s, busy_until=[b for b, _ in busy.values()])
         if verdict.state == "reap":
             assert self._finished_at is not None
-            log.warning("resilient run: %s; killing them (removed by the survivors, or stuck "
-                        "on the way out)", verdict.reason)
             ranks = {h.proc.pid: w.global_rank for w, h in
                      ((worker_group.workers[lr], h) for lr, h in handlers.items())}
-            for handler in [*handlers.values(), *self._spares]:
+            due = [h for h in [*handlers.values(), *self._spares]
+                   if h.proc.poll() is None and h.proc.pid not in self._reaped
+                   and now >= reap_at(self._finished_at, self.finish_grace_s,
+                                      busy.get(h.proc.pid, (None, ""))[0])]
+            if due:  # (killed ones may take a moment to exit: not killed, nor logged, again)
+                log.warning("resilient run: %s; killing them (removed by the survivors, or "
+                            "stuck on the way out)", verdict.reason)
+            for handler in due:
                 pid = handler.proc.pid
-                until, what = busy.get(pid, (None, ""))
-                if handler.proc.poll() is None and \
-                        now >= reap_at(self._finished_at, self.finish_grace_s, until):
-                    if what:
-                        log.error("resilient run: killing rank %s (pid %d) while it was %s",
-                                  ranks.get(pid, "?"), pid, what)
-                        self.killed_busy.append((ranks.get(pid, -1), what))
-                    self._reaped.add(pid)
-                    os.killpg(pid, signal.SIGKILL)
+                what = busy.get(pid, (None, ""))[1]
+                if what:
+                    log.error("resilient run: killing rank %s (pid %d) while it was %s",
+                              ranks.get(pid, "?"), pid, what)
+                    self.killed_busy.append((ranks.get(pid, -1), what))
+                self._reaped.add(pid)
+                os.killpg(pid, signal.SIGKILL)
             return RunResult(state=WorkerState.HEALTHY)  # their exits are seen next time
         if verdict.state == "healthy":
             return RunResult(state=WorkerState.HEALTHY)
