@@ -119,6 +119,28 @@ def test_the_off_by_one_loop_is_refused_not_resumed_wrong(tmp_path):
         assert ck.lineage() == [10, 0]  # nothing was saved by the refused call
 
 
+def test_saving_the_loaded_step_on_resume_keeps_the_guard(tmp_path):
+    """save(k) right after load() returned k (saving on resume) is fine; once the optimizer
+    stepped, save(k) is refused, also after that first save(k)."""
+    import resilient
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    with resilient.Checkpointer(tmp_path / "c", create=True) as ck:
+        ck.save(10, state).wait()
+    with resilient.Checkpointer(tmp_path / "c") as ck:
+        assert ck.load(state) == 10
+        ck.save(10, state).wait()  # saving on resume: the state is still step 10's
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        with pytest.raises(ValueError, match=r"save\(10\)"):
+            ck.save(10, state)
+        ck.save(11, state).wait()
+        ck.save(11, state).wait()  # a new step's number: the guard is done with step 10
+
+
 # -- "Quick start: distributed training, exact resume" --------------------------------------
 DDP_PRELUDE = """
 import hashlib, json, os

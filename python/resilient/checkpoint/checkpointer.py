@@ -739,7 +739,8 @@ class Checkpointer:
             ids = {i for g in gathered for i, *_ in g[2]}
             local = [h._local_error for h in failed if h.save_id in ids and h._local_error]
             raise exc from (local[0] if local else None)
-        self._stop_watching_steps()
+        if self._after_load is not None and self._after_load[0] != step:
+            self._stop_watching_steps()  # a new step: the loaded one is behind the loop
         keys = [g[0] for g in gathered]
         if keys != self._plan_key:
             entered = time.monotonic()
