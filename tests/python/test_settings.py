@@ -28,6 +28,7 @@ INTERNAL = {"RESILIENT_CHAOS_ATTEMPT", "RESILIENT_CHAOS_CKPT_DIR", "RESILIENT_CH
             # resilient run -> its workers
             "RESILIENT_LAUNCHER", "RESILIENT_JOIN", "RESILIENT_JOIN_FOR_RANK",
             "RESILIENT_JOIN_WORLD", "RESILIENT_JOIN_STORE", "RESILIENT_RUN_STATE",
+            "RESILIENT_LAUNCH_ID", "RESILIENT_STORE_LEASE",
             # testing: stops a tier copy at a stage (test_tiers kills it there)
             "RESILIENT_TIER_PAUSE_AT"}
 
