@@ -253,3 +253,43 @@ def test_harness_explains_a_report_by_any_of_its_windows() -> None:
     assert not _really_slow(busy, 2, since=-1, last=399, interval=100, min_ratio=1.1)
     assert _really_slow(busy, 2, since=-1, last=199, interval=100, min_ratio=1.1)
     assert not _really_slow(busy, 1, since=0, last=399, interval=100, min_ratio=1.1)
+
+
+def test_a_group_replaced_by_recovery_starts_the_windows_over():
+    """An exchange that follows the default group (TorchExchange(group=None)) says when
+    in-process recovery replaced it: the summary in flight over the old group is dropped, not
+    waited for, and the detector starts over with the new group's ranks."""
+
+    class Shrinking:
+        rank, world_size = 1, 3
+        replaced = False
+
+        def refresh(self):
+            if self.replaced and self.world_size == 3:
+                self.rank, self.world_size = 0, 2
+                return True
+            return False
+
+        def start(self, row):
+            return self
+
+        def done(self):
+            return self.world_size == 3 and False  # the old group's gather never completes
+
+        def result(self, timeout_s):
+            raise AssertionError("the old group's summary is never waited for")
+
+    t = [0.0]
+    ex = Shrinking()
+    m = StragglerMonitor(ex, settings=MonitorSettings(cuda_events="off"), clock=lambda: t[0])
+    interval = int(m.options.interval)
+    for _ in range(interval):  # the first window's exchange is in flight
+        m.step_begin()
+        t[0] += 0.01
+        m.step_end()
+    assert m._pending is not None
+    ex.replaced = True  # Recovery rebuilt the group over 2 ranks
+    m.step_begin()
+    m.step_end()
+    assert (m.rank, m.world_size) == (0, 2) and m._pending is None
+    assert m.detector.world_size == 2

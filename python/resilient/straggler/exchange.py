@@ -77,11 +77,10 @@ class _TorchPending:
         return self._work.is_completed()
 
     def result(self, timeout_s: float) -> list[list[float]]:
-        if not self._work.is_completed():
-            try:
-                self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-            except RuntimeError as e:  # gloo and NCCL report a deadline as RuntimeError
-                raise TimeoutError(f"straggler summary exchange: {e}") from e
+        try:  # also when completed: a failed all_gather raises here, not a row of garbage
+            self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # gloo and NCCL report a deadline as RuntimeError
+            raise TimeoutError(f"straggler summary exchange: {e}") from e
         return [t.tolist() for t in self._outputs]
 
 
@@ -89,9 +88,11 @@ class TorchExchange:
     """One asynchronous all_gather of a 5-float64 tensor per window over a CPU (gloo) group.
 
     Args:
-        group: the process group to use. None: the default group if its backend is gloo, else a
-            new gloo group over all ranks, created here (a collective call: every rank must
-            construct its monitor).
+        group: the process group to use. None: the default group, followed: the default group
+            if its backend is gloo, else a new gloo group over its ranks, created here (a
+            collective call: every rank must construct its monitor); when in-process recovery
+            replaces the default group (a rank lost or joined), ``refresh()`` moves the exchange
+            onto the new one (collective over the new group, at the same window on every rank).
     """
 
     def __init__(self, group=None):
@@ -100,13 +101,30 @@ class TorchExchange:
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; use LocalExchange")
-        if group is None and dist.get_backend() != "gloo":
-            group = dist.new_group(backend="gloo")
         self._torch = torch
         self._dist = dist
+        self._follow = group is None
+        self._default = None
+        self._use(group)
+
+    def _use(self, group) -> None:
+        dist = self._dist
+        if self._follow:
+            self._default = dist.distributed_c10d._get_default_group()
+            group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+
+    def refresh(self) -> bool:
+        """Follows the default group (group=None): True when it was replaced since the last
+        call (the exchange now runs over the new group's ranks, renumbered)."""
+        if not self._follow or not self._dist.is_initialized():
+            return False
+        if self._dist.distributed_c10d._get_default_group() is self._default:
+            return False
+        self._use(None)
+        return True
 
     def start(self, row: Sequence[float]) -> PendingRows:
         torch = self._torch

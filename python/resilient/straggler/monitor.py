@@ -207,12 +207,31 @@ class StragglerMonitor:
         s[2].append(step_s - self._wait_s)
         s[3].append(self._wait_s)
         self.step_index += 1
+        self._follow_world()
         if self._pending is not None and self._pending[2].done():
             self._finish_exchange()
         if self.step_index - self._window_first >= self._interval:
             self._start_exchange()
 
     # ---- aggregation --------------------------------------------------------------------
+
+    def _follow_world(self) -> None:
+        """After in-process recovery changed the group (the exchange follows it): the summary
+        in flight over the old group is dropped, and the windows start over with the new ranks
+        (their numbers changed, so no rank's history carries over)."""
+        refresh = getattr(self.exchange, "refresh", None)
+        if refresh is None or not refresh():
+            return
+        logger.info("straggler monitor: the group changed (world %d -> %d); windows start over",
+                    self.world_size, self.exchange.world_size)
+        self._pending = None
+        self.rank = self.exchange.rank
+        self.world_size = self.exchange.world_size
+        self._detector = _core.StragglerDetector(self.options, self.world_size)
+        self.persistent_ranks = set()
+        self._named = set()
+        self._samples = [[], [], [], []]
+        self._window_first = self.step_index
 
     def _start_exchange(self) -> None:
         if self._pending is not None:  # the previous window has had a whole window to arrive
