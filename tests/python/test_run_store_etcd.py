@@ -105,6 +105,7 @@ def test_losing_the_etcd_quorum_stops_every_rank_within_bounds(tmp_path: Path) -
     stopped = re.findall(r"\[rank(\d)\]: resilient.recovery.decisions.RecoveryStopped: the job's "
                          r"store is unreachable", log_text)
     assert sorted(stopped) == ["0", "1", "2"], log_text[-6000:]
+    assert "cannot reach a majority of the etcd cluster" in log_text, log_text[-6000:]
     assert "fatal signal" not in log_text, log_text[-6000:]  # no crash on the way out
     assert took < 90, took  # 15 s reach + 2 s probe + exit: ~21 s here; hung 30 min before
 

@@ -868,9 +868,20 @@ class Recovery(StepLoop):
         if unreachable:
             raise RecoveryStopped(self._stop(
                 f"the job's store is unreachable ({unreachable}), so the survivors cannot "
-                "agree: it was probably served by a process that died (rank 0 with a bare "
+                f"agree: {self._why_store_gone()}"))
+
+    def _why_store_gone(self) -> str:
+        """The likely cause of an unreachable store, by its kind, for the stop message."""
+        base = self.store
+        while hasattr(base, "underlying_store"):  # torch PrefixStores
+            base = base.underlying_store
+        if hasattr(base, "probe"):  # resilient.etcd.EtcdStore
+            return ("this host cannot reach a majority of the etcd cluster (members down, or "
+                    "this host cut off from them); a host cut off from the majority stops "
+                    "itself (docs/store.md)")
+        return ("it was probably served by a process that died (rank 0 with a bare "
                 "init_process_group). Host it outside the ranks: `resilient run`, or an etcd "
-                "cluster (init_method=\"etcd://...\", docs/store.md)"))
+                "cluster (init_method=\"etcd://...\", docs/store.md)")
 
     def _store_unreachable(self) -> str | None:
         """Why the job's store does not answer within 5 s (None when it does)."""
