@@ -90,7 +90,7 @@ run_tests() {
   ctest --test-dir build/gpu -j 8 --timeout 300 >"$OUT/ctest.log" 2>&1; tail -n 4 "$OUT/ctest.log"
   grep -E "Failed|Not Run" "$OUT/ctest.log" | head -20
   log "Python GPU and checkpoint tests"
-  python -m pytest -q -p no:cacheprovider tests/python/test_gpu_checkpoint.py tests/python/test_checkpoint.py \
+  python -m pytest -q -p no:cacheprovider tests/python/checkpoint/test_gpu_checkpoint.py tests/python/checkpoint/test_checkpoint.py \
     tests/python/test_raw_io.py >"$OUT/pytest.log" 2>&1; tail -n 15 "$OUT/pytest.log"
 }
 
@@ -132,8 +132,8 @@ for stage in "$@"; do
                    --json "$OUT/attribution.json" --dir /tmp 2>&1 | tail -n 8 ;;
     gpt) bench gpt1b --model gpt-1b --repeat 3 --train ;;  # every row and goal in one run
     contract) log "load contract on the GPU (idiom matrix, overlap mode; the DCP backend's CUDA case)"
-              python -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_checkpoint.py \
-                tests/python/test_load_contract.py "tests/python/test_dcp_backend.py::test_cuda_state_through_the_writer_and_a_pinned_stager" \
+              python -m pytest -q -p no:cacheprovider -rs tests/python/checkpoint/test_gpu_checkpoint.py \
+                tests/python/checkpoint/test_load_contract.py "tests/python/checkpoint/test_dcp_backend.py::test_cuda_state_through_the_writer_and_a_pinned_stager" \
                 >"$OUT/contract.log" 2>&1; tail -n 15 "$OUT/contract.log" ;;
     ceiling) # Issue 17: the per-process pipeline ceiling with /dev/shm as the sink, then the
              # engine against raw on the local disk (GPU state), in one run.
@@ -193,7 +193,7 @@ PY
           world_summary "$OUT/world-h$h${WORLD_TAG:-}.json"
         done
         if [ -z "${SKIP_EXCHANGE_TEST:-}" ]; then
-          python -m pytest -q -p no:cacheprovider tests/python/test_gpu_restore_exchange.py \
+          python -m pytest -q -p no:cacheprovider tests/python/checkpoint/test_gpu_restore_exchange.py \
             >"$OUT/exchange-test.log" 2>&1; tail -n 5 "$OUT/exchange-test.log"
         fi ;;
     world-restore-cpu) # Issue 17: replicated CPU state restored at world N (gloo; the host's ranks share
@@ -292,15 +292,15 @@ PY
           done
         done ;;
     sharded-run) # Issue 16: HSDP and TP x FSDP2 under `resilient run` on NCCL (4 GPUs), a rank
-                 # SIGKILLed, with and without a spare (tests/python/test_fsdp_recovery.py).
+                 # SIGKILLed, with and without a spare (tests/python/recovery/test_fsdp_recovery.py).
         log "HSDP and TP under resilient run on NCCL"
         RESILIENT_TEST_DEVICE=cuda timeout 500 python -m pytest -q -p no:cacheprovider -rs \
-          tests/python/test_fsdp_recovery.py -k "hsdp or tp_" >"$OUT/sharded-run.log" 2>&1
+          tests/python/recovery/test_fsdp_recovery.py -k "hsdp or tp_" >"$OUT/sharded-run.log" 2>&1
         echo "rc=$?"; tail -n 15 "$OUT/sharded-run.log" ;;
     replica) # Issue 16: FSDP2 peer replicas on GPUs: the restore tests (4 GPUs), then the
              # training step with and without replication (paired blocks).
         log "FSDP2 peer replicas on GPUs"
-        timeout 300 python -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_replica.py \
+        timeout 300 python -m pytest -q -p no:cacheprovider -rs tests/python/recovery/test_gpu_replica.py \
           >"$OUT/replica-test.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/replica-test.log"
         timeout 400 python benchmarks/replica_overhead.py --json "$OUT/replica-overhead.json" \
           ${REPLICA_ARGS:-} >"$OUT/replica-overhead.log" 2>&1; echo "rc=$?"
@@ -312,7 +312,7 @@ PY
           NCCL_DEBUG_FILE="$OUT/nccl-single.%p" timeout 120 python -X faulthandler -c \
             "import torch; torch.cuda.set_device(0); from resilient.comm import *; l = load_nccl(); print(l.origin, l.version_string, flush=True); m = CommManager(l, CommOptions()); print(m.plan(False), flush=True)" \
             >"$OUT/diag-single.log" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/diag-single.log"
-          python -m pytest -q -p no:cacheprovider tests/python/test_comm_native.py \
+          python -m pytest -q -p no:cacheprovider tests/python/comm/test_comm_native.py \
             >"$OUT/diag-pytest-comm.log" 2>&1; echo "rc=$?"; tail -n 20 "$OUT/diag-pytest-comm.log"
           n=$(python -c "import torch; print(torch.cuda.device_count())")
           log "manager path on $n GPUs"

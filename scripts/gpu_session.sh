@@ -11,7 +11,7 @@ bash scripts/gpu_run.sh build 2>&1 | tail -n 2
 export PYTHONPATH=$PWD/python LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu
 n=$(python -c "import torch; print(torch.cuda.device_count())")
 echo "[session $(date +%T)] GPU checkpoint tests"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/python/test_gpu_checkpoint.py > $W/pytest-gpu.log 2>&1
+timeout 150 python -m pytest -q -p no:cacheprovider tests/python/checkpoint/test_gpu_checkpoint.py > $W/pytest-gpu.log 2>&1
 echo "rc=$?"; tail -n 8 $W/pytest-gpu.log
 echo "[session $(date +%T)] recovery bench ($n GPUs)"
 timeout 240 python scripts/gpu_recovery_bench.py --gpus "$n" --repeat ${REPEAT:-1} --timeout 90 \

@@ -1,7 +1,20 @@
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+# The shared helpers (procs, damage, machine, ...) live here, the tests in folders mirroring the
+# package: processes a test starts (a test file run as a script, a rank, a helper) import them
+# too.
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+
+pytest_plugins = ["tiers"]  # unit / multiproc / system, from each file's name (tiers.py)
 
 
 @pytest.fixture
