@@ -62,20 +62,29 @@ TEST(ReadPlan, AChunkLargerThanASlabIsReadAlone) {
   EXPECT_EQ(p.extents[1].last - p.extents[1].first, 1u);
 }
 
-// The threads share the engine's queue depth, two buffers each at least, within the budget.
-TEST(ReadPlan, ThreadsShareTheQueueDepthWithinTheBudget) {
+// The threads share the engine's queue depth, each with one buffer more than it keeps in flight
+// (checked while the next is read), within the budget.
+TEST(ReadPlan, ThreadsShareTheQueueDepthWithABufferToSpare) {
   std::vector<ChunkLocation> chunks;
   for (uint64_t i = 0; i < 64; ++i) chunks.push_back({0, i * 2 * kA, kA});
   ReadPlan p = plan_reads(chunks, limits(kA, 64 * kA, 4, 16, kA));
   EXPECT_EQ(p.extents.size(), 64u);  // gaps between chunks: one extent each
   EXPECT_EQ(p.threads, 4u);
-  EXPECT_EQ(p.buffers, 4u);                                                  // 16 over 4
-  EXPECT_EQ(plan_reads(chunks, limits(kA, 64 * kA, 4, 2, kA)).buffers, 2u);  // two at least
-  EXPECT_EQ(plan_reads(chunks, limits(kA, 64 * kA, 1, 8, kA)).buffers, 8u);  // one thread
-  EXPECT_EQ(plan_reads(chunks, limits(kA, 6 * kA, 4, 16, kA)).buffers, 1u);  // 6 slabs, 4 threads
-  // A one-slab budget: one thread, one buffer.
+  EXPECT_EQ(p.in_flight, 4u);  // 16 over 4
+  EXPECT_EQ(p.buffers, 5u);
+  ReadPlan few = plan_reads(chunks, limits(kA, 64 * kA, 4, 2, kA));
+  EXPECT_EQ(few.in_flight, 1u);
+  EXPECT_EQ(few.buffers, 2u);
+  ReadPlan one = plan_reads(chunks, limits(kA, 64 * kA, 1, 8, kA));
+  EXPECT_EQ(one.in_flight, 8u);
+  EXPECT_EQ(one.buffers, 9u);
+  ReadPlan budget = plan_reads(chunks, limits(kA, 12 * kA, 4, 16, kA));  // 3 slabs a thread
+  EXPECT_EQ(budget.in_flight, 2u);
+  EXPECT_EQ(budget.buffers, 3u);
+  // A one-slab budget: one thread, one buffer read and placed in turn.
   ReadPlan tight = plan_reads(chunks, limits(kA, kA / 2, 4, 4, kA));
   EXPECT_EQ(tight.threads, 1u);
+  EXPECT_EQ(tight.in_flight, 1u);
   EXPECT_EQ(tight.buffers, 1u);
   // No more threads than extents.
   EXPECT_EQ(plan_reads({chunks.data(), 3}, limits(kA, 64 * kA, 8, 8, kA)).threads, 3u);
@@ -161,6 +170,8 @@ TEST(ReadPlan, PropertiesHoldForRandomLayouts) {
     ASSERT_LE(p.threads, static_cast<size_t>(std::max(lim.threads, 1)));
     ASSERT_LE(p.threads, std::max<size_t>(1, p.extents.size()));
     ASSERT_GE(p.buffers, 1u);
+    ASSERT_GE(p.in_flight, 1u);
+    ASSERT_TRUE(p.buffers == p.in_flight + 1 || (p.buffers == 1 && p.in_flight == 1));
     ASSERT_LE(p.threads * p.buffers, budget_slabs) << "round " << round;
     for (const Extent& x : p.extents) {
       if (x.len > std::min(lim.slab_bytes, lim.request_bytes)) ASSERT_EQ(x.last - x.first, 1u);

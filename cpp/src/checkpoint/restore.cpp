@@ -494,10 +494,10 @@ Status run_pieces(const std::string& step_dir, const Manifest& m, const std::vec
     }
     r.shared_next.emplace(o.queue[0]);
   }
-  // Each thread's engine keeps its buffers' reads in flight: the threads together about the
-  // engine's queue depth, as one sequential reader does.
+  // Each thread's engine keeps its share of the queue depth in flight (one buffer spare, for the
+  // extent being checked): the threads together about the engine's queue depth.
   io::IoOptions io = o.io;
-  io.queue_depth = static_cast<int>(plan.buffers);
+  io.queue_depth = static_cast<int>(plan.in_flight);
   const size_t buffers = plan.buffers;
   auto worker = [&] {
     auto engine = io::IoEngine::create(io);

@@ -236,8 +236,9 @@ Status UringEngine::read_stream(ReadStream& stream, Duration timeout) {
   std::vector<uint64_t> tags;         // per request slot
   std::vector<size_t> free_requests;  // request slots to reuse
   std::deque<size_t> ready;           // piece slots waiting for a submission (new, or to resubmit)
-  std::vector<uint64_t> finished;     // tags whose done() is due
+  std::vector<uint64_t> finished;     // tags of requests read
   size_t in_flight = 0;
+  size_t unsubmitted = 0;  // prepared SQEs not yet submitted
   Status error;
   bool timed_out = false;
 
@@ -287,11 +288,7 @@ Status UringEngine::read_stream(ReadStream& stream, Duration timeout) {
     }
     return true;
   };
-  auto run_done = [&] {
-    for (size_t k = 0; k < finished.size() && error.ok() && !timed_out; ++k)
-      error = stream.done(finished[k]);
-    finished.clear();
-  };
+  size_t next_done = 0;  // finished[next_done...] are due
 
   const size_t depth = static_cast<size_t>(options_.queue_depth);
   for (;;) {
@@ -314,18 +311,23 @@ Status UringEngine::read_stream(ReadStream& stream, Duration timeout) {
       if (!prep_read(s.file->fd(), p.buf + p.done, n, p.offset + p.done, i)) break;  // SQ full
       ready.pop_front();
       ++in_flight;
+      ++unsubmitted;
     }
-    if (in_flight == 0) {
-      // Nothing in flight: what finished gets its done() now, which may free buffers for more.
-      if (finished.empty() || !error.ok() || timed_out) break;
-      run_done();
+    if (unsubmitted > 0) {
+      int rc = io_uring_submit(&ring_);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && error.ok())
+        error = transfer_error(Direction::kRead, *slots[0].file, -rc, 0).prepend("io_uring_submit");
+      if (rc > 0) unsubmitted -= std::min<size_t>(unsubmitted, static_cast<size_t>(rc));
+    }
+    // One finished request at a time gets its done(), the queue refilled before each: the buffer
+    // a done() frees is read into while the next finished request is checked and copied.
+    if (next_done < finished.size() && error.ok() && !timed_out) {
+      error = stream.done(finished[next_done++]);
       continue;
     }
-    int rc = io_uring_submit(&ring_);
-    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && error.ok())
-      error = transfer_error(Direction::kRead, *slots[0].file, -rc, 0).prepend("io_uring_submit");
-    // Requests finished so far are checked and copied now, with the queue refilled.
-    if (error.ok() && !timed_out) run_done();
+    finished.clear();  // all had their done(), or an error stopped the stream
+    next_done = 0;
+    if (in_flight == 0) break;  // finished, failed, or timed out with nothing to drain
     io_uring_cqe* cqe = nullptr;
     int wrc;
     if (error.ok() && !timed_out) {

@@ -59,10 +59,13 @@ ReadPlan plan_reads(std::span<const ChunkLocation> chunks, const ReadLimits& lim
   plan.threads = std::clamp<size_t>(
       std::min<size_t>(static_cast<size_t>(std::max(limits.threads, 1)), plan.extents.size()), 1,
       budget_slabs);
-  // The engine's queue depth over the threads, two each at least, within the budget.
-  const uint64_t depth = (limits.queue_depth + plan.threads - 1) / plan.threads;
-  plan.buffers = std::max<uint64_t>(
-      1, std::min<uint64_t>(std::max<uint64_t>(2, depth), budget_slabs / plan.threads));
+  // Each thread keeps its share of the engine's queue depth in flight and has one buffer more,
+  // whose extent it checks and places meanwhile; within the budget (no buffer to spare: one
+  // buffer, read and placed in turn).
+  const uint64_t per_thread = budget_slabs / plan.threads;
+  plan.in_flight = std::max<uint64_t>(
+      1, std::min((limits.queue_depth + plan.threads - 1) / plan.threads, per_thread - 1));
+  plan.buffers = per_thread >= 2 ? plan.in_flight + 1 : 1;
   return plan;
 }
 
