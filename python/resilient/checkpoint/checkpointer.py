@@ -572,6 +572,7 @@ class Checkpointer:
         self.options = opts
         self._native = _C.Checkpointer(opts)
         self._lock = roots.WriterLock(self.root)
+        self._takeover = takeover
         weakref.finalize(self, self._lock.release)
         error = None
         if writer is None:
@@ -697,7 +698,7 @@ class Checkpointer:
             self._check_step_number(step)
             if self.rank == 0 and self._lock.fd is None:  # the first save makes the root
                 roots.ensure_root(self.root)
-                self._lock.acquire(self._job_token())  # one writer per root
+                self._lock.acquire(self._job_token(), takeover=self._takeover)  # one writer
             if self.rank == 0 and self._lock.taken_over:
                 self._lock.reclaim()  # the removed writer may be gone by now
             if self.rank == 0:
@@ -992,6 +993,9 @@ class Checkpointer:
             # full of a failed save's shards).
             shutil.rmtree(roots.tmp_dir(self.root, handle.step), ignore_errors=True)
             return "error: " + "; ".join(errors)
+        if store.check([f"{prefix}/abandoned"]):  # a writer woken after its group gave up
+            shutil.rmtree(roots.tmp_dir(self.root, handle.step), ignore_errors=True)
+            return f"error: abandoned: {store.get(f'{prefix}/abandoned').decode()}"
         try:
             steps = self.steps()
             if self._max_seq is None or self._head is None:
@@ -1180,12 +1184,15 @@ class Checkpointer:
         optimizer in `state`), so that save() can refuse to label a state trained past `step`
         with `step`: step numbers count the steps done (save(step + 1) after the step)."""
         self._stop_watching_steps()
-        counter = [0]
+        optimizers = _optimizers_in(state)
+        counter = [0] * len(optimizers)  # steps of each optimizer (a GAN's two step apart)
 
-        def count(*_: Any) -> None:
-            counter[0] += 1
+        def counting(i: int) -> Callable[..., None]:
+            def count(*_: Any) -> None:
+                counter[i] += 1
+            return count
 
-        hooks = [o.register_step_post_hook(count) for o in _optimizers_in(state)]
+        hooks = [o.register_step_post_hook(counting(i)) for i, o in enumerate(optimizers)]
         self._after_load = (step, counter, hooks)
 
     def _stop_watching_steps(self) -> None:
@@ -1196,22 +1203,24 @@ class Checkpointer:
     def _job_token(self) -> str | None:
         """Rank 0: what names this job in the root's lock file, so that WriterLock's takeover
         tells this job's removed writer from another job's: the launch attempt's id (resilient
-        run, torchrun, srun), which every rank of every generation of the job shares; None for
-        one process, or outside a launcher (then there is no takeover)."""
-        if self.world_size == 1:
-            return None
+        run, torchrun, srun), which every rank of every generation of the job shares, whatever
+        its world size now (a lone survivor too); None outside a launcher (then there is no
+        takeover)."""
         from resilient.recovery.environment import run_id
 
-        return run_id()
+        rid = run_id()
+        if rid is not None and rid.startswith("none."):  # torchrun without --rdzv-id: not unique
+            rid += f"@{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        return rid
 
     def _check_step_number(self, step: int) -> None:
         """Raises ValueError for save(k) right after load() returned k and the optimizer took
         steps since: that save would label the state after k + n steps as step k (a loop that
         runs `for step in range(start, ...)` and saves `step` after `opt.step()`)."""
         loaded = self._after_load
-        if loaded is None or loaded[0] != step or loaded[1][0] == 0:
+        if loaded is None or loaded[0] != step or not any(loaded[1]):
             return
-        n = loaded[1][0]
+        n = max(loaded[1])
         raise ValueError(
             f"save({step}): the state was loaded from step {step} and the optimizer has taken "
             f"{n} step{'s' if n != 1 else ''} since, so this is the state after step "
@@ -1471,14 +1480,19 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for saves in flight (raising the first failure) and stops the commit thread.
-        Interruptible (Ctrl-C): the checkpointer then stays open, its saves go on, and the exit
-        handler closes it (bounded by RESILIENT_EXIT_TIMEOUT_S)."""
+        Interruptible (Ctrl-C), and TimeoutError when `timeout` passes first: the checkpointer
+        then stays open and keeps the root's writer lock while its saves go on (a save still
+        running may yet commit: no other writer may take the root meanwhile), and close() can
+        be called again; at exit the handler closes it (bounded by RESILIENT_EXIT_TIMEOUT_S)."""
         if self._closed:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.wait(timeout)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, TimeoutError):
+            if not self._wait_in_flight(0):
+                raise  # saves still running: stay open, keep the lock
+            self._shutdown(deadline)
             raise
         except BaseException:
             self._shutdown(deadline)
@@ -1552,7 +1566,7 @@ class Checkpointer:
                 h._observed = True
         lost = [h.step for h in pending if h._error is not None]
         self._no_tier_wait = True
-        self._shutdown(timeout)
+        self._shutdown(time.monotonic() + timeout)
         return lost
 
     def __enter__(self) -> Checkpointer:
@@ -1957,8 +1971,9 @@ def _close_at_exit() -> None:
             except Exception as e:  # noqa: BLE001 - exiting anyway
                 log.error("checkpoint saves not finished at exit: %s", e)
     except KeyboardInterrupt:
-        log.warning("exiting: checkpoint saves abandoned (a second Ctrl-C); they are not "
-                    "committed, and the last committed checkpoint stays intact")
+        log.warning("exiting: checkpoint saves abandoned (a second Ctrl-C): the process ends "
+                    "without waiting for them (a save at its very last step may still commit); "
+                    "the last committed checkpoint stays intact")
 
 
 atexit.register(_close_at_exit)

@@ -363,9 +363,9 @@ def import_checkpoint(src: str, root: str, step: int | None = None, key: str | N
                 "newest, which a job on that root resumes from, and its retention would then "
                 "delete training steps. Import into a new root, or pass --as-head with a --step "
                 "greater than the newest to make the import the head on purpose")
-        if have and (head is None or step <= head):
+        if have and step <= max(have):  # every committed step, not only the lineage's
             raise ValueError(f"--as-head needs a --step greater than the newest step of {root} "
-                             f"({head}), not {step}")
+                             f"({max(have)}), not {step}")
         ck.save(step, state, rank_state).wait()
     progress(2, 2, "written")
     count = len(codec.encode(state).tensors) + (  # as written: a tied tensor once

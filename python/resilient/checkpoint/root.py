@@ -242,20 +242,40 @@ def write_lineage(directory: str, step: int, seq: int,
 def history(root: str, steps: list[int]) -> tuple[list[int], dict[int, Lineage | str | None]]:
     """The current lineage (newest first) among committed `steps`, and each step's record. A
     DAMAGED record ends the walk (its parent is unknown); it is never chosen as the head."""
-    info = missing_as_damaged({s: read_lineage(root, s) for s in steps})
+    info = missing_as_damaged({s: read_lineage(root, s) for s in steps}, root)
     return chain_of(info), info
 
 
-def missing_as_damaged(info: dict[int, Lineage | str | None]) -> dict[int, Lineage | str | None]:
-    """A step without a lineage record that is newer than a step with one lost its record
-    (roots written before lineage records existed have none up to some step, then all have
-    one): DAMAGED, not an older root's step, so that it is never taken for an ancestor, the
-    head is not decided without it, and retention deletes nothing until it is repaired."""
+def missing_as_damaged(info: dict[int, Lineage | str | None],
+                       root: str | None = None) -> dict[int, Lineage | str | None]:
+    """A step without a lineage record committed after the first commit that has one lost its
+    record: DAMAGED, so that it is never taken for an ancestor, the head is not decided without
+    it, and retention deletes nothing until it is repaired. Roots written before lineage records
+    existed have steps without one, committed before the first step with one (their manifests
+    are older): those stay steps of an older root (None), also when a rollback left them off
+    the lineage (retention then deletes them as before). Without `root` (no manifest times),
+    every step without a record newer than the first step with one is DAMAGED."""
     recorded = [s for s, li in info.items() if isinstance(li, Lineage)]
     if not recorded:
         return info
-    first = min(recorded)
-    return {s: (DAMAGED if li is None and s > first else li) for s, li in info.items()}
+    first = min(recorded, key=lambda s: info[s].seq)  # type: ignore[union-attr]
+    records_began = _committed_at(root, first) if root is not None else None
+
+    def lost(step: int) -> bool:
+        if records_began is None:
+            return step > min(recorded)
+        at = _committed_at(root, step)  # type: ignore[arg-type]
+        return at is None or at >= records_began
+
+    return {s: (DAMAGED if li is None and lost(s) else li) for s, li in info.items()}
+
+
+def _committed_at(root: str, step: int) -> int | None:
+    """When `step` was committed (its manifest's mtime, ns), or None."""
+    try:
+        return os.stat(os.path.join(step_dir(root, step), "manifest.json")).st_mtime_ns
+    except OSError:
+        return None
 
 
 def chain_of(info: dict[int, Lineage | str | None]) -> list[int]:
@@ -454,9 +474,18 @@ class WriterLock:
         return True
 
     def reclaim(self) -> None:
-        """After a takeover: takes the OS lock once the removed holder is gone."""
-        if self.fd is not None and self.taken_over is not None and self._lock(self.fd):
+        """After a takeover: takes the OS lock once the removed holder is gone. RootInUseError
+        when by then a process of another job holds it (two jobs must never write one root)."""
+        if self.fd is None or self.taken_over is None:
+            return
+        if self._lock(self.fd):
             self.taken_over = None
+            return
+        holder = os.pread(self.fd, 256, 0).decode(errors="replace").strip() or "unknown"
+        if not (self.job and holder.endswith(f" job {self.job}")):
+            raise RootInUseError(
+                f"{self.root} was taken over from this job's removed writer, and is now held "
+                f"by another job's process ({holder}); one writer per root: stop that job")
 
     def release(self) -> None:
         if self.fd is None:

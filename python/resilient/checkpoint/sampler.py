@@ -102,10 +102,11 @@ class ResumableSampler(Sampler):
                 "could not be exact; use in_order=True (the default) or "
                 "torchdata's StatefulDataLoader saved in rank_state")
         index_sampler = getattr(d, "_index_sampler", None)
+        drop_last = False
         if index_sampler is self:
             batch = 1
         elif isinstance(index_sampler, BatchSampler) and index_sampler.sampler is self:
-            batch = index_sampler.batch_size
+            batch, drop_last = index_sampler.batch_size, bool(index_sampler.drop_last)
         else:
             raise ValueError(
                 f"ResumableSampler under DataLoader(num_workers>0) with a batch sampler of type "
@@ -119,7 +120,10 @@ class ResumableSampler(Sampler):
                 "DataLoader's workers still hold batches of the old split; start a new iterator "
                 "of the DataLoader (iter(loader)) after re-splitting, or use num_workers=0")
         received = min(int(d._num_yielded) * batch, self._drawn)
-        if self._exhausted and received == self._drawn:
+        # The epoch is the loop's once it received every batch the draws make (with drop_last,
+        # the last partial batch never comes).
+        whole = self._drawn // batch * batch if drop_last else self._drawn
+        if self._exhausted and received >= whole:
             return self.epoch, self.consumed, self.offset, False  # the loop finished the epoch
         return epoch, consumed + received, offset, True
 

@@ -52,17 +52,20 @@ def verify_root(path: str, step: int | None = None, progress: Progress = no_prog
         steps = [step]
     problems: list[Problem] = []
     engine = open_engine(path)
+    lineage = roots.history(path, list(_C.committed_steps(path)))[1]  # once, not per step
     try:
         for i, s in enumerate(steps):
-            problems += verify_step(path, s, engine)
+            problems += verify_step(path, s, engine, lineage)
             progress(i + 1, len(steps), "steps verified")
     finally:
         engine.close(None)
     return steps, problems
 
 
-def verify_step(path: str, step: int, engine: Any = None) -> list[Problem]:
-    """The problems of one committed step (`engine`: a shared open_engine())."""
+def verify_step(path: str, step: int, engine: Any = None,
+                lineage: dict[int, Any] | None = None) -> list[Problem]:
+    """The problems of one committed step (`engine`: a shared open_engine(); `lineage`: the
+    root's records as root.history gives them, read once for a verify of many steps)."""
     sdir = roots.step_dir(path, step)
     problems = []
     try:
@@ -70,8 +73,8 @@ def verify_step(path: str, step: int, engine: Any = None) -> list[Problem]:
         if li is roots.DAMAGED:
             problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None,
                                     "lineage record fails its checksum or does not parse"))
-        elif li is None and roots.history(path, list(_C.committed_steps(path)))[1].get(
-                step) is roots.DAMAGED:
+        elif li is None and (lineage if lineage is not None else roots.history(
+                path, list(_C.committed_steps(path)))[1]).get(step) is roots.DAMAGED:
             problems.append(Problem(step, os.path.join(sdir, roots.LINEAGE), None,
                                     "lineage record is missing (older steps have one)"))
     except OSError as e:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 ROW_WIDTH = 5
+#: The straggler exchange's own gloo group (NCCL jobs): its collectives' timeout, seconds.
+GROUP_TIMEOUT_S = 120.0
 
 
 class PendingRows(Protocol):
@@ -105,13 +107,26 @@ class TorchExchange:
         self._dist = dist
         self._follow = group is None
         self._default = None
+        self._group = None
         self._use(group)
 
     def _use(self, group) -> None:
         dist = self._dist
         if self._follow:
             self._default = dist.distributed_c10d._get_default_group()
-            group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            if self._group is not None:  # ours, over a group recovery gave up: never destroyed
+                from resilient.comm import retire_groups  # here (its gloo worker may wait on a
+
+                retire_groups([self._group])  # dead peer until the group's timeout)
+            group = None
+            if dist.get_backend() != "gloo":  # NCCL: a gloo group of our own, connecting lazily
+                import datetime  # (a peer lost meanwhile is met in a polled collective, not in
+
+                from resilient.comm import gloo_lazy_init  # an eager connect)
+
+                with gloo_lazy_init():
+                    group = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         self._group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -36,3 +36,24 @@ def test_close_takes_at_most_its_timeout_in_all(tmp_path):
         _C.clear_fault_hook()
     assert took < 7, f"close(3) took {took:.1f} s"
     _step1_loads(tmp_path)
+
+
+def test_a_close_that_times_out_keeps_the_root_until_the_save_ends(tmp_path):
+    """close(timeout) that runs out while a save is still running raises TimeoutError and keeps
+    the checkpointer open with the root's writer lock: another writer committing meanwhile
+    would be outrun by the late commit (which would then delete it as an abandoned branch)."""
+    root = tmp_path / "c"
+    ck = resilient.Checkpointer(root, create=True, o_direct="off")
+    _C.install_fault_hook(["fsync"], 0, path_contains="step-000000000001", delay_ms=1500)
+    try:
+        ck.save(1, {"w": torch.ones(1 << 10)})
+        with pytest.raises(TimeoutError):
+            ck.close(0.1)
+        with pytest.raises(resilient.RootInUseError):
+            resilient.Checkpointer(root, create=True)
+    finally:
+        _C.clear_fault_hook()
+    ck.close()  # the save ends and commits; now the root is free
+    with resilient.Checkpointer(root, create=True) as other:
+        other.save(2, {"w": torch.ones(1 << 10)}).wait()
+        assert other.lineage() == [2, 1]

@@ -152,3 +152,25 @@ def test_lineage_after_any_mix_of_saves_resaves_and_rollbacks(tmp_path_factory, 
             assert _loaded(ck) == (chain[-1], values[chain[-1]])
     finally:
         ck.close()
+
+
+def test_a_rollback_in_a_root_written_before_lineage_records_keeps_retention(tmp_path, caplog):
+    """Steps of a root written before lineage records existed have none; a rollback there
+    leaves the newer ones off the lineage, and retention deletes them as before (they are
+    not steps that lost their record)."""
+    import os
+
+    root = tmp_path / "c"
+    with resilient.Checkpointer(root, keep=0, create=True) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, _w(s)).wait()
+    for s in (10, 20, 30):  # as an older version wrote them
+        os.remove(root / f"step-{s:012d}" / "lineage.json")
+    with resilient.Checkpointer(root, keep=2) as ck:
+        assert _loaded(ck, 10) == (10, 10.0)
+        ck.save(15, _w(15)).wait()
+        ck.save(16, _w(16)).wait()
+        ck.wait_cleanup()
+        assert ck.lineage() == [16, 15]
+        assert ck.steps() == [15, 16]
+    assert not any("retention skipped" in r.getMessage() for r in caplog.records)

@@ -105,3 +105,32 @@ def test_a_removed_writer_of_the_same_job_is_taken_over_and_the_lock_reclaimed(t
     assert lock.taken_over is None
     assert (root / ".writer.lock").read_text().endswith(" job job-a\n")
     lock.release()
+
+
+def test_a_takeover_never_shares_the_root_with_another_job(tmp_path):
+    """Once the removed writer is gone, if another job's process grabbed the lock first, the
+    takeover writer's next reclaim raises instead of writing beside it."""
+    from resilient.checkpoint import root as roots
+
+    root = tmp_path / "c"
+    root.mkdir()
+
+    def hold(job: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(root), job],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "holding"
+        return p
+
+    removed = hold("job-a")
+    lock = roots.WriterLock(str(root))
+    lock.acquire(job="job-a", takeover=True)
+    removed.stdin.close()
+    removed.wait(60)
+    intruder = hold("job-b")
+    try:
+        with pytest.raises(resilient.RootInUseError, match="another job's process"):
+            lock.reclaim()
+    finally:
+        intruder.stdin.close()
+        intruder.wait(60)
+        lock.release()

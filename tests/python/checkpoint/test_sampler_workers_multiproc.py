@@ -155,3 +155,25 @@ def test_stateful_dataloader_is_a_rank_state_entry(tmp_path):
     with resilient.Checkpointer(tmp_path / "c") as ck:
         assert ck.load({"w": torch.zeros(1)}, rank_state={"loader": loader2}) == 7
     assert _take(iter(loader2), 6) == expected
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_save_after_an_epoch_loop_resumes_at_the_next_epoch(workers, drop_last):
+    """`for epoch: for batch in loader: ...; save` saves after the loop ended: the position is
+    the next epoch's start, also when drop_last left the last partial batch undrawn by the loop
+    (workers drew it), so the resumed run's epochs are the uninterrupted run's."""
+    def make():
+        s = ResumableSampler(RandomSampler(range(10), generator=torch.Generator().manual_seed(3)))
+        return s, DataLoader(list(range(10)), batch_size=3, drop_last=drop_last, sampler=s,
+                             num_workers=workers)
+
+    sampler, loader = make()
+    first = [b.tolist() for b in loader]
+    state = sampler.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 0, state
+    second = [b.tolist() for b in loader]
+    sampler2, loader2 = make()
+    sampler2.load_state_dict(state)
+    assert [b.tolist() for b in loader2] == second
+    assert second != first

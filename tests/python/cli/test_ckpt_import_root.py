@@ -72,3 +72,19 @@ def test_importing_into_a_new_root_still_works(tmp_path):
     assert main(["ckpt", "import", _pretrained(tmp_path), root, "--key", "model"]) == 0
     with resilient.Checkpointer(root) as ck:
         assert ck.steps() == [0]
+
+
+def test_as_head_never_replaces_a_step_outside_the_lineage(tmp_path, capsys):
+    """A step whose lineage record was lost is kept until repaired (not in the lineage, not
+    deleted): --as-head with its number is refused, not written over it."""
+    import os
+
+    root = _run_root(tmp_path)
+    os.remove(os.path.join(root, "step-000000000300", "lineage.json"))
+    assert main(["ckpt", "import", _pretrained(tmp_path), root, "--key", "model", "--as-head",
+                 "--step", "300"]) == 2
+    assert "greater than the newest step" in capsys.readouterr().err
+    with resilient.Checkpointer(root) as ck:
+        model = torch.nn.Linear(4, 4)
+        assert ck.load({"model": model}, step=300, subset=True) == 300
+        assert float(model.weight[0, 0].detach()) == 300.0
