@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: C++ unit tests, Python tests, an ASan/UBSan build of the C++ tests, bounded
-# libFuzzer runs, smoke runs of the CLI and examples, and ruff. Run scripts/setup.sh first.
+# libFuzzer runs, smoke runs of the CLI and examples, and ruff. Run scripts/setup.sh first; this
+# script adds what only the tests need (scripts/setup.sh --tests).
 # A ThreadSanitizer build of the threaded units' tests (build/tsan). FUZZ_SECONDS (default 30)
 # bounds each fuzz target; SKIP_SANITIZE=1 / SKIP_TSAN=1 / SKIP_FUZZ=1 skip those.
 #
@@ -18,6 +19,11 @@ test_started=$(date +%s)
 # the time went.
 step() { echo; echo "=== $* === (at $(( $(date +%s) - test_started )) s)"; }
 run() { local name=$1; shift; if ! "$@"; then failed+=("$name"); echo "*** $name FAILED"; fi; }
+
+# scripts/setup.sh builds what `resilient bench` needs; the test tools, the C++ unit tests and the
+# libtorch adapter are installed and built here (incrementally: quick once they are).
+step "set-up for the tests: scripts/setup.sh --tests"
+bash scripts/setup.sh --tests
 
 background_builds() {  # each writes build/<name>-build.log and build/<name>-build.ok on success
   local tsan_targets=(test_common_thread_pool test_io_engine test_memory_pool
