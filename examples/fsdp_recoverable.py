@@ -43,6 +43,10 @@ p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
 p.add_argument("--kill", default="", metavar="RANK:STEP",
                help="fault injection: that rank SIGKILLs itself at that step's start")
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (tests)")
+p.add_argument("--short-step-sleep", type=float, default=None,
+               help="seconds each step sleeps while the world is smaller than at the start "
+                    "(tests: a replacement's start on a loaded machine, not a step count, "
+                    "decides when it rejoins); default: --step-sleep")
 p.add_argument("--hsdp", action="store_true",
                help="HSDP (2 replica groups, each sharding the model) while the world is even "
                     "and >= 4; FSDP2 over every rank otherwise (e.g. 3 after a loss)")
@@ -149,6 +153,7 @@ def log(what: dict) -> None:
 
 
 batches = forever(loader)
+start_world = rec.world_size
 for step in rec.steps(start, args.steps):                                       # resilient
     with rec.attempt():                                                        # resilient
         if args.state_log:  # the state this step starts from (after a recovery: the restored)
@@ -163,7 +168,8 @@ for step in rec.steps(start, args.steps):                                       
         nn.functional.mse_loss(rec.model(xb), yb).backward()                   # resilient
         opt.step()
         sched.step()
-        time.sleep(args.step_sleep)
+        short = rec.world_size < start_world and args.short_step_sleep is not None
+        time.sleep(args.short_step_sleep if short else args.step_sleep)
         # one line per data-parallel rank: a tensor-parallel pair logs its batch once
         if args.sample_log and not (args.tp and rec.world_size == 4 and rec.rank % 2):
             with open(os.path.join(args.sample_log, f"pid{os.getpid()}.samples"), "a") as f:

@@ -91,7 +91,7 @@ run_tests() {
   grep -E "Failed|Not Run" "$OUT/ctest.log" | head -20
   log "Python GPU and checkpoint tests"
   python -m pytest -q -p no:cacheprovider tests/python/checkpoint/test_gpu_checkpoint.py tests/python/checkpoint/test_checkpoint.py \
-    tests/python/test_raw_io.py >"$OUT/pytest.log" 2>&1; tail -n 15 "$OUT/pytest.log"
+    tests/python/checkpoint/test_raw_io.py >"$OUT/pytest.log" 2>&1; tail -n 15 "$OUT/pytest.log"
 }
 
 bench() {  # $1: label, rest: bench arguments

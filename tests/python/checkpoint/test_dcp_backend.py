@@ -504,18 +504,3 @@ def test_cuda_state_through_the_writer_and_a_pinned_stager(tmp_path):
         dcp.load({"model": got}, storage_reader=ResilientStorageReader(f"{root}/step-{step}"))
         for k in got:
             assert got[k].is_cuda and torch.equal(got[k], expected[step][k]), (step, k)
-
-
-@pytest.mark.timeout(300)
-def test_bench_fsdp_rows_through_resilient_dcp(fsdp_bench_two_ranks):
-    """`resilient bench --fsdp --methods ...,dcp,...,dcp_resilient,dcp_resilient_async`
-    (gpt-tiny, conftest's run shared with test_bench_fsdp): both rows there, every restore and
-    the resharded one verified, the ratios against dcp's row given."""
-    result, _ = fsdp_bench_two_ranks
-    rows = {r["method"]: r for r in result["rows"]}
-    assert {"dcp", "dcp_resilient", "dcp_resilient_async"} <= set(rows)
-    for name in ("dcp_resilient", "dcp_resilient_async"):
-        assert rows[name]["restore_verified"] and rows[name]["reshard_verified"], rows[name]
-        assert rows[name]["durable_s"] > 0
-    goals = [g["goal"] for g in result["goals"]]
-    assert any(g.startswith("dcp_resilient reshard / dcp's") for g in goals)

@@ -94,11 +94,11 @@ def test_a_second_rank_lost_during_the_recovery_is_recovered_from(tmp_path: Path
         job.wait_for_event(2, "recovery_phase", 60, phase=phase)
         t_fault = job.kill(2)
         code = job.finish(60)
-        resumed = job.resumed_after(0, t_fault)
     finally:
         job.finish(0)
     log = job.log()
-    assert code == 0, log
+    assert code == 0, (code, log)
+    resumed = job.resumed_after(0, t_fault)
     assert f"done at step {STEPS}, world 1" in log, log
     assert " hang in " not in log, log  # no hang watchdog fired
     lines = summary_lines(log)  # the recovery interrupted by the second loss and redone: one
@@ -122,11 +122,11 @@ def test_two_of_three_ranks_lost_at_once(tmp_path: Path, sig: int) -> None:
         t_fault = job.kill(1, sig)
         job.kill(2, sig)
         code = job.finish(60)
-        resumed = job.resumed_after(0, t_fault)
     finally:
         job.finish(0)
     log = job.log()
-    assert code == 0, log
+    assert code == 0, (code, log)
+    resumed = job.resumed_after(0, t_fault)
     assert f"done at step {STEPS}, world 1" in log, log
     assert committed_steps(tmp_path / "ckpt")[STEPS] == 1
     print(f"\n[overlap] ranks 1 and 2 {signal.Signals(sig).name}: rank 0's first step alone "

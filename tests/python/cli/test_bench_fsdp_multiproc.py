@@ -1,7 +1,12 @@
 """`resilient bench --fsdp` with tiny shapes (gpt-tiny): every row and column is there, every
 restore (same mesh and onto half the ranks) was verified equal, world size 1 states why the
 reshard is skipped, and the verifier itself catches zeroed, changed and misplaced values.
-The 2-rank run is conftest's fsdp_bench_two_ranks, shared with test_dcp_backend."""
+The 2-rank run is conftest's fsdp_bench_two_ranks, which also serves the check of the
+resilient.dcp rows (test_bench_fsdp_rows_through_resilient_dcp).
+
+The tests here start processes (the multiproc tier,
+tests/python/tiers.py); the others are in test_bench_fsdp.py."""
+
 
 from __future__ import annotations
 
@@ -9,13 +14,14 @@ import json
 import sys
 
 import pytest
+from test_bench_fsdp import DEFAULT_METHODS
 
 from procs import run_separate
 
-pytest.importorskip("torch.distributed.fsdp")
-
 COLUMNS = ["return_s", "stall_s", "stall_s_per_rank", "durable_s", "write_gbps", "restore_s",
            "restore_gbps", "reshard_s", "reshard_gbps"]
+
+
 CLI = "import sys; from resilient.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -29,21 +35,6 @@ def _bench(tmp_path, *extra: str) -> dict:
     assert rc == 0, err[-4000:]
     assert not (tmp_path / "scratch").exists()  # the scratch directory is removed
     return json.loads(out)
-
-
-DEFAULT_METHODS = ["resilient", "resilient_overlap", "dcp", "dcp_async"]
-
-
-def test_fsdp_bench_runs_the_four_default_rows_unless_told(monkeypatch):
-    """Without --methods, --fsdp asks for these rows in this order (the 2-rank run names them,
-    and the rows come out in the order asked)."""
-    import resilient.cli.bench.fsdp as fsdp
-    from resilient.cli import main
-
-    asked = []
-    monkeypatch.setattr(fsdp, "run_fsdp_bench", lambda args: asked.append(args.methods) or 0)
-    assert main(["bench", "--fsdp", "--model", "gpt-tiny"]) == 0
-    assert asked == [",".join(DEFAULT_METHODS)]
 
 
 @pytest.mark.timeout(300)
@@ -131,15 +122,16 @@ if __name__ == "__main__" and sys.argv[1:] == ["verifier"]:
     print(json.dumps(_verifier_checks()))
 
 
-def test_a_failed_method_becomes_its_rows_error_and_the_others_stay():
-    from resilient.cli.bench.fsdp import goals, summarize
-
-    ok = {"saves": [[0.1, 0.1, 0.5, None]], "restores": [{"s": 0.4, "bad": [], "cache": "x"}],
-          "notes": {}}
-    ranks = [{"bytes": 10**9, "reference": {"method": "memcpy", "s": 0.1},
-              "methods": {"resilient": ok, "dcp_async": {**ok, "error": "rank 0: boom"}}}]
-    reference, rows = summarize(ranks, None, ["resilient", "dcp_async"])
-    assert rows[0]["restore_verified"] is True and rows[0]["durable_s"] == 0.5
-    assert rows[1]["error"] == "rank 0: boom" and rows[1]["durable_s"] is None
-    assert all(g["value"] is None or g["goal"].startswith("resilient stall")
-               for g in goals(reference, rows, "cpu") if "dcp_async" in g["goal"])
+@pytest.mark.timeout(300)
+def test_bench_fsdp_rows_through_resilient_dcp(fsdp_bench_two_ranks):
+    """`resilient bench --fsdp --methods ...,dcp,...,dcp_resilient,dcp_resilient_async`
+    (gpt-tiny, conftest's run shared with test_bench_fsdp): both rows there, every restore and
+    the resharded one verified, the ratios against dcp's row given."""
+    result, _ = fsdp_bench_two_ranks
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {"dcp", "dcp_resilient", "dcp_resilient_async"} <= set(rows)
+    for name in ("dcp_resilient", "dcp_resilient_async"):
+        assert rows[name]["restore_verified"] and rows[name]["reshard_verified"], rows[name]
+        assert rows[name]["durable_s"] > 0
+    goals = [g["goal"] for g in result["goals"]]
+    assert any(g.startswith("dcp_resilient reshard / dcp's") for g in goals)
