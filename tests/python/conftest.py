@@ -14,7 +14,7 @@ if TESTS not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
 
-pytest_plugins = ["tiers"]  # unit / multiproc / system, from each file's name (tiers.py)
+pytest_plugins = ["tiers", "pytester"]  # tiers from each file's name (tiers.py); pytester: its test
 
 
 @pytest.fixture

@@ -16,11 +16,13 @@ says nothing of the product): its report carries the share of time the CPU was c
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +87,13 @@ def _refuse(item: pytest.Item, needs: str, what: str) -> None:
                 pytrace=False)
 
 
-@pytest.fixture(autouse=True)
-def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    item = request.node
+@contextlib.contextmanager
+def _tier_guard(item: pytest.Item) -> Iterator[None]:
+    """While `item` sets up (its fixtures, module- and session-scoped ones included) and runs:
+    starting a program or process its tier does not allow fails it."""
     tier = tier_of(item.path)
     if tier == "system":
+        yield
         return
     popen_init = subprocess.Popen.__init__
     start = multiprocessing.process.BaseProcess.start
@@ -105,8 +109,19 @@ def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
             _refuse(item, "multiproc", f"a {type(self).__name__}")
         start(self)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    subprocess.Popen.__init__ = guarded_popen  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = guarded_start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    with _tier_guard(item):
+        yield
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,7 +137,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     item.stash[_STALL] = (machine.stall_counter(), time.monotonic())
-    yield
+    with _tier_guard(item):
+        yield
     before, t0 = item.stash[_STALL]
     seconds = time.monotonic() - t0
     item.stash[_SHARE] = (machine.stall_share(before, machine.stall_counter(), seconds), seconds)
