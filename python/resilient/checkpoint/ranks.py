@@ -157,6 +157,10 @@ class Ranks:
                                           f"{why or f'rank 0 not heard within {timeout:g} s'}")
                 time.sleep(0.001)
             work.wait()
+        except RuntimeError as e:  # gloo's own error: a peer died before or while connecting
+            self.retire()
+            raise CollectiveError(f"creating the checkpointer's ranks failed (a peer is gone?): "
+                                  f"{str(e).splitlines()[0][:300]}") from e
         except BaseException:
             self.retire()
             raise

@@ -30,3 +30,38 @@ def test_a_grown_slot_fits_what_it_can_within_its_bounds(slot, n, world):
         assert got >= n + 8
     if slot < got < limit:  # the smallest power of two that fits
         assert got & (got - 1) == 0 and got // 2 < n + 8
+
+
+def test_a_peer_lost_while_the_ranks_connect_is_a_collective_error(monkeypatch, free_port):
+    """The checkpointer's first collective (rank 0's run id) failing in gloo (a peer killed while
+    a rebuilt group connects: "timed out connecting ... Connection refused") raises
+    CollectiveError (a recovery takes it for a peer's failure and starts the next one: it had
+    raised gloo's RuntimeError, which ended the job: test_recovery_overlap_system's [rebuild])"""
+    import torch.distributed as dist
+
+    from resilient.checkpoint import ranks as ranks_mod
+    from resilient.errors import CollectiveError
+
+    class Failed:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:152] timed out connecting: "
+                               "SO_ERROR: Connection refused\nmore")
+
+    store = dist.TCPStore("127.0.0.1", free_port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(ranks_mod.dist, "broadcast", lambda *a, **k: Failed())
+        try:
+            ranks_mod.Ranks(True, dist.group.WORLD, store, 5.0, 5.0)
+        except CollectiveError as e:
+            err = e
+        else:
+            raise AssertionError("no error")
+        assert "creating the checkpointer's ranks failed" in str(err)
+        assert "Connection refused" in str(err) and "more" not in str(err)
+        assert isinstance(err.__cause__, RuntimeError)
+    finally:
+        dist.destroy_process_group()
