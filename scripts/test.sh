@@ -67,7 +67,9 @@ if [ "$mode" = stress ]; then
   trap 'kill "$stress_pid" 2>/dev/null || true' EXIT
   for round in 1 2; do
     step "stress round $round: the multiproc and system tiers"
-    pytest_tier "stressed-round-$round" "multiproc or system" "$workers"
+    # (not the 'alone' tests: the straggler detector's latency in steps, beside stress-ng,
+    # measures the machine's scheduling noise)
+    pytest_tier "stressed-round-$round" "(multiproc or system) and not alone" "$workers"
   done
   finish "the stressed runs ended"
   exit 0
@@ -128,7 +130,10 @@ if [ "$mode" = fast ]; then
   run "examples/smoke_ddp.sh" bash examples/smoke_ddp.sh
 else
   step "Python: the multiproc and system tiers ($workers workers on $jobs cores)"
-  pytest_tier "pytest-multiproc-system" "multiproc or system" "$workers"
+  pytest_tier "pytest-multiproc-system" "(multiproc or system) and not alone" "$workers"
+  step "Python: the tests that measure time, one at a time (marker 'alone')"
+  run "pytest-alone" python -m pytest tests/python -m "alone and not slow" -q -p no:cacheprovider \
+    --timeout 600 --durations=5
 
   step "smoke: resilient bench"
   run bench resilient bench --size 32MiB --tensors 16 --repeat 1 --dir build/bench-smoke

@@ -127,6 +127,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a {tier}-tier test (tests/python/tiers.py)")
+    config.addinivalue_line("markers", "alone: measures time in steps or ratios that the machine's "
+                            "load would decide: scripts/test.sh runs these after the parallel "
+                            "runs, one at a time")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

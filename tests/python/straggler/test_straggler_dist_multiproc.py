@@ -7,24 +7,51 @@ recorded in benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
+pytestmark = pytest.mark.alone  # latencies in steps: run alone (scripts/test.sh)
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed not available", allow_module_level=True)
 
+import machine  # noqa: E402
 from resilient.straggler.sim import Scenario, run_world  # noqa: E402
+from tiers import STARVED  # noqa: E402
+
+
+class Results(list):
+    starved: float | None = None
 
 SLOW_FROM = 100
 SLOW_RANK = 2
 
 
+#: Runs of the world at most: one more when a run's processes waited for a CPU most of the time.
+ATTEMPTS = 2
+
+
 @pytest.fixture(scope="module")
 def results():
+    """Every rank's results; the run is made again when the machine's tasks waited for a CPU
+    most of its time (the latency in steps measures the detector on a machine that gives the
+    ranks their CPU: starved, the noise it must ride out is the machine's). `starved` on the
+    results: the share of the last run's time spent waiting, when even that run was starved."""
     scenarios = [Scenario("clean", 2000)] + [
         Scenario(f"slow{int(f * 100)}", 250, SLOW_RANK, f, SLOW_FROM, base_s=0.010)
         for f in (0.1, 0.2, 0.5)]
-    per_rank = run_world(scenarios, world=4, timeout_s=150)
+    for _ in range(ATTEMPTS):
+        before, t0 = machine.stall_counter(), time.monotonic()
+        per_rank = run_world(scenarios, world=4, timeout_s=150)
+        share = machine.stall_share(before, machine.stall_counter(), time.monotonic() - t0)
+        print(f"the machine's tasks waited for a CPU {share if share is None else f'{share:.0%}'}"
+              f" of the run")
+        if share is None or share < STARVED:
+            break
+    per_rank = Results(per_rank)
+    per_rank.starved = share if share is not None and share >= STARVED else None
     for res in per_rank[0]:
         print(f"{res.name}: step {res.mean_step_ms:.2f} ms, first named at step "
               f"{res.first_named_step} (latency {res.detection_latency}), persistent at step "
@@ -58,6 +85,9 @@ def test_slow_rank_named_within_50_steps(results, index, slowdown):
     res = results[0][index]
     seen = _summary(res)
     assert res.unexplained_reports == 0, seen
+    if results.starved is not None and not 0 <= res.detection_latency <= 50:
+        pytest.fail(f"CPU-STARVED: the ranks waited for a CPU {results.starved:.0%} of both runs "
+                    f"(the latency in steps follows the machine's noise): {seen}", pytrace=False)
     assert 0 <= res.detection_latency <= 50, seen
     assert res.named_ratio > 1.1, seen
     # Persistent soon after, with the change point at the start of the slowdown.
