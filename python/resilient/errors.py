@@ -136,3 +136,31 @@ class ResourceExhaustedError(ResilientError):
 class RootInUseError(ResilientError):
     """Another writer (another process, or another Checkpointer in this one) is saving to the
     same checkpoint root: one writer per root."""
+
+
+# Recovery's own (resilient.recovery raises and catches them; re-exported there).
+
+
+class PeerFailure(ResilientError):
+    """A collective could not complete because a peer failed. ``cause``: collective_error
+    (the collective raised), verdict (the detector removed a member), timeout (it ran past
+    RecoveryConfig.collective_timeout_s) or evicted (this rank was removed)."""
+
+    def __init__(self, cause: str, detail: str = "") -> None:
+        super().__init__(f"peer failure ({cause}){': ' + detail if detail else ''}")
+        self.cause = cause
+
+
+class RecoveryStopped(ResilientError):
+    """Training cannot continue (too few ranks, evicted, too many recoveries). ``exit_code``
+    is what a launcher-facing script should exit with."""
+
+    exit_code = 3
+
+
+class GateAbandoned(ResilientError):
+    """The generation's gate was abandoned: a newer generation (or a timeout) came first."""
+
+
+class ReplicaUnavailable(ResilientError):
+    """No step of the lost state is complete and verified in memory: load from storage."""

@@ -14,24 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from resilient.errors import ResilientError
-
-
-class PeerFailure(ResilientError):
-    """A collective could not complete because a peer failed. ``cause``: collective_error
-    (the collective raised), verdict (the detector removed a member), timeout (it ran past
-    RecoveryConfig.collective_timeout_s) or evicted (this rank was removed)."""
-
-    def __init__(self, cause: str, detail: str = "") -> None:
-        super().__init__(f"peer failure ({cause}){': ' + detail if detail else ''}")
-        self.cause = cause
-
-
-class RecoveryStopped(ResilientError):
-    """Training cannot continue (too few ranks, evicted, too many recoveries). ``exit_code``
-    is what a launcher-facing script should exit with."""
-
-    exit_code = 3
+from resilient.errors import PeerFailure, RecoveryStopped  # noqa: F401 -- re-exported
 
 
 def poll_collective(now: float, deadline: float, *, evicted: bool,

@@ -20,13 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from resilient.errors import GateAbandoned
+
 __all__ = ["GateAbandoned", "meet"]
 
 GO, ABANDON = b"go", b"abandon"
-
-
-class GateAbandoned(RuntimeError):
-    """The generation's gate was abandoned: a newer generation (or a timeout) came first."""
 
 
 def meet(store: Any, namespace: str, me: int, members: Sequence[int],

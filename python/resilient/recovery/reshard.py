@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.plan import Copy, Saved, ShardSpec, plan_reads
-from resilient.errors import ResilientError
+from resilient.errors import ReplicaUnavailable  # noqa: F401 -- re-exported
 from resilient.recovery.replica import (
     Entry,
     PeerReplicas,
@@ -38,10 +38,6 @@ from resilient.recovery.replica import (
     layout,
     state_of,
 )
-
-
-class ReplicaUnavailable(ResilientError):
-    """No step of the lost state is complete and verified in memory: load from storage."""
 
 
 @dataclass(frozen=True)
