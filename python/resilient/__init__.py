@@ -110,10 +110,6 @@ if settings.get("RESILIENT_CRASH_HANDLER"):
     _dump_stacks_on_sigusr1()
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
-    import importlib
+from resilient._lazy import lazy_getattr  # noqa: E402
 
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

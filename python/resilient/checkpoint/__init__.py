@@ -14,9 +14,10 @@ state against the live one), plan (which rank writes and reads which piece), rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from resilient import _follow_store_setting
+from resilient._lazy import lazy_getattr
 from resilient.checkpoint.plan import ShardSpec
 
 # The torch side is imported on first use, so that the modules that only read a root's files
@@ -41,15 +42,7 @@ if TYPE_CHECKING:
     from resilient.checkpoint.ranks import default_store
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilient.checkpoint' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def read_global(root: str, step: int | None = None) -> dict:

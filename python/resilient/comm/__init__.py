@@ -8,8 +8,7 @@ torch (loaded on first use of its names here).
 
 from __future__ import annotations
 
-from typing import Any
-
+from resilient._lazy import lazy_getattr
 from resilient.comm.native import (
     CommManager,
     CommOptions,
@@ -46,12 +45,7 @@ TORCH_NAMES = frozenset({
 })
 
 
-def __getattr__(name: str) -> Any:
-    if name in TORCH_NAMES:
-        from resilient.comm import process_group
-
-        return getattr(process_group, name)
-    raise AttributeError(f"module 'resilient.comm' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(TORCH_NAMES, "resilient.comm.process_group"))
 
 
 __all__ = [  # the torch names resolve through __getattr__

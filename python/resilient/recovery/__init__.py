@@ -7,8 +7,7 @@ docs/recovery.md.
 
 from __future__ import annotations
 
-from typing import Any
-
+from resilient._lazy import lazy_getattr
 from resilient.recovery.config import RecoveryConfig
 from resilient.recovery.policy import (
     EXIT_EVICTED,
@@ -33,12 +32,7 @@ def joining() -> bool:
     return _joining()
 
 
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        from resilient.recovery import core
-
-        return getattr(core, name)
-    raise AttributeError(f"module 'resilient.recovery' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_TORCH_NAMES, "resilient.recovery.core"))
 
 
 __all__ = [
