@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resilient.chaos.plan import Plan
-from resilient.chaos.runner import RunResult
+from resilient.chaos.plan import Plan, RunResult
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "ddp_recovery.py"
 _PHASE_EVENTS = (("agreed", "agreement"), ("rebuilt", "rebuild"), ("restored", "restore"))

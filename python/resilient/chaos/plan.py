@@ -155,3 +155,20 @@ def parse_fault_flag(text: str) -> Fault:
         else:
             kw[key] = float(value)
     return Fault(type=kind, **kw)
+
+
+@dataclass
+class RunResult:
+    """What one run produced: the plan, the merged timeline and the outcome."""
+
+    plan: Plan
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    outcome: str = "running"  # finished | unrecoverable | timeout | skipped
+    message: str = ""
+    recovery_path: str = "restart"  # restart (the runner) or in-job (the job's recovery loop)
+    attempts: int = 0
+    final_world: int = 0
+    committed_at_end: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    corrupted: list[int] = field(default_factory=list)
+    run_dir: str = ""

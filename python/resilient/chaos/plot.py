@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from resilient.chaos.runner import RunResult
+from resilient.chaos.plan import RunResult
 
 _MARKS = {"save_end": ("s", "tab:green"), "load": ("D", "tab:blue"), "detected": ("x", "red"),
           "fatal": ("X", "black"), "done": ("*", "gold")}

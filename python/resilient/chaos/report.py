@@ -8,8 +8,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from resilient.chaos.plan import RANK_FAULTS
-from resilient.chaos.runner import RunResult
+from resilient.chaos.plan import RANK_FAULTS, RunResult
 
 
 @dataclass

@@ -13,32 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from resilient.chaos import faults as fx
-from resilient.chaos.plan import RANK_FAULTS, Fault, Plan
+from resilient.chaos.plan import RANK_FAULTS, Fault, Plan, RunResult
 from resilient.telemetry import events as ev
 
 POLL_S = 0.02
-
-
-@dataclass
-class RunResult:
-    """What one run produced: the plan, the merged timeline and the outcome."""
-
-    plan: Plan
-    timeline: list[dict[str, Any]] = field(default_factory=list)
-    outcome: str = "running"  # finished | unrecoverable | timeout | skipped
-    message: str = ""
-    recovery_path: str = "restart"  # restart (the runner) or in-job (the job's recovery loop)
-    attempts: int = 0
-    final_world: int = 0
-    committed_at_end: list[int] = field(default_factory=list)
-    verified: list[int] = field(default_factory=list)
-    corrupted: list[int] = field(default_factory=list)
-    run_dir: str = ""
 
 
 class Runner:
