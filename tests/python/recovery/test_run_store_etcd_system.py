@@ -94,7 +94,7 @@ def test_losing_the_etcd_quorum_stops_every_rank_within_bounds(tmp_path: Path) -
             kill_mentioning(str(tmp_path))
     log_text = (tmp_path / "launcher.log").read_text()
     assert code == 1, log_text[-6000:]
-    stopped = re.findall(r"\[rank(\d)\]: resilient.recovery.decisions.RecoveryStopped: the job's "
+    stopped = re.findall(r"\[rank(\d)\]: resilient.errors.RecoveryStopped: the job's "
                          r"store is unreachable", log_text)
     assert sorted(stopped) == ["0", "1", "2"], log_text[-6000:]
     assert "cannot reach a majority of the etcd cluster" in log_text, log_text[-6000:]
