@@ -13,7 +13,8 @@
 # the CLI and examples; the C++ tests under ASan/UBSan and ThreadSanitizer; bounded libFuzzer
 # runs; ruff and clang-format. FUZZ_SECONDS (default 30) bounds each fuzz target;
 # SKIP_SANITIZE=1 / SKIP_TSAN=1 / SKIP_FUZZ=1 skip those; PYTEST_WORKERS sets the multi-process
-# tiers' workers (default 2 per core).
+# tiers' workers (default one per core: at two per core, 2 cores saw load averages of 11-13
+# and CPU-starved failures).
 #
 # The sanitizer and fuzz builds start first, in the background at the lowest CPU and I/O
 # priority: they use the cycles the Python tiers leave idle. One clang build serves both ASan
@@ -29,7 +30,7 @@ case "${1:-}" in
   *) echo "usage: bash scripts/test.sh [fast|--stress]" >&2; exit 2 ;;
 esac
 jobs=$(nproc)
-workers=${PYTEST_WORKERS:-$(( 2 * jobs ))}
+workers=${PYTEST_WORKERS:-$jobs}
 failed=()
 test_started=$(date +%s)
 # Each step's header says when it started (seconds into this script), so a CI log shows where

@@ -20,6 +20,9 @@ from resilient.chaos import faults as fx
 from resilient.chaos.plan import RANK_FAULTS, Fault, Plan, RunResult
 from resilient.telemetry import events as ev
 
+#: The longest a corrupt fault waits for the save that began last to commit (seconds).
+CORRUPT_WAIT_S = 30.0
+
 POLL_S = 0.02
 
 
@@ -45,6 +48,7 @@ class Runner:
         self._disk: fx.SmallDisk | None = None
         self._netns: fx.NetnsPartition | None = None
         self._max_step = 0
+        self._saving: int | None = None  # the newest step whose save began (events)
         self._t0 = 0.0
 
     # ---- timeline ----
@@ -154,6 +158,13 @@ class Runner:
             self._file_faults[f.rank].arm()
             self._timed.append((now + f.duration, self._file_faults[f.rank].disarm))
         elif f.type == "corrupt":
+            # The newest checkpoint is the one whose save began last: wait (bounded) for its
+            # commit, else a save still in flight commits intact after the damage was done
+            # to an older step, or to none (a loaded machine's race, seen in CI).
+            deadline = time.monotonic() + CORRUPT_WAIT_S
+            while (self._saving is not None and time.monotonic() < deadline
+                   and max((s for s, _ in fx.step_dirs(self.ckpt)), default=-1) < self._saving):
+                time.sleep(0.01)
             info["corrupted_step"] = fx.corrupt_newest(self.ckpt)
             if info["corrupted_step"] is not None:
                 self.result.corrupted.append(info["corrupted_step"])
@@ -166,6 +177,8 @@ class Runner:
     def _on_event(self, e: dict[str, Any]) -> None:
         if e["kind"] == "step":
             self._max_step = max(self._max_step, int(e.get("step", 0)))
+        if e["kind"] == "save_begin" and e.get("step") is not None:
+            self._saving = max(self._saving or 0, int(e["step"]))
         if e["kind"] == "save_begin":
             for f in list(self._save_kill):
                 if e.get("rank") == f.rank and f.rank in self._procs:
