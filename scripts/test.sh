@@ -8,8 +8,8 @@
 #                                   core (the flakiness check: they must not fail for want of CPU)
 #
 # Everything: the C++ unit tests; the Python tiers with pytest-xdist (a file's tests on one
-# worker; the multi-process tiers mostly wait, so they run more files at once than there are
-# cores, their deadlines following the machine's load: tests/python/machine.py); smoke runs of
+# worker; the multi-process tiers one worker per core, their deadlines following the
+# machine's load: tests/python/machine.py); smoke runs of
 # the CLI and examples; the C++ tests under ASan/UBSan and ThreadSanitizer; bounded libFuzzer
 # runs; ruff and clang-format. FUZZ_SECONDS (default 30) bounds each fuzz target;
 # SKIP_SANITIZE=1 / SKIP_TSAN=1 / SKIP_FUZZ=1 skip those; PYTEST_WORKERS sets the multi-process
